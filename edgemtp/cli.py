@@ -1,0 +1,157 @@
+"""The ``edgemtp`` command line.
+
+Bad input ends in one line on stderr (``edgemtp: error: ...``) and exit code 2, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import DRAFTERS, MASK_INITS, TREES, GenerationConfig
+from .errors import EdgeMTPError
+
+EXIT_USAGE = 2
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "stories260K"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line instead of usage + message."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return values
+
+
+def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    p.add_argument("--model", required=model_required,
+                   help="Hugging Face model folder (or hub id on a machine that is online)")
+    p.add_argument("--backend", default="torch", help="backend to run (default: torch)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
+    p.add_argument("--max-context", type=int, default=None,
+                   help="KV cache rows (default: the model's position limit)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a model folder's own Python code to run")
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--bc", type=int, default=30, help="block-complexity budget (default: 30)")
+    g.add_argument("--mask-tokens", "-k", type=int, default=1, help="mask tokens per node")
+    g.add_argument("--tree", choices=TREES, default="dynamic")
+    g.add_argument("--branching", type=_int_list, default=None,
+                   help="static branching K1,...,Kk (with --tree static)")
+    g.add_argument("--mask-init", choices=[m for m in MASK_INITS if m != "vector"],
+                   default="mean")
+    g.add_argument("--ema", type=float, default=0.1, help="mask EMA lambda (0 disables)")
+    g.add_argument("--no-prune", action="store_true", help="keep candidates equal to their parent")
+    g.add_argument("--drafter", choices=DRAFTERS, default="probe")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _config(a: argparse.Namespace) -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=a.max_new_tokens, bc=a.bc, mask_tokens=a.mask_tokens, tree=a.tree,
+        branching=a.branching, mask_init=a.mask_init, ema=a.ema, prune=not a.no_prune,
+        drafter=a.drafter, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+        seed=a.seed, stop=tuple(a.stop))
+
+
+def _load(a: argparse.Namespace):
+    from .api import Model
+
+    return Model.load(a.model, backend=a.backend, device=a.device, dtype=a.dtype,
+                      max_context=a.max_context, trust_remote_code=a.trust_remote_code,
+                      threads=a.threads)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    if not a.prompt:
+        raise EdgeMTPError("the prompt is empty; give --prompt some text")
+    config = _config(a)
+    model = _load(a)
+    if a.json:
+        gen = model.generation(a.prompt, config)
+        for ids in gen:
+            if a.stream:
+                print(json.dumps({"token_ids": ids}), flush=True)
+        result = gen.result
+        result.text = model.tokenizer.decode(result.token_ids)
+        print(json.dumps({
+            "text": result.text, "token_ids": result.token_ids,
+            "stop_reason": result.stop_reason, "forward_calls": result.stats.forward_calls,
+            "block_efficiency": round(result.stats.block_efficiency, 4),
+            "tokens_per_second": round(result.stats.tokens_per_second, 2),
+            "bc": config.bc if config.drafter != "none" else 1,
+            "mask_tokens": config.mask_tokens if config.drafter != "none" else 0,
+            "stats": result.stats.to_dict(),
+        }))
+        return 0
+    stream = model.stream(a.prompt, config)
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print()
+    r = model.last_result
+    print(f"[{r.stop_reason}] {r.stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="edgemtp", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text from a model with mask-token probing")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--stream", action="store_true",
+                   help="with --json: one JSON line per forward pass before the result")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_generation_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="the main job: generate with greedy and probing, check they "
+                                    "match, print the text and the speed-up figures")
+    _add_model_args(d, model_required=False)
+    d.add_argument("--prompts", type=int, default=4, help="story prompts to run (default: 4)")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.set_defaults(func=cmd_demo, model=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EdgeMTPError as e:
+        print(f"edgemtp: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("edgemtp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

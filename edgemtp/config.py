@@ -1,0 +1,87 @@
+"""Generation options, validated once at the boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from .errors import ConfigError
+
+DRAFTERS = ("probe", "none")
+TREES = ("static", "dynamic")
+MASK_INITS = ("mean", "sample", "last-k", "vector")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to generate: budget, probing plan, mask embeddings, sampling and stopping.
+
+    ``temperature == 0`` means greedy decoding; ``> 0`` samples losslessly from the model's
+    processed distribution (temperature, then top-k, then top-p, as ``transformers`` does).
+    """
+
+    max_new_tokens: int = 128
+    bc: int = 30
+    mask_tokens: int = 1
+    tree: str = "dynamic"
+    branching: tuple[int, ...] | None = None
+    mask_init: str = "mean"
+    mask_vector: tuple[float, ...] | None = None
+    ema: float = 0.1
+    prune: bool = True
+    drafter: str = "probe"
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = field(default=())
+    eos_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+               f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        _check(isinstance(self.bc, int) and self.bc >= 1,
+               f"block complexity (bc) must be an integer >= 1, got {self.bc!r}")
+        _check(isinstance(self.mask_tokens, int) and self.mask_tokens >= 1,
+               f"mask_tokens must be an integer >= 1, got {self.mask_tokens!r}")
+        _check(self.tree in TREES, f"tree must be one of {', '.join(TREES)}, got {self.tree!r}")
+        _check(self.drafter in DRAFTERS,
+               f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        _check(self.mask_init in MASK_INITS,
+               f"mask_init must be one of {', '.join(MASK_INITS)}, got {self.mask_init!r}")
+        _check((self.mask_init == "vector") == (self.mask_vector is not None),
+               "mask_init='vector' and mask_vector go together: give both or neither")
+        _check(0.0 <= self.ema <= 1.0, f"ema (lambda) must be in [0, 1], got {self.ema!r}")
+        _check(self.temperature >= 0.0 and np.isfinite(self.temperature),
+               f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+        if self.branching is not None:
+            _check(self.tree == "static", "a branching only applies to tree='static'")
+            _check(len(self.branching) == self.mask_tokens,
+                   f"branching needs one count per mask token ({self.mask_tokens}), "
+                   f"got {list(self.branching)}")
+        if self.drafter == "probe":  # fail before any model is loaded
+            from .plans import nodes_for_budget, static_plan
+
+            if self.tree == "static":
+                static_plan(self.bc, self.mask_tokens, self.branching)
+            else:
+                nodes_for_budget(self.bc, self.mask_tokens)
+
+    @property
+    def do_sample(self) -> bool:
+        return self.temperature > 0.0
+
+    def with_(self, **changes) -> "GenerationConfig":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

@@ -1,0 +1,106 @@
+"""Drafters: who proposes the next tree. Every drafter fits the same small interface, so the
+decode loop and the lossless verifier never change when a drafter does.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from .backend import Backend, StepOut
+from .config import GenerationConfig
+from .embeddings import MaskEmbeddings
+from .errors import ConfigError
+from .plans import DynamicPlans, Plan, dynamic_plans, nodes_for_budget, static_plan
+from .tree import dynamic_tree, static_tree
+
+ROOT_ONLY = Plan.root_only()
+
+
+class Drafter(Protocol):
+    mask_tokens: int  # mask slots per node the block carries (0: the drafter uses none)
+    topk: int         # candidates per block row the drafter reads from a step
+
+    def start(self, prompt_ids: np.ndarray) -> None: ...
+
+    def propose(self, root: int) -> tuple[Plan, np.ndarray]:
+        """The plan of the next step and its node tokens [N], root first."""
+        ...
+
+    def mask_embeds(self) -> np.ndarray | None: ...
+
+    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int]) -> None:
+        """Learn from a step: the accepted node's mask rows and the tokens just committed."""
+        ...
+
+
+class NoDrafter:
+    """Plain autoregressive decoding, the BE = 1.0 reference: one position per step."""
+
+    mask_tokens = 0
+    topk = 0
+
+    def start(self, prompt_ids: np.ndarray) -> None:
+        pass
+
+    def propose(self, root: int) -> tuple[Plan, np.ndarray]:
+        return ROOT_ONLY, np.array([root], dtype=np.int64)
+
+    def mask_embeds(self) -> None:
+        return None
+
+    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int]) -> None:
+        pass
+
+
+class ProbeDrafter:
+    """Mask-token probing: the accepted node's ``k`` masks propose depths ``1..k`` of the
+    next tree, static (a fixed top-1 shape) or dynamic (Algorithm 1 over a plan table)."""
+
+    def __init__(self, backend: Backend, config: GenerationConfig) -> None:
+        k = self.mask_tokens = config.mask_tokens
+        n = nodes_for_budget(config.bc, k)
+        self.plans: DynamicPlans | None = None
+        self.static: Plan | None = None
+        if config.tree == "dynamic" and k >= 2:
+            self.plans = dynamic_plans(config.bc, k)
+        else:
+            self.static = static_plan(config.bc, k, config.branching)
+            n = self.static.n_nodes
+        if backend.vocab_size < n + 1:
+            raise ConfigError(f"a plan of {n} nodes needs a vocabulary of at least {n + 1} "
+                              f"tokens, the model has {backend.vocab_size}")
+        self.topk = n  # N - 1 candidates per depth, plus one a pruned parent token may take
+        self.prune = config.prune
+        vector = None if config.mask_vector is None else np.asarray(config.mask_vector)
+        stats = backend.embedding_stats() if config.mask_init == "sample" else None
+        self.embeds = MaskEmbeddings(k, config.mask_init, config.ema, backend.embed,
+                                     stats=stats, vector=vector, seed=config.seed)
+        self._cand: tuple[np.ndarray, np.ndarray] | None = None
+
+    def start(self, prompt_ids: np.ndarray) -> None:
+        self.embeds.start(prompt_ids)
+
+    def propose(self, root: int) -> tuple[Plan, np.ndarray]:
+        ids, lp = self._cand
+        if self.plans is not None:
+            return dynamic_tree(self.plans, root, ids, lp, self.prune)
+        return self.static, static_tree(self.static, root, ids, lp, self.prune)
+
+    def mask_embeds(self) -> np.ndarray:
+        return self.embeds.value
+
+    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int]) -> None:
+        self._cand = out.topk_ids[mask_rows], out.topk_logprobs[mask_rows]
+        self.embeds.update(new_tokens)
+
+
+def make_drafter(backend: Backend, config: GenerationConfig) -> Drafter:
+    return DRAFTERS[config.drafter](backend, config)
+
+
+DRAFTERS = {
+    "probe": ProbeDrafter,
+    "none": lambda backend, config: NoDrafter(),
+}

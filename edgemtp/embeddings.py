@@ -1,0 +1,65 @@
+"""Mask-token embeddings (paper §3.1): initialisation and the per-token EMA update."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .errors import ConfigError
+
+EmbedFn = Callable[[np.ndarray], np.ndarray]  # token ids [n] -> embeddings [n, d]
+
+
+class MaskEmbeddings:
+    """The ``[k, d]`` mask embeddings of one generation.
+
+    ``init``: ``mean`` of the prompt's embeddings (default), ``sample`` from N(mu, sigma^2)
+    of the embedding table (per-dimension sigma, seeded), ``last-k`` prompt embeddings, or a
+    user ``vector``. After each committed token ``m <- m + ema * (e - m)`` (0 disables).
+
+    >>> table = np.eye(3, dtype=np.float32)
+    >>> m = MaskEmbeddings(k=2, init="mean", ema=0.5, embed=lambda ids: table[ids])
+    >>> m.start(np.array([0, 1]))
+    >>> m.value.tolist()
+    [[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]]
+    >>> m.update([2]); m.value[0].tolist()
+    [0.25, 0.25, 0.5]
+    """
+
+    def __init__(self, k: int, init: str, ema: float, embed: EmbedFn,
+                 stats: tuple[np.ndarray, np.ndarray] | None = None,
+                 vector: np.ndarray | None = None, seed: int = 0) -> None:
+        self.k, self.init, self.ema, self.embed = k, init, ema, embed
+        self.stats, self.vector, self.seed = stats, vector, seed
+        self.value: np.ndarray | None = None
+
+    def start(self, prompt_ids: np.ndarray) -> None:
+        # value: [k, d] float32, re-initialised for every prompt
+        e = self.embed(np.asarray(prompt_ids, dtype=np.int64)).astype(np.float32)
+        d = e.shape[1]
+        if self.init == "mean":
+            v = np.repeat(e.mean(axis=0, keepdims=True), self.k, axis=0)
+        elif self.init == "last-k":
+            idx = np.arange(len(e) - self.k, len(e)).clip(min=0)
+            v = e[idx]
+        elif self.init == "sample":
+            if self.stats is None:
+                raise ConfigError("mask_init='sample' needs the embedding table's mean and std")
+            mu, sigma = self.stats
+            rng = np.random.default_rng(self.seed)
+            v = mu[None, :] + sigma[None, :] * rng.standard_normal((self.k, d))
+        else:
+            vec = np.asarray(self.vector, dtype=np.float32)
+            if vec.size not in (d, self.k * d):
+                raise ConfigError(f"mask vector has {vec.size} values; expected the hidden "
+                                  f"size {d} (or k*d = {self.k * d})")
+            v = np.broadcast_to(vec.reshape(-1, d), (self.k, d))
+        self.value = np.ascontiguousarray(v, dtype=np.float32)
+
+    def update(self, token_ids) -> None:
+        """EMA towards each newly committed token, in order."""
+        if self.ema == 0.0 or len(token_ids) == 0:
+            return
+        for e in self.embed(np.asarray(token_ids, dtype=np.int64)):
+            self.value += self.ema * (e.astype(np.float32) - self.value)

@@ -1,0 +1,178 @@
+"""The decode loop: prefill, then steps of propose -> forward -> verify -> commit.
+
+A :class:`Generation` is an iterator of the tokens each forward pass commits, so callers can
+stream; its :attr:`Generation.result` holds the tokens, stop reason and :class:`Stats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Callable
+
+import numpy as np
+
+from .backend import Backend
+from .config import GenerationConfig
+from .drafters import Drafter, make_drafter
+from .errors import ConfigError
+from .metrics import Stats
+from .plans import Plan
+from .verify import Verifier
+
+Decode = Callable[[list[int]], str]
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids only, the stopping token included
+    stop_reason: str      # eos | stop_string | max_new_tokens | max_context
+    stats: Stats
+    text: str = ""
+
+
+class Stopper:
+    """Decides after every single token, so a stop can land mid-way through an accepted path."""
+
+    def __init__(self, config: GenerationConfig, eos_ids: tuple[int, ...], room: int,
+                 decode: Decode | None) -> None:
+        if config.stop and decode is None:
+            raise ConfigError("stop strings need a tokenizer to decode the output")
+        self.eos = frozenset(config.eos_token_ids if config.eos_token_ids is not None else eos_ids)
+        self.max_new, self.room = config.max_new_tokens, room
+        self.stop, self.decode = config.stop, decode
+        # a stop string of L characters ends within the last L tokens; one more absorbs a
+        # tokenizer's stripped leading space
+        self.window = max((len(s) for s in self.stop), default=0) + 1
+        self.tokens: list[int] = []
+        self.reason: str | None = None
+
+    def push(self, token: int) -> bool:
+        """Append one token; True when generation ends with it."""
+        self.tokens.append(token)
+        if token in self.eos:
+            self.reason = "eos"
+        elif self.stop and any(s in self.decode(self.tokens[-self.window:]) for s in self.stop):
+            self.reason = "stop_string"
+        elif len(self.tokens) >= self.max_new:
+            self.reason = "max_new_tokens"
+        elif len(self.tokens) >= self.room:
+            self.reason = "max_context"
+        return self.reason is not None
+
+
+class Generation:
+    """One generation in progress. Iterate to run it; each item is the list of tokens one
+    forward pass committed (the first comes from prefill)."""
+
+    def __init__(self, backend: Backend, config: GenerationConfig, prompt_ids,
+                 decode: Decode | None = None) -> None:
+        self.backend, self.config = backend, config
+        self.prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        if self.prompt.size == 0:
+            raise ConfigError("the prompt is empty; give at least one token")
+        if np.any(self.prompt < 0) or np.any(self.prompt >= backend.vocab_size):
+            raise ConfigError(f"prompt token ids must be in [0, {backend.vocab_size}), "
+                              f"got min {self.prompt.min()} max {self.prompt.max()}")
+        if self.prompt.size >= backend.max_context:
+            raise ConfigError(f"the prompt has {self.prompt.size} tokens; the max context is "
+                              f"{backend.max_context}, which leaves no room to generate")
+        self.drafter: Drafter = make_drafter(backend, config)
+        self.verifier = Verifier(config)
+        self.stopper = Stopper(config, backend.eos_token_ids,
+                               backend.max_context - self.prompt.size, decode)
+        k = self.drafter.mask_tokens
+        self.stats = Stats(bc=config.bc if k else 1, mask_tokens=k, prompt_tokens=self.prompt.size)
+        self._slots: dict[Plan, np.ndarray] = {}
+        self._root: int | None = None
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[int]:
+        if self.stopper.reason is not None:
+            raise StopIteration
+        return self._prefill() if self._root is None else self._step()
+
+    def run(self) -> GenerationResult:
+        for _ in self:
+            pass
+        return self.result
+
+    @property
+    def done(self) -> bool:
+        return self.stopper.reason is not None
+
+    @property
+    def result(self) -> GenerationResult:
+        return GenerationResult(list(self.stopper.tokens), self.stopper.reason or "running",
+                                self.stats)
+
+    # -- stages -----------------------------------------------------------------------------
+
+    def _prefill(self) -> list[int]:
+        # block: [prompt, m_1..m_k], causal; mask j sits at position t - 1 + j
+        t0 = perf_counter()
+        b, k, t = self.backend, self.drafter.mask_tokens, self.prompt.size
+        self.backend.reset()
+        self.drafter.start(self.prompt)
+        ids = np.concatenate([self.prompt, b.vocab_size + np.arange(k)])
+        causal = np.tril(np.ones((t + k, t + k), dtype=bool))
+        out = b.forward(ids, np.arange(t + k), causal, self.drafter.mask_embeds(),
+                        topk=self.drafter.topk, full_logits=self.verifier.sample)
+        root = self.verifier.target(out, t - 1)
+        new = self._emit([root])
+        if not self.done:
+            b.commit(np.arange(t))
+            self._root = root
+            self.drafter.observe(out, np.arange(t, t + k), new)
+        self.stats.forward_calls += 1
+        self.stats.time_prefill += perf_counter() - t0
+        return new
+
+    def _step(self) -> list[int]:
+        st, b = self.stats, self.backend
+        t0 = perf_counter()
+        plan, tokens = self.drafter.propose(self._root)                              # propose
+        ids = np.concatenate([tokens, self._slot_ids(plan)])
+        t1 = perf_counter()
+        out = b.forward(ids, plan.positions + b.cache_len, plan.tree_mask,            # forward
+                        self.drafter.mask_embeds(), topk=self.drafter.topk,
+                        full_logits=self.verifier.sample)
+        t2 = perf_counter()
+        accepted, bonus = self.verifier.walk(plan, tokens, out)                      # verify
+        t3 = perf_counter()
+        new = self._emit([int(tokens[a]) for a in accepted] + [bonus])                # commit
+        if not self.done:
+            b.commit(np.array([0, *accepted], dtype=np.int64))
+            self._root = bonus
+        t4 = perf_counter()
+        last = accepted[-1] if accepted else 0
+        if not self.done:
+            self.drafter.observe(out, plan.mask_row(last, 1) + np.arange(plan.k), new)
+        st.forward_calls += 1
+        st.accept_lengths.append(len(accepted))
+        st.time_draft += (t1 - t0) + (perf_counter() - t4)
+        st.time_forward += t2 - t1
+        st.time_verify += t3 - t2
+        st.time_commit += t4 - t3
+        return new
+
+    def _emit(self, tokens: list[int]) -> list[int]:
+        new = []
+        for tok in tokens:
+            new.append(tok)
+            if self.stopper.push(tok):
+                break
+        self.stats.new_tokens += len(new)
+        return new
+
+    def _slot_ids(self, plan: Plan) -> np.ndarray:
+        # mask slot j of every node is id vocab + j - 1, node-major; built once per plan
+        slots = self._slots.get(plan)
+        if slots is None:
+            slots = np.tile(self.backend.vocab_size + np.arange(plan.k), plan.n_nodes)
+            self._slots[plan] = slots
+        return slots

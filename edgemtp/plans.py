@@ -1,0 +1,260 @@
+"""Plans: a tree shape compiled once into its block mask and position template.
+
+A block of one decode step holds ``T = (k + 1) * N`` positions::
+
+    [root, draft nodes in depth order (top-1 first at each depth), k masks per node, node-major]
+
+- node ``i`` attends to the cache, its ancestors and itself;
+- mask ``(i, j)`` attends to the cache, node ``i``'s path and masks ``(i, 1..j)``;
+- node ``i`` sits at position ``P + depth(i)``, mask ``(i, j)`` at ``P + depth(i) + j``.
+
+The plan stores only the block-internal ``[T, T]`` mask and the position template with
+``P = 0``; a step shifts the template by the cache length and the backend prepends the
+all-visible cache columns, so no mask is ever built on the decode path (paper App. E).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from .errors import BudgetError, ConfigError
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A tree of ``N`` nodes (node 0 is the root) with ``k`` mask tokens per node.
+
+    ``parents[i]`` is node ``i``'s parent (``-1`` for the root); nodes are in depth order.
+
+    >>> p = Plan.top1((2, 1), k=1)     # root, two depth-1 nodes, one depth-2 under the best
+    >>> p.n_nodes, p.bc, p.counts
+    (4, 8, (2, 1))
+    >>> print(p.render())
+    pos  row         0 1 2 3 | 4 5 6 7
+      0  node 0      x . . . | . . . .
+      1  node 1      x x . . | . . . .
+      1  node 2      x . x . | . . . .
+      2  node 3      x x . x | . . . .
+      1  mask 0.1    x . . . | x . . .
+      2  mask 1.1    x x . . | . x . .
+      2  mask 2.1    x . x . | . . x .
+      3  mask 3.1    x x . x | . . . x
+    """
+
+    parents: tuple[int, ...]
+    k: int
+    depth: np.ndarray = field(init=False, repr=False, compare=False)
+    tree_mask: np.ndarray = field(init=False, repr=False, compare=False)
+    positions: np.ndarray = field(init=False, repr=False, compare=False)
+    children: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        parents = tuple(int(p) for p in self.parents)
+        object.__setattr__(self, "parents", parents)
+        if not parents or parents[0] != -1:
+            raise ConfigError(f"a plan's node 0 must be the root (parent -1), got parents {parents[:4]}")
+        if self.k < 0:
+            raise ConfigError(f"mask tokens per node must be >= 0, got {self.k}")
+        depth = np.zeros(len(parents), dtype=np.int64)
+        for i, p in enumerate(parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ConfigError(f"node {i} has parent {p}; a parent must be an earlier node")
+            depth[i] = depth[p] + 1
+        if np.any(np.diff(depth) < 0):
+            raise ConfigError(f"nodes must be in depth order, got depths {depth.tolist()}")
+        kids: list[list[int]] = [[] for _ in parents]
+        for i, p in enumerate(parents[1:], start=1):
+            kids[p].append(i)
+        object.__setattr__(self, "depth", _frozen(depth))
+        object.__setattr__(self, "children", tuple(tuple(c) for c in kids))
+        object.__setattr__(self, "tree_mask", _frozen(self._build_mask()))
+        object.__setattr__(self, "positions", _frozen(self._build_positions()))
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def top1(cls, counts: tuple[int, ...] | list[int], k: int) -> "Plan":
+        """Top-1 expansion: ``counts[d-1]`` nodes at depth ``d``, all under the best node of
+        depth ``d-1`` (the first one, since nodes are ranked). Trailing zeros are allowed."""
+        counts = tuple(int(c) for c in counts)
+        if any(c < 0 for c in counts):
+            raise ConfigError(f"node counts per depth must be >= 0, got {list(counts)}")
+        nz = [c for c in counts if c > 0]
+        if counts[: len(nz)] != tuple(nz):
+            raise ConfigError(f"a depth needs a node at the depth above it, got counts {list(counts)}")
+        parents, first_above = [-1], 0
+        for c in nz:
+            first_here = len(parents)
+            parents.extend([first_above] * c)
+            first_above = first_here
+        return cls(tuple(parents), k)
+
+    @classmethod
+    def root_only(cls) -> "Plan":
+        """Plain autoregressive decoding: one position, BC = 1."""
+        return cls((-1,), 0)
+
+    # -- shape ---------------------------------------------------------------------------
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def bc(self) -> int:
+        """Block complexity, paper eq. 5: ``(k + 1) * N``."""
+        return (self.k + 1) * self.n_nodes
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Nodes per depth, root excluded."""
+        return tuple(int(c) for c in np.bincount(self.depth)[1:])
+
+    def mask_row(self, node: int, j: int) -> int:
+        """Block row of mask ``j`` (1-based) of ``node``."""
+        return self.n_nodes + node * self.k + (j - 1)
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from the root to ``node``, both included."""
+        out = [node]
+        while self.parents[out[-1]] >= 0:
+            out.append(self.parents[out[-1]])
+        return out[::-1]
+
+    # -- compilation (once per plan) --------------------------------------------------------
+
+    def _build_mask(self) -> np.ndarray:
+        n, k = self.n_nodes, self.k
+        anc = np.zeros((n, n), dtype=bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                anc[i] = anc[p]
+            anc[i, i] = True
+        mask = np.zeros((self.bc, self.bc), dtype=bool)
+        mask[:n, :n] = anc
+        for i in range(n):
+            rows = slice(n + i * k, n + (i + 1) * k)
+            mask[rows, :n] = anc[i]
+            mask[rows, rows] = np.tril(np.ones((k, k), dtype=bool))
+        return mask
+
+    def _build_positions(self) -> np.ndarray:
+        masks = (self.depth[:, None] + np.arange(1, self.k + 1)[None, :]).reshape(-1)
+        return np.concatenate([self.depth, masks]).astype(np.int64)
+
+    def render(self) -> str:
+        """ASCII picture of the block mask (``x`` = attends), for docs and debugging."""
+        n = self.n_nodes
+        labels = [f"node {i}" for i in range(n)]
+        labels += [f"mask {i}.{j}" for i in range(n) for j in range(1, self.k + 1)]
+        head = " ".join(str(c % 10) for c in range(n)) + " | " + " ".join(
+            str(c % 10) for c in range(n, self.bc))
+        lines = [f"pos  row         {head}"]
+        for r in range(self.bc):
+            cells = ["x" if v else "." for v in self.tree_mask[r]]
+            lines.append(f"{self.positions[r]:>3}  {labels[r]:<11} "
+                         + " ".join(cells[:n]) + " | " + " ".join(cells[n:]))
+        return "\n".join(line.rstrip() for line in lines)
+
+
+# -- budgets ------------------------------------------------------------------------------
+
+
+def nodes_for_budget(bc: int, k: int) -> int:
+    """Largest node count ``N`` with ``(k + 1) * N <= bc``; at least a root and one draft node."""
+    if k < 1:
+        raise ConfigError(f"probing needs at least 1 mask token per node, got k={k}")
+    n = bc // (k + 1)
+    if n < 2:
+        raise BudgetError(
+            f"block complexity {bc} is too small for k={k} mask tokens: a probing plan needs at "
+            f"least {2 * (k + 1)} positions (root + 1 draft node, each with {k} mask tokens)")
+    return n
+
+
+def default_branching(bc: int, k: int) -> tuple[int, ...]:
+    """Static branching ``[K1, ..., Kk]`` used when a static k >= 2 plan is asked without one.
+
+    Deeper depths get ~20 % of the draft nodes between them, the paper's shapes for k = 2:
+
+    >>> default_branching(30, 2), default_branching(60, 2), default_branching(60, 3)
+    ((7, 2), (15, 4), (11, 2, 1))
+    """
+    m = nodes_for_budget(bc, k) - 1
+    if m < k:
+        raise BudgetError(f"block complexity {bc} holds {m} draft nodes, fewer than the {k} "
+                          f"depths a static k={k} plan needs; use k={m} or a larger budget")
+    deep = max(k - 1, round(0.2 * m))
+    per, extra = divmod(deep, k - 1) if k > 1 else (0, 0)
+    tail = [per + (1 if d < extra else 0) for d in range(k - 1)] if k > 1 else []
+    return (m - sum(tail), *tail)
+
+
+def static_plan(bc: int, k: int, branching: tuple[int, ...] | None = None) -> Plan:
+    """The static plan a budget allows: ``[N-1]`` for k = 1, ``branching`` (or the default
+    one) for k >= 2."""
+    n = nodes_for_budget(bc, k)
+    if k == 1 and branching is None:
+        return Plan.top1((n - 1,), k)
+    counts = tuple(branching) if branching is not None else default_branching(bc, k)
+    if len(counts) != k or any(c < 1 for c in counts):
+        raise ConfigError(f"a static branching for k={k} needs {k} counts >= 1, got {list(counts)}")
+    plan = Plan.top1(counts, k)
+    if plan.bc > bc:
+        raise BudgetError(f"branching {list(counts)} with k={k} needs BC {plan.bc} = "
+                          f"{k + 1}*(1+{sum(counts)}), above the budget {bc}")
+    return plan
+
+
+def dynamic_shapes(n_draft: int, k: int) -> list[tuple[int, ...]]:
+    """Every top-1 shape with ``n_draft`` draft nodes over at most ``k`` depths.
+
+    >>> dynamic_shapes(3, 2)
+    [(3, 0), (1, 2), (2, 1)]
+    """
+    shapes = []
+    for depths in range(1, k + 1):
+        for cuts in itertools.combinations(range(1, n_draft), depths - 1):
+            edges = (0, *cuts, n_draft)
+            shapes.append(tuple(b - a for a, b in zip(edges, edges[1:])) + (0,) * (k - depths))
+    return shapes
+
+
+@dataclass(frozen=True)
+class DynamicPlans:
+    """Lookup table of every plan a budget allows for dynamic trees (Algorithm 1), compiled
+    once at load time: a step picks its shape by the node counts per depth."""
+
+    bc: int
+    k: int
+    table: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = nodes_for_budget(self.bc, self.k)
+        table = {shape: Plan.top1(shape, self.k) for shape in dynamic_shapes(n - 1, self.k)}
+        object.__setattr__(self, "table", table)
+
+    @property
+    def n_nodes(self) -> int:
+        return nodes_for_budget(self.bc, self.k)
+
+    def __getitem__(self, counts: tuple[int, ...]) -> Plan:
+        return self.table[counts + (0,) * (self.k - len(counts))]
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+
+@lru_cache(maxsize=64)
+def dynamic_plans(bc: int, k: int) -> DynamicPlans:
+    """Cached :class:`DynamicPlans` (plans are immutable, so sharing is safe)."""
+    return DynamicPlans(bc, k)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# edgemtp set-up and entry points. Creates .venv on first use (torch CPU build first, so no
+# CUDA wheels are pulled), then:
+#   ./run.sh            the main job: greedy vs probing on the default model, text + speed-ups
+#   ./run.sh test       the test suite
+#   ./run.sh bench      the BE / tokens-per-second benchmark (writes bench/results/)
+#   ./run.sh ARGS...    any other arguments go to the edgemtp CLI (./run.sh generate --help)
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=.venv
+if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.edgemtp-installed" ] || [ pyproject.toml -nt "$VENV/.edgemtp-installed" ]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q "torch==2.13.0"
+  "$VENV/bin/pip" install -q -e ".[export,bench,dev]"
+  touch "$VENV/.edgemtp-installed"
+fi
+case "${1:-demo}" in
+  test)  shift; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  bench) shift; exec "$VENV/bin/python" bench/bench_probe.py "$@" ;;
+  demo)  [ $# -gt 0 ] && shift; exec "$VENV/bin/edgemtp" demo "$@" ;;
+  *)     exec "$VENV/bin/edgemtp" "$@" ;;
+esac
