@@ -55,7 +55,7 @@ class MaskEmbeddings:
                 raise ConfigError(f"mask vector has {vec.size} values; expected the hidden "
                                   f"size {d} (or k*d = {self.k * d})")
             v = np.broadcast_to(vec.reshape(-1, d), (self.k, d))
-        self.value = np.ascontiguousarray(v, dtype=np.float32)
+        self.value = np.array(v, dtype=np.float32, copy=True)  # ours to update in place
 
     def update(self, token_ids) -> None:
         """EMA towards each newly committed token, in order."""

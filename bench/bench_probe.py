@@ -1,0 +1,138 @@
+"""Block efficiency and tokens/s of plain greedy decoding vs mask-token probing.
+
+Runs every plan on the same backend and prompts (the shared story prompts by default, 128 new
+tokens), checks every output equals greedy decoding, and writes a Markdown table and JSON to
+bench/results/. Speed-ups are ratios measured in this one run (timings here are noisy).
+
+    python bench/bench_probe.py [--model PATH] [--prompts 48] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from edgemtp import GenerationConfig, Model
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT / ".." / "shared"
+
+# (label, options, prototype BE from the issue where one was given)
+PLANS = [
+    ("greedy", dict(drafter="none"), None),
+    ("probe k=1 BC=10", dict(bc=10), 1.11),
+    ("probe k=1 BC=30", dict(bc=30), 1.24),
+    ("probe k=1 BC=60", dict(bc=60), 1.38),
+    ("probe k=2 BC=10 dynamic", dict(bc=10, mask_tokens=2), None),
+    ("probe k=2 BC=30 dynamic", dict(bc=30, mask_tokens=2), None),
+    ("probe k=2 BC=30 static [7,2]", dict(bc=30, mask_tokens=2, tree="static",
+                                          branching=(7, 2)), None),
+    ("probe k=2 BC=30 static [5,4]", dict(bc=30, mask_tokens=2, tree="static",
+                                          branching=(5, 4)), None),
+    ("probe k=2 BC=60 dynamic", dict(bc=60, mask_tokens=2), 1.23),
+    ("probe k=2 BC=60 static [15,4]", dict(bc=60, mask_tokens=2, tree="static",
+                                           branching=(15, 4)), 1.26),
+    ("probe k=2 BC=60 static [12,7]", dict(bc=60, mask_tokens=2, tree="static",
+                                           branching=(12, 7)), None),
+    ("probe k=2 BC=60 static [17,2]", dict(bc=60, mask_tokens=2, tree="static",
+                                           branching=(17, 2)), None),
+]
+
+
+def load_prompts(n: int) -> list[str]:
+    with open(SHARED / "data" / "stories_prompts.jsonl") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()][:n]
+
+
+def run(model: Model, prompts: list[str], new_tokens: int, repeats: int) -> list[dict]:
+    rows, reference = [], None
+    bar = tqdm(total=len(PLANS) * len(prompts) * repeats, desc="bench", unit="gen", file=sys.stderr)
+    for label, opts, proto in PLANS:
+        config = GenerationConfig(max_new_tokens=new_tokens, **opts)
+        speeds, outputs, calls, tokens, hist, overhead = [], [], 0, 0, {}, []
+        for rep in range(repeats):
+            t0, rep_tokens = time.perf_counter(), 0
+            for p in prompts:
+                r = model.generate(p, config)
+                bar.update()
+                rep_tokens += r.stats.new_tokens
+                overhead.append(r.stats.host_overhead)
+                if rep == 0:
+                    outputs.append(r.token_ids)
+                    calls += r.stats.forward_calls
+                    tokens += r.stats.new_tokens
+                    for k, v in r.stats.accept_histogram().items():
+                        hist[k] = hist.get(k, 0) + v
+            speeds.append(rep_tokens / (time.perf_counter() - t0))
+        reference = reference or outputs
+        rows.append(dict(
+            method=label, options=opts, tokens=tokens, forward_calls=calls,
+            block_efficiency=tokens / calls, prototype_be=proto,
+            tokens_per_second=statistics.median(speeds),
+            host_overhead=statistics.median(overhead),
+            accept_histogram=dict(sorted(hist.items())),
+            lossless=all(a == b for a, b in zip(outputs, reference))))
+    bar.close()
+    base = rows[0]["tokens_per_second"]
+    for row in rows:
+        row["speedup_vs_greedy"] = row["tokens_per_second"] / base
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    out = [f"# Probing vs greedy: {meta['model_name']}, backend {meta['backend']} "
+           f"({meta['device']})", "",
+           f"{meta['prompts']} story prompts x {meta['new_tokens']} new tokens, "
+           f"{meta['repeats']} repeat(s), {meta['date']}, {meta['machine']}.", "",
+           "BE = committed tokens / forward calls (prefill included). tok/s is the median over "
+           "repeats of total tokens / wall time, on this backend; speed-up is against greedy on "
+           "the same backend in the same run. Lossless = every output equals greedy decoding.",
+           "", "| method | BE | prototype BE | fwd calls | tok/s | speed-up | host overhead "
+           "| lossless |", "|---|---:|---:|---:|---:|---:|---:|:---:|"]
+    for r in rows:
+        proto = f"{r['prototype_be']:.2f}" if r["prototype_be"] else ""
+        out.append(f"| {r['method']} | {r['block_efficiency']:.3f} | {proto} | "
+                   f"{r['forward_calls']} | {r['tokens_per_second']:.1f} | "
+                   f"{r['speedup_vs_greedy']:.2f}x | {100 * r['host_overhead']:.0f}% | "
+                   f"{'yes' if r['lossless'] else '**NO**'} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str((SHARED / "models" / "stories260K").resolve()))
+    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    a = ap.parse_args(argv)
+    model = Model.load(a.model, backend=a.backend, device=a.device, threads=a.threads)
+    prompts = load_prompts(a.prompts)
+    rows = run(model, prompts, a.new_tokens, a.repeats)
+    meta = dict(model=a.model, model_name=Path(a.model).name, backend=a.backend,
+                device=a.device, prompts=len(prompts), new_tokens=a.new_tokens,
+                repeats=a.repeats, date=time.strftime("%Y-%m-%d"),
+                machine=f"{platform.machine()}, {platform.processor() or 'cpu'}, "
+                        f"python {platform.python_version()}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"probe_{Path(a.model).name}_{a.backend}_{a.device}"
+    (out / f"{stem}.md").write_text(markdown(rows, meta))
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(markdown(rows, meta))
+    print(f"wrote {out / stem}.md and .json", file=sys.stderr)
+    return 0 if all(r["lossless"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Lossless is the product: probing must emit exactly the tokens of plain greedy decoding as
+``transformers`` ``generate`` computes them, and sample from exactly the model's distribution.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig,
+                          Qwen2Config, Qwen3Config)
+
+from edgemtp import GenerationConfig
+from edgemtp.engine import Generation
+from edgemtp.runtimes.torch_backend import TorchBackend
+from edgemtp.verify import Verifier, process_logits
+
+from conftest import story_prompts
+
+PLANS = [(bc, k, tree) for bc in (10, 30, 60) for k in (1, 2) for tree in ("static", "dynamic")]
+N_PROMPTS, NEW_TOKENS = 24, 128
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    tok = AutoTokenizer.from_pretrained(stories_path)
+    hf = AutoModelForCausalLM.from_pretrained(stories_path).eval()
+    prompts = [tok(p).input_ids for p in story_prompts(N_PROMPTS)]
+    refs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            refs.append(out[0, len(ids):].tolist())
+    return TorchBackend(stories_path), prompts, refs, hf
+
+
+@pytest.mark.parametrize("bc,k,tree", PLANS)
+def test_probe_equals_transformers_greedy_on_stories(stories, bc, k, tree):
+    backend, prompts, refs, _ = stories
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, bc=bc, mask_tokens=k, tree=tree)
+    calls = tokens = 0
+    for i, (ids, ref) in enumerate(zip(prompts, refs)):
+        result = Generation(backend, config, ids).run()
+        assert result.token_ids == ref, f"prompt {i} differs at BC={bc} k={k} {tree}"
+        calls += result.stats.forward_calls
+        tokens += result.stats.new_tokens
+    assert tokens / calls > 1.0  # probing must actually accept drafts on a real model
+
+
+def test_plain_decoding_is_the_reference(stories):
+    backend, prompts, refs, _ = stories
+    result = Generation(backend, GenerationConfig(drafter="none"), prompts[0]).run()
+    assert result.token_ids == refs[0]
+    assert result.stats.block_efficiency == 1.0
+
+
+# -- random-initialised configs of every family ------------------------------------------
+
+def _family_configs():
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=256, initializer_range=0.2, eos_token_id=255,
+                  bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                   "rope_theta": 500000.0}
+    return {
+        "llama3": LlamaConfig(**common, rope_parameters=llama3_rope),
+        "qwen2": Qwen2Config(**common),
+        "qwen3": Qwen3Config(**common, head_dim=16),
+        "mistral": MistralConfig(**common, sliding_window=None),
+    }
+
+
+FAMILY_PLANS = [(10, 1, "dynamic"), (30, 2, "dynamic"), (60, 1, "static"), (60, 2, "static")]
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral"])
+def test_probe_equals_transformers_greedy_on_random_families(family, tmp_path):
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(_family_configs()[family]).eval()
+    hf.save_pretrained(tmp_path)
+    backend = TorchBackend(str(tmp_path))  # loads from the saved folder, like a user would
+    assert backend.family.name == {"llama3": "llama"}.get(family, family)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 250, size=n).tolist() for n in (3, 9, 17, 30)]
+    for ids in prompts:
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
+        ref = ref[0, len(ids):].tolist()
+        for bc, k, tree in FAMILY_PLANS:
+            config = GenerationConfig(max_new_tokens=64, bc=bc, mask_tokens=k, tree=tree)
+            assert Generation(backend, config, ids).run().token_ids == ref, (family, bc, k, tree)
+
+
+def test_unsupported_family_is_named(tmp_path):
+    from transformers import GPT2Config
+
+    from edgemtp.errors import UnsupportedModelError
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="supported families: llama, mistral"):
+        TorchBackend(str(tmp_path))
+
+
+# -- sampling: the first three tokens have exactly the model's distribution ---------------
+
+SAMPLING = dict(temperature=1.0, top_k=4, top_p=0.95)
+DRAWS = 1500
+
+
+def _exact_joint(hf, ids):
+    """P(t1, t2, t3) under the processed distribution, by teacher forcing."""
+    def probs(seq):
+        with torch.no_grad():
+            logits = hf(torch.tensor([seq])).logits[0, -1].numpy()
+        return process_logits(logits, SAMPLING["temperature"], SAMPLING["top_k"], SAMPLING["top_p"])
+
+    joint, p1 = {}, probs(ids)
+    for t1 in np.flatnonzero(p1):
+        p2 = probs(ids + [int(t1)])
+        for t2 in np.flatnonzero(p2):
+            p3 = probs(ids + [int(t1), int(t2)])
+            for t3 in np.flatnonzero(p3):
+                joint[(t1, t2, t3)] = p1[t1] * p2[t2] * p3[t3]
+    return joint
+
+
+class OverAcceptingVerifier(Verifier):
+    """A classic wrong rule: accept a draft whenever the processed distribution allows it
+    (a support check instead of a sample). Its output is biased towards the drafts; the
+    chi-square test below must catch it."""
+
+    def walk(self, plan, tokens, out):
+        node, accepted = 0, []
+        while True:
+            p = process_logits(out.logits[node], self.t, self.top_k, self.top_p)
+            allowed = [c for c in plan.children[node] if p[tokens[c]] > 0]
+            if not allowed:
+                return accepted, self.target(out, node)
+            accepted.append(allowed[0])
+            node = allowed[0]
+
+
+def _chi_square_p(backend, ids, joint, config, verifier_cls=Verifier):
+    counts = {}
+    for seed in range(DRAWS):
+        gen = Generation(backend, config.with_(seed=seed), ids)
+        gen.verifier = verifier_cls(gen.config)
+        key = tuple(gen.run().token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(joint), "sampled a sequence outside the processed support"
+    # bins with an expected count below 5 are pooled into one
+    big = [key for key, p in joint.items() if p * DRAWS >= 5]
+    observed = [counts.get(key, 0) for key in big]
+    expected = [joint[key] * DRAWS for key in big]
+    observed.append(DRAWS - sum(observed))
+    expected.append(DRAWS - sum(expected))
+    return sps.chisquare(observed, expected).pvalue
+
+
+@pytest.mark.parametrize("bc,k", [(30, 1), (60, 2)])
+def test_sampling_matches_model_distribution(stories, bc, k):
+    backend, prompts, _, hf = stories
+    ids = prompts[2]
+    joint = _exact_joint(hf, ids)
+    config = GenerationConfig(max_new_tokens=3, bc=bc, mask_tokens=k, **SAMPLING)
+    assert _chi_square_p(backend, ids, joint, config) > 1e-3
+    if k == 1:  # the test has the power to reject a wrong acceptance rule
+        assert _chi_square_p(backend, ids, joint, config, OverAcceptingVerifier) < 1e-4
+
+
+def test_sampling_is_seeded(stories):
+    backend, prompts, _, _ = stories
+    config = GenerationConfig(max_new_tokens=20, bc=30, temperature=0.8, seed=7)
+    a = Generation(backend, config, prompts[0]).run().token_ids
+    b = Generation(backend, config, prompts[0]).run().token_ids
+    c = Generation(backend, config.with_(seed=8), prompts[0]).run().token_ids
+    assert a == b and a != c
