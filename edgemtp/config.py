@@ -58,6 +58,8 @@ class GenerationConfig:
         _check(isinstance(self.top_k, int) and self.top_k >= 0,
                f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.seed, int) and self.seed >= 0,
+               f"seed must be an integer >= 0, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         if self.branching is not None:

@@ -46,9 +46,13 @@ class TorchBackend:
 
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if device != "cpu" and not device.split(":")[0] == "cuda":
+            raise ConfigError(f"the torch backend runs on cpu or cuda[:N], got device {device!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked, but this PyTorch build sees no CUDA device")
-        if threads:
+        if threads is not None:
+            if threads < 1:
+                raise ConfigError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(int(threads))
         config = load_hf_config(model, trust_remote_code)
         self.family = family_for(config)
