@@ -65,6 +65,7 @@ class Backend(Protocol):
 # name -> "module:Class"; imported only when asked, so the core never pulls torch in.
 BACKENDS: dict[str, str] = {
     "torch": "edgemtp.runtimes.torch_backend:TorchBackend",
+    "onnxruntime": "edgemtp.runtimes.onnxrt_backend:OrtBackend",
 }
 
 

@@ -36,8 +36,11 @@ def _int_list(text: str) -> tuple[int, ...]:
 def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     p.add_argument("--model", required=model_required,
                    help="Hugging Face model folder (or hub id on a machine that is online)")
-    p.add_argument("--backend", default="torch", help="backend to run (default: torch)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--backend", default="auto",
+                   help="torch or onnxruntime (default: auto, onnxruntime for an exported "
+                        "package, torch for a Hugging Face folder)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda; onnxruntime also tensorrt (default: cpu)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
@@ -58,6 +61,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    default="mean")
     g.add_argument("--ema", type=float, default=0.1, help="mask EMA lambda (0 disables)")
     g.add_argument("--no-prune", action="store_true", help="keep candidates equal to their parent")
+    g.add_argument("--no-calibrate", action="store_true",
+                   help="dynamic tree by raw cumulative probability (the paper's Algorithm 1)")
     g.add_argument("--drafter", choices=DRAFTERS, default="probe")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
@@ -70,6 +75,7 @@ def _config(a: argparse.Namespace) -> GenerationConfig:
     return GenerationConfig(
         max_new_tokens=a.max_new_tokens, bc=a.bc, mask_tokens=a.mask_tokens, tree=a.tree,
         branching=a.branching, mask_init=a.mask_init, ema=a.ema, prune=not a.no_prune,
+        calibrate=not a.no_calibrate,
         drafter=a.drafter, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
         seed=a.seed, stop=tuple(a.stop))
 
@@ -113,6 +119,23 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(a: argparse.Namespace) -> int:
+    from edgemtp.export.onnx_export import export_package
+
+    report = export_package(a.model, a.output, dtype=a.dtype, max_context=a.max_context,
+                            bc=a.bc, mask_tokens=a.mask_tokens, opset=a.opset, force=a.force,
+                            trust_remote_code=a.trust_remote_code, progress=not a.quiet)
+    print(report.summary())
+    return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from edgemtp.runtimes.package import describe, load_package
+
+    print(describe(load_package(a.package)))
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -131,6 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _add_generation_args(g)
     g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("export", help="export a Hugging Face model to an ONNX package")
+    e.add_argument("model", help="Hugging Face model folder (or hub id when online)")
+    e.add_argument("-o", "--output", required=True, help="package folder to write")
+    e.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"))
+    e.add_argument("--max-context", type=int, default=None,
+                   help="KV cache rows (default: the model's position limit)")
+    e.add_argument("--bc", type=_int_list, default=(10, 30, 60),
+                   help="block-complexity budgets to precompile plans for (default: 10,30,60)")
+    e.add_argument("--mask-tokens", type=_int_list, default=(1, 2),
+                   help="mask tokens per node to precompile plans for (default: 1,2)")
+    e.add_argument("--opset", type=int, default=17, help="ONNX opset (default: 17)")
+    e.add_argument("--force", action="store_true", help="replace an existing output folder")
+    e.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a model folder's own Python code to run")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.set_defaults(func=cmd_export)
+
+    i = sub.add_parser("inspect", help="print an exported package's manifest, plans and memory")
+    i.add_argument("package", help="package folder written by 'edgemtp export'")
+    i.set_defaults(func=cmd_inspect)
 
     d = sub.add_parser("demo", help="the main job: generate with greedy and probing, check they "
                                     "match, print the text and the speed-up figures")

@@ -17,6 +17,10 @@ MASK_INITS = ("mean", "sample", "last-k", "vector")
 class GenerationConfig:
     """How to generate: budget, probing plan, mask embeddings, sampling and stopping.
 
+    ``calibrate`` corrects the dynamic tree's scores with the acceptance it observes per depth
+    and rank (:class:`edgemtp.tree.RankCalibration`); ``False`` is the paper's Algorithm 1.
+    Neither changes the output tokens, only how many forward calls they take.
+
     ``temperature == 0`` means greedy decoding; ``> 0`` samples losslessly from the model's
     processed distribution (temperature, then top-k, then top-p, as ``transformers`` does).
     """
@@ -30,6 +34,7 @@ class GenerationConfig:
     mask_vector: tuple[float, ...] | None = None
     ema: float = 0.1
     prune: bool = True
+    calibrate: bool = True
     drafter: str = "probe"
     temperature: float = 0.0
     top_k: int = 0

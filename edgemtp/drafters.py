@@ -13,7 +13,7 @@ from .config import GenerationConfig
 from .embeddings import MaskEmbeddings
 from .errors import ConfigError
 from .plans import DynamicPlans, Plan, dynamic_plans, nodes_for_budget, static_plan
-from .tree import dynamic_tree, static_tree
+from .tree import RankCalibration, dynamic_tree, prune, static_tree
 
 ROOT_ONLY = Plan.root_only()
 
@@ -58,7 +58,8 @@ class ProbeDrafter:
     """Mask-token probing: the accepted node's ``k`` masks propose depths ``1..k`` of the
     next tree, static (a fixed top-1 shape) or dynamic (Algorithm 1 over a plan table)."""
 
-    def __init__(self, backend: Backend, config: GenerationConfig) -> None:
+    def __init__(self, backend: Backend, config: GenerationConfig,
+                 memory: dict | None = None) -> None:
         k = self.mask_tokens = config.mask_tokens
         n = nodes_for_budget(config.bc, k)
         self.plans: DynamicPlans | None = None
@@ -78,29 +79,57 @@ class ProbeDrafter:
         self.embeds = MaskEmbeddings(k, config.mask_init, config.ema, backend.embed,
                                      stats=stats, vector=vector, seed=config.seed)
         self._cand: tuple[np.ndarray, np.ndarray] | None = None
+        self.calibration = None
+        if config.calibrate and self.plans is not None:
+            # kept in the caller's memory, if any, so it keeps learning across generations
+            key = ("rank-calibration", config.bc, k, config.prune)
+            fresh = RankCalibration(k, n - 1)
+            self.calibration = fresh if memory is None else memory.setdefault(key, fresh)
+        self._pools: tuple[list, list] | None = None
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)
 
     def propose(self, root: int) -> tuple[Plan, np.ndarray]:
         ids, lp = self._cand
-        if self.plans is not None:
-            return dynamic_tree(self.plans, root, ids, lp, self.prune)
-        return self.static, static_tree(self.static, root, ids, lp, self.prune)
+        if self.plans is None:
+            return self.static, static_tree(self.static, root, ids, lp, self.prune)
+        cal = self.calibration
+        plan, tokens = dynamic_tree(self.plans, root, ids, lp, self.prune,
+                                    cal.bias() if cal is not None else None)
+        if cal is not None:
+            self._pools = self._ranked(root, ids, lp)
+        return plan, tokens
+
+    def _ranked(self, root: int, ids: np.ndarray, lp: np.ndarray) -> tuple[list, list]:
+        # each depth's pruned ranking, under the top-1 of the depth above
+        pools_ids, pools_lp, parent = [], [], root
+        for j in range(self.mask_tokens):
+            i, p = prune(ids[j], lp[j], parent, self.topk - 1, self.prune)
+            pools_ids.append(i)
+            pools_lp.append(p)
+            parent = int(i[0])
+        return pools_ids, pools_lp
 
     def mask_embeds(self) -> np.ndarray:
         return self.embeds.value
 
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int]) -> None:
+        if self._pools is not None:  # new_tokens: the true tokens at depths 1, 2, ...
+            self.calibration.record(*self._pools, truth=new_tokens)
+            self._pools = None
         self._cand = out.topk_ids[mask_rows], out.topk_logprobs[mask_rows]
         self.embeds.update(new_tokens)
 
 
-def make_drafter(backend: Backend, config: GenerationConfig) -> Drafter:
-    return DRAFTERS[config.drafter](backend, config)
+def make_drafter(backend: Backend, config: GenerationConfig, memory: dict | None = None
+                 ) -> Drafter:
+    """The drafter a config asks for; ``memory`` is state a drafter may keep across
+    generations of one loaded model (never anything that changes the output tokens)."""
+    return DRAFTERS[config.drafter](backend, config, memory)
 
 
 DRAFTERS = {
     "probe": ProbeDrafter,
-    "none": lambda backend, config: NoDrafter(),
+    "none": lambda backend, config, memory: NoDrafter(),
 }

@@ -66,7 +66,7 @@ class Generation:
     forward pass committed (the first comes from prefill)."""
 
     def __init__(self, backend: Backend, config: GenerationConfig, prompt_ids,
-                 decode: Decode | None = None) -> None:
+                 decode: Decode | None = None, memory: dict | None = None) -> None:
         self.backend, self.config = backend, config
         self.prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if self.prompt.size == 0:
@@ -77,7 +77,7 @@ class Generation:
         if self.prompt.size >= backend.max_context:
             raise ConfigError(f"the prompt has {self.prompt.size} tokens; the max context is "
                               f"{backend.max_context}, which leaves no room to generate")
-        self.drafter: Drafter = make_drafter(backend, config)
+        self.drafter: Drafter = make_drafter(backend, config, memory)
         self.verifier = Verifier(config)
         self.stopper = Stopper(config, backend.eos_token_ids,
                                backend.max_context - self.prompt.size, decode)

@@ -442,3 +442,56 @@ def test_vector_init_then_update(k, size):
     m.update([0])
     np.testing.assert_allclose(m.value, np.broadcast_to(0.5 + 0.5 * TABLE[0], (k, D)), rtol=1e-6)
     np.testing.assert_array_equal(vec, np.ones(size))  # the user's vector is not touched
+
+
+# -- calibrated dynamic trees ---------------------------------------------------------------
+
+@FAST
+@given(candidates(), st.data())
+def test_calibrated_dynamic_tree_stays_a_valid_top1_tree(case, data):
+    """Any per-(depth, rank) bias still gives a table plan whose every depth keeps a prefix
+    of its ranking and whose kept set is the top N - 1 by biased score, capped by the parent's
+    and by every better-ranked sibling's."""
+    from edgemtp.tree import RankCalibration  # noqa: F401  (the bias's producer)
+
+    bc, k, root, ids, lp, on = case
+    plans = dynamic_plans(bc, k)
+    n = plans.n_nodes
+    bias = np.array(data.draw(st.lists(st.lists(st.floats(-3, 3), min_size=ids.shape[1],
+                                                  max_size=ids.shape[1]),
+                                         min_size=k, max_size=k)))
+    plan, tokens = dynamic_tree(plans, root, ids, lp, on, bias)
+    pools = ref_pools(root, ids, lp, on)
+    assert plans.table[plan.counts + (0,) * (k - len(plan.counts))] is plan
+    want = [root] + [t for j, c in enumerate(plan.counts) for t, _ in pools[j][:c]]
+    assert tokens.tolist() == want and len(tokens) == n
+    # reference scores: biased, never above the parent's
+    scored, base, cap = [], 0.0, np.inf
+    for j, row in enumerate(pools):
+        s = np.minimum.accumulate([min(base + v + bias[j, r], cap)
+                                   for r, (_, v) in enumerate(row[: n - 1])]).tolist()
+        scored += [(x, j, r) for r, x in enumerate(s)]
+        base = cap = s[0]
+    kept = {(j, r) for j, c in enumerate(plan.counts) for r in range(c)}
+    ks = [x for x, j, r in scored if (j, r) in kept]
+    ds = [x for x, j, r in scored if (j, r) not in kept]
+    if ds:
+        assert min(ks) >= max(ds)
+
+
+def test_rank_calibration_learns_over_confident_depth():
+    """A depth whose top candidate the mask token rates 0.9 but which is never right gets a
+    strongly negative bias; a depth that is right more often than rated gets a positive one."""
+    from edgemtp.tree import RankCalibration
+
+    cal = RankCalibration(k=2, width=3)
+    ids = [np.array([10, 11, 12]), np.array([20, 21, 22])]
+    lps = [np.log([0.3, 0.2, 0.1]), np.log([0.9, 0.05, 0.01])]
+    for _ in range(50):
+        cal.record(ids, lps, truth=[10, 21])  # depth 1 top-1 right, depth 2 rank 1 right
+    b = cal.bias()
+    assert b[0, 0] > 0.5 and b[1, 0] < -3 and b[1, 1] > 2
+    # depth 2 is only observed when depth 1's top-1 was right
+    before = cal.mass[1].copy()
+    cal.record(ids, lps, truth=[11, 21])
+    np.testing.assert_array_equal(cal.mass[1], before)
