@@ -1,0 +1,191 @@
+"""The decoder graph: ``models.decoder.TreeDecoder`` (with a graph-friendly attention,
+:class:`ExportTreeDecoder`) traced to ONNX with the in-graph reductions the host reads every
+step.
+
+Graph contract (``../shared/DESIGN.md``)::
+
+    inputs   input_ids [1, T] int64        ids >= vocab select row id - vocab of mask_embeds
+             position_ids [1, T] int64
+             tree_mask [1, 1, T, T] bool   the block only; the graph adds the cache columns
+             mask_embeds [k, d] float32
+             past_key_i, past_value_i [1, P, H_kv, D]     per layer, sequence-major
+    outputs  topk_ids [1, T, K] int64, topk_logprobs [1, T, K] float32
+             argmax [1, T] int64           first maximal index, as torch.argmax / np.argmax
+             logits [1, T, V] float32      bind it only when sampling needs it
+             present_key_i, present_value_i [1, T, H_kv, D]   the block's new rows only
+
+``T``, ``P`` and ``k`` are dynamic; ``K`` is fixed at export (the widest plan's N + 1).
+ONNX Runtime runs every node whatever outputs are asked for, but ``logits`` is the lm_head
+result that TopK and ArgMax need anyway, so an unbound ``logits`` costs no extra compute and
+no device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from edgemtp.errors import UnsupportedModelError
+from edgemtp.models.decoder import TreeDecoder
+from edgemtp.runtimes.package import FIXED_INPUTS, graph_inputs, graph_outputs
+
+# rotary types whose frequencies change with the sequence length at run time: a traced graph
+# would freeze one branch of that data-dependent update
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+class ExportTreeDecoder(TreeDecoder):
+    """TreeDecoder with an attention written for the graph, not for PyTorch: the same math
+    (the self-check holds it to the reference TreeDecoder), about half the run time in
+    ONNX Runtime for a small model.
+
+    - grouped-query attention by folding each KV head's query group into the row axis
+      (``[1, H, T, D] -> [1, H_kv, g*T, D]``), instead of ``repeat_interleave``, which copies
+      the whole cache ``g`` times per layer per step;
+    - reshapes with ``-1`` instead of traced sizes (no Shape/Gather/Concat chains);
+    - an additive mask applied in float32, instead of SDPA's decomposition (IsNaN guards).
+    """
+
+    def _attention(self, layer, x, cos, sin, mask, past_k, past_v):
+        # x: [1, T, d]; mask: [1, 1, T, S] bool with S = P + T; past_k/v: [1, P, H_kv, D]
+        attn, hd, g = layer.self_attn, self.head_dim, self.n_heads // self.n_kv
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(1, -1, self.n_heads, hd)
+        k = attn.k_proj(h).view(1, -1, self.n_kv, hd)
+        v = attn.v_proj(h).view(1, -1, self.n_kv, hd)
+        if self.family.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        k_new = k.transpose(1, 2)                                        # [1, T, H_kv, D]
+        keys = torch.cat([past_k, k_new], dim=1).permute(0, 2, 3, 1)     # [1, H_kv, D, S]
+        values = torch.cat([past_v, v], dim=1).transpose(1, 2)           # [1, H_kv, S, D]
+        # query head h = kv * g + j reads KV head kv (as repeat_interleave): rows j * T + t
+        bias = torch.where(mask, 0.0, float("-inf")).repeat(1, 1, g, 1)  # [1, 1, g*T, S]
+        scores = torch.matmul(q.reshape(1, self.n_kv, -1, hd), keys).float()
+        probs = torch.softmax(scores * attn.scaling + bias, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values).reshape(1, self.n_heads, -1, hd)
+        out = attn.o_proj(out.transpose(1, 2).reshape(1, -1, self.n_heads * hd))
+        return out, k_new, v
+
+
+class ExportDecoder(nn.Module):
+    """TreeDecoder with flat per-layer K/V arguments and the top-K / argmax reductions."""
+
+    def __init__(self, decoder: TreeDecoder, topk: int) -> None:
+        super().__init__()
+        self.decoder, self.topk = decoder, topk
+
+    def forward(self, input_ids, position_ids, tree_mask, mask_embeds, *past):
+        # past: past_key_0, past_value_0, past_key_1, ... each [1, P, H_kv, D]
+        logits, keys, values = self.decoder(input_ids, position_ids, tree_mask, mask_embeds,
+                                            list(past[0::2]), list(past[1::2]))
+        logits = logits.float()                                     # [1, T, V]
+        top, ids = logits.topk(self.topk, dim=-1)
+        # log-softmax of the top-K only: no second [T, V] tensor
+        logprobs = top - torch.logsumexp(logits, dim=-1, keepdim=True)
+        argmax = logits.argmax(dim=-1)
+        present = [t for kv in zip(keys, values) for t in kv]
+        return (ids, logprobs, argmax, logits, *present)
+
+
+def check_rope(config) -> None:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    rope = rope if isinstance(rope, dict) else {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in DYNAMIC_ROPE:
+        raise UnsupportedModelError(
+            f"rope type {kind!r} rescales the rotary frequencies with the sequence length at "
+            f"run time, which one static graph cannot hold; supported: default, linear, llama3, "
+            f"yarn and other fixed scalings")
+
+
+def example_inputs(decoder: TreeDecoder, dtype: torch.dtype, t: int = 5, p: int = 3,
+                   k: int = 2) -> tuple[torch.Tensor, ...]:
+    """Trace inputs; T, P and k differ so the tracer cannot confuse their dimensions."""
+    hidden = decoder.model.embed_tokens.weight.shape[1]
+    ids = torch.arange(t, dtype=torch.long)[None] % decoder.vocab_size
+    ids[0, -1] = decoder.vocab_size                                  # one mask slot
+    pos = torch.arange(p, p + t, dtype=torch.long)[None]
+    mask = torch.tril(torch.ones(t, t, dtype=torch.bool))[None, None]
+    embeds = torch.zeros(k, hidden, dtype=torch.float32)
+    layers = len(decoder.model.layers)
+    past = [torch.zeros(1, p, decoder.n_kv, decoder.head_dim, dtype=dtype)
+            for _ in range(2 * layers)]
+    return (ids, pos, mask, embeds, *past)
+
+
+def dynamic_axes(layers: int) -> dict[str, dict[int, str]]:
+    axes = {"input_ids": {1: "T"}, "position_ids": {1: "T"}, "tree_mask": {2: "T", 3: "T"},
+            "mask_embeds": {0: "k"}}
+    for name in graph_inputs(layers)[len(FIXED_INPUTS):]:
+        axes[name] = {1: "P"}
+    for name in graph_outputs(layers):
+        axes[name] = {1: "T"}
+    return axes
+
+
+def trace_to_onnx(module: ExportDecoder, path: Path, dtype: torch.dtype, opset: int) -> None:
+    """Trace ``module`` into ``path`` (large models may spill weights into files beside it)."""
+    dec = module.decoder
+    layers = len(dec.model.layers)
+    with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+        warnings.simplefilter("ignore")  # TracerWarnings about shape arithmetic are expected
+        torch.onnx.export(module, example_inputs(dec, dtype), str(path),
+                          input_names=graph_inputs(layers), output_names=graph_outputs(layers),
+                          dynamic_axes=dynamic_axes(layers), opset_version=opset,
+                          do_constant_folding=True, dynamo=False)
+
+
+def tidy_graph(model, module: ExportDecoder) -> None:
+    """Write the contract's output shapes into the graph (the tracer leaves generated names
+    such as ``TopKtopk_ids_dim_0`` or ``Reshapepresent_value_4_dim_2`` where a size is
+    known)."""
+    dec = module.decoder
+    kv = [1, "T", dec.n_kv, dec.head_dim]
+    shapes = {"topk_ids": [1, "T", module.topk], "topk_logprobs": [1, "T", module.topk],
+              "argmax": [1, "T"], "logits": [1, "T", dec.vocab_size]}
+    for out in model.graph.output:
+        dims = out.type.tensor_type.shape.dim
+        want = shapes.get(out.name, kv)
+        assert len(dims) == len(want), (out.name, len(dims), want)
+        for dim, value in zip(dims, want):
+            if isinstance(value, str):
+                dim.dim_param = value
+            else:
+                dim.ClearField("dim_param")
+                dim.dim_value = value
+
+
+def commit_graph(layers: int, dtype: str, opset: int):
+    """The tiny graph a device-resident cache commits with: it gathers the accepted rows of
+    the block's K/V and writes each layer's rows straight into the cache (the backend binds
+    every output to the cache memory at row P), so no K/V ever leaves the device.
+
+    inputs ``present_keys, present_values [L, T, H_kv, D]``, ``rows [R]`` int64; outputs
+    ``commit_key_i, commit_value_i [1, R, H_kv, D]``.
+    """
+    from onnx import TensorProto, helper
+
+    elem = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
+    shape = [layers, "T", "H", "D"]
+    nodes = [helper.make_node("Constant", [], ["ones"], value=helper.make_tensor(
+        "ones", TensorProto.INT64, [layers], [1] * layers))]
+    outputs = []
+    for kv, src in (("key", "present_keys"), ("value", "present_values")):
+        names = [f"commit_{kv}_{i}" for i in range(layers)]
+        nodes.append(helper.make_node("Gather", [src, "rows"], [f"{kv}_rows"], axis=1))
+        nodes.append(helper.make_node("Split", [f"{kv}_rows", "ones"], names, axis=0))
+        outputs += [helper.make_tensor_value_info(n, elem, [1, "R", "H", "D"]) for n in names]
+    graph = helper.make_graph(
+        nodes, "edgemtp_kv_commit",
+        [helper.make_tensor_value_info("present_keys", elem, shape),
+         helper.make_tensor_value_info("present_values", elem, shape),
+         helper.make_tensor_value_info("rows", TensorProto.INT64, ["R"])],
+        outputs)
+    # IR 8 keeps the graph loadable by older onnxruntime builds (Jetson wheels lag behind)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                             ir_version=8, producer_name="edgemtp")

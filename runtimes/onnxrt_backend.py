@@ -1,0 +1,331 @@
+"""ONNX Runtime backend: runs a package written by ``edgemtp export`` on CPU, CUDA or the
+TensorRT execution provider, behind the same interface as the PyTorch reference backend.
+
+Every tensor crosses the session boundary through one IOBinding:
+
+- the KV cache is preallocated from the manifest, ``[L, max_context, H_kv, D]`` for K and V
+  (sequence-major), and each layer's past is bound as the zero-copy prefix ``cache[i, :P]``;
+- the block's new K/V land in a preallocated buffer; a commit copies only accepted rows;
+- the host reads back ``argmax`` and ``top-K`` (O(T * K)); ``logits`` only when sampling.
+
+On CPU the cache is a numpy array. On CUDA / TensorRT it is an ``OrtValue`` on the device and
+a commit runs the package's tiny ``kv_commit.onnx`` gather with its outputs bound straight
+into the cache, so K/V never leave the device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from edgemtp.backend import StepOut
+from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
+from edgemtp.runtimes.package import COMMIT, FIXED_INPUTS, kv_names, load_package
+
+# --device -> (execution provider, OrtValue device type, how to get it)
+DEVICES = {
+    "cpu": ("CPUExecutionProvider", "cpu", "pip install onnxruntime"),
+    "cuda": ("CUDAExecutionProvider", "cuda",
+             "pip install onnxruntime-gpu, with a CUDA runtime and cuDNN that match it"),
+    "tensorrt": ("TensorrtExecutionProvider", "cuda",
+                 "pip install onnxruntime-gpu and TensorRT (on Jetson: the JetPack wheel)"),
+}
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ModuleNotFoundError:
+        raise BackendUnavailableError("the onnxruntime backend needs the 'onnxruntime' package "
+                                      "(pip install onnxruntime, or onnxruntime-gpu)") from None
+    return onnxruntime
+
+
+def _ort_errors(ort) -> tuple[type[BaseException], ...]:
+    state = ort.capi.onnxruntime_pybind11_state
+    names = ("Fail", "InvalidArgument", "InvalidGraph", "InvalidProtobuf", "NoSuchFile",
+             "NotImplemented", "RuntimeException", "EPFail")
+    return tuple(getattr(state, n) for n in names if hasattr(state, n))
+
+
+def _bind(io, name: str, arr: np.ndarray, output: bool = False) -> None:
+    # zero-copy: ORT reads (or writes) the numpy buffer in place
+    fn = io.bind_output if output else io.bind_input
+    fn(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+
+
+class KVCache:
+    """K and V caches ``[L, rows, H_kv, D]`` plus the last block's new K/V ``[L, cap, H, D]``,
+    bound to the graph by pointer: layer ``i``'s past is the prefix ``cache[i, :P]`` (rebound
+    every step, P grows) and its present output is written to ``new[i, :T]`` (rebound only
+    when T changes). Subclasses own the memory and the commit."""
+
+    device = "cpu"
+
+    def __init__(self, layers: int, rows: int, heads: int, dim: int, dtype) -> None:
+        self.layers, self.rows, self.tail = layers, rows, [heads, dim]
+        self.dtype = np.dtype(dtype)
+        self.row_bytes = heads * dim * self.dtype.itemsize
+        self.past = kv_names("past", layers)
+        self.present = kv_names("present", layers)
+        self.k_ptr, self.v_ptr = self._alloc_cache()
+        self.cap, self.new_k_ptr, self.new_v_ptr = 0, 0, 0
+
+    def bind_past(self, io, p: int) -> None:
+        shape, stride = [1, p, *self.tail], self.rows * self.row_bytes
+        for i in range(self.layers):
+            io.bind_input(self.past[2 * i], self.device, 0, self.dtype, shape,
+                          self.k_ptr + i * stride)
+            io.bind_input(self.past[2 * i + 1], self.device, 0, self.dtype, shape,
+                          self.v_ptr + i * stride)
+
+    def bind_present(self, io, t: int) -> None:
+        if self.cap < t:
+            self.cap = max(t, 64)
+            self.new_k_ptr, self.new_v_ptr = self._alloc_new(self.cap)
+        shape, stride = [1, t, *self.tail], self.cap * self.row_bytes
+        for i in range(self.layers):
+            io.bind_output(self.present[2 * i], self.device, 0, self.dtype, shape,
+                           self.new_k_ptr + i * stride)
+            io.bind_output(self.present[2 * i + 1], self.device, 0, self.dtype, shape,
+                           self.new_v_ptr + i * stride)
+
+
+class HostKV(KVCache):
+    """numpy memory; a commit is one fancy-indexed copy per K and V."""
+
+    def _alloc_cache(self):
+        self.k = np.zeros((self.layers, self.rows, *self.tail), dtype=self.dtype)
+        self.v = np.zeros_like(self.k)
+        return self.k.ctypes.data, self.v.ctypes.data
+
+    def _alloc_new(self, cap: int):
+        self.new_k = np.empty((self.layers, cap, *self.tail), dtype=self.dtype)
+        self.new_v = np.empty_like(self.new_k)
+        return self.new_k.ctypes.data, self.new_v.ctypes.data
+
+    def commit(self, rows: np.ndarray, p: int) -> None:
+        r = len(rows)
+        self.k[:, p:p + r] = self.new_k[:, rows]
+        self.v[:, p:p + r] = self.new_v[:, rows]
+
+
+class DeviceKV(KVCache):
+    """``OrtValue`` memory on the session's device; a commit runs the package's gather graph
+    with each layer's output bound into the cache at row P, so K/V never leave the device."""
+
+    def __init__(self, ort, commit_session, device: str, *dims) -> None:
+        self.ort, self.session, self.device = ort, commit_session, device
+        self.io = commit_session.io_binding()
+        super().__init__(*dims)
+
+    def _alloc(self, rows: int):
+        return self.ort.OrtValue.ortvalue_from_shape_and_type(
+            [self.layers, rows, *self.tail], self.dtype, self.device, 0)
+
+    def _alloc_cache(self):
+        self.k, self.v = self._alloc(self.rows), self._alloc(self.rows)
+        return self.k.data_ptr(), self.v.data_ptr()
+
+    def _alloc_new(self, cap: int):
+        self.new_k, self.new_v = self._alloc(cap), self._alloc(cap)
+        return self.new_k.data_ptr(), self.new_v.data_ptr()
+
+    def commit(self, rows: np.ndarray, p: int) -> None:
+        io, shape = self.io, [1, len(rows), *self.tail]
+        io.bind_ortvalue_input("present_keys", self.new_k)
+        io.bind_ortvalue_input("present_values", self.new_v)
+        _bind(io, "rows", rows)
+        for i in range(self.layers):
+            at = (i * self.rows + p) * self.row_bytes
+            io.bind_output(f"commit_key_{i}", self.device, 0, self.dtype, shape, self.k_ptr + at)
+            io.bind_output(f"commit_value_{i}", self.device, 0, self.dtype, shape,
+                           self.v_ptr + at)
+        self.session.run_with_iobinding(io)
+
+
+class OrtBackend:
+    """A package on ONNX Runtime. ``dtype`` and ``trust_remote_code`` are accepted for
+    interface parity and ignored: a package's dtype is fixed at export and it runs no model
+    code. ``device_cache`` forces the device-resident cache path (default: off on CPU)."""
+
+    name = "onnxruntime"
+
+    def __init__(self, package_dir, device: str = "cpu", threads: int | None = None,
+                 max_context: int | None = None, dtype: str | None = None,
+                 trust_remote_code: bool = False, device_cache: bool | None = None) -> None:
+        ort = _ort()
+        self.package = pkg = load_package(package_dir)
+        m = pkg.manifest
+        self.vocab_size, self.hidden_size = m["vocab_size"], m["hidden_size"]
+        self.eos_token_ids = tuple(int(e) for e in m["eos_token_ids"])
+        self.topk = m["topk"]
+        self.has_tokenizer = bool(m.get("tokenizer", True))
+        self.max_context = self._context(m["max_context"], max_context)
+        self.session = self._session(ort, device, threads)
+        self._check_graph()
+        layers, dims = m["num_layers"], (m["num_kv_heads"], m["head_dim"])
+        if device_cache if device_cache is not None else device != "cpu":
+            commit = self._session(ort, device, threads, pkg.root / COMMIT, graph="commit")
+            self.kv = DeviceKV(ort, commit, DEVICES[device][1], layers, self.max_context, *dims,
+                               pkg.np_dtype)
+        else:
+            self.kv = HostKV(layers, self.max_context, *dims, pkg.np_dtype)
+        self._table = np.load(pkg.root / m["embeddings"]["file"], mmap_mode="r")
+        self._stats = (np.asarray(m["embeddings"]["mu"], dtype=np.float32),
+                       np.asarray(m["embeddings"]["sigma"], dtype=np.float32))
+        self._no_masks = np.zeros((1, self.hidden_size), dtype=np.float32)
+        self._io = self.session.io_binding()
+        self._argmax = np.zeros((1, 0), dtype=np.int64)
+        self._top_ids = np.zeros((1, 0, self.topk), dtype=np.int64)
+        self._top_lp = np.zeros((1, 0, self.topk), dtype=np.float32)
+        self._outputs_for: tuple[int, bool] | None = None  # (T, top-K) the outputs are bound for
+        self.cache_len = 0
+
+    # -- loading ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _context(limit: int, requested: int | None) -> int:
+        if requested is None:
+            return limit
+        if requested < 2:
+            raise ConfigError(f"max context must be >= 2 tokens, got {requested}")
+        return min(limit, int(requested))
+
+    def _session(self, ort, device: str, threads: int | None, path: Path | None = None,
+                 graph: str = "model"):
+        if device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+        provider, _, install = DEVICES[device]
+        if provider not in ort.get_available_providers():
+            raise BackendUnavailableError(
+                f"device {device!r} needs onnxruntime's {provider}, which this onnxruntime "
+                f"build lacks (available: {', '.join(ort.get_available_providers())}); "
+                f"{install}")
+        providers = [provider] if provider == "CPUExecutionProvider" else [
+            (provider, self._provider_options(device)), "CPUExecutionProvider"]
+        if graph == "commit" and device == "tensorrt":
+            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            so.intra_op_num_threads = int(threads)
+        path = path or self.package.graph_path
+        if not path.is_file():
+            raise ModelLoadError(f"the package {str(self.package.root)!r} has no {path.name}; "
+                                 f"re-export it")
+        try:
+            return ort.InferenceSession(str(path), so, providers=providers)
+        except _ort_errors(ort) as e:
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelLoadError(f"onnxruntime cannot load {str(path)!r}: {text}") from None
+
+    def _provider_options(self, device: str) -> dict:
+        if device != "tensorrt":
+            return {}
+        # one optimisation profile over every shape a generation feeds (T up to a prefill of
+        # the whole context, P from an empty cache to a full one); without it the TensorRT
+        # EP would build a new engine for every new cache length
+        m = self.package.manifest
+        plan_t = max((e["T"] for e in m["plans"]), default=1)
+        k = max((e["k"] for e in m["plans"]), default=1)
+        ctx, kv = self.max_context, f"{m['num_kv_heads']}x{m['head_dim']}"
+
+        def shapes(t: int, p: int, kk: int) -> str:
+            dims = {"input_ids": f"1x{t}", "position_ids": f"1x{t}",
+                    "tree_mask": f"1x1x{t}x{t}", "mask_embeds": f"{kk}x{m['hidden_size']}"}
+            dims.update({n: f"1x{p}x{kv}" for n in m["graph"]["inputs"][len(FIXED_INPUTS):]})
+            return ",".join(f"{n}:{d}" for n, d in dims.items())
+
+        return {"trt_engine_cache_enable": "True",
+                "trt_engine_cache_path": str(self.package.root / "engines"),
+                "trt_fp16_enable": str(m["dtype"] == "fp16"),
+                "trt_profile_min_shapes": shapes(1, 0, 1),
+                "trt_profile_opt_shapes": shapes(plan_t, ctx // 2, k),
+                "trt_profile_max_shapes": shapes(ctx, ctx, k)}
+
+    def _check_graph(self) -> None:
+        # the manifest describes the graph the package ships; disagreement means a mixed-up
+        # package, which would otherwise fail later with a shape error mid-generation
+        m = self.package.manifest
+        inputs = {i.name: i.shape for i in self.session.get_inputs()}
+        outputs = {o.name: o.shape for o in self.session.get_outputs()}
+        want_in, want_out = m["graph"]["inputs"], m["graph"]["outputs"]
+        if list(inputs) != want_in or list(outputs) != want_out:
+            missing = [n for n in want_in + want_out if n not in inputs and n not in outputs]
+            extra = [n for n in list(inputs) + list(outputs) if n not in want_in + want_out]
+            raise ModelLoadError(f"model.onnx does not match the manifest: graph inputs/outputs "
+                                 f"missing {missing[:3]}, unexpected {extra[:3]}")
+        expect = {"mask_embeds": [None, m["hidden_size"]],
+                  "past_key_0": [1, None, m["num_kv_heads"], m["head_dim"]],
+                  "topk_ids": [1, None, m["topk"]]}
+        for name, dims in expect.items():
+            got = inputs.get(name, outputs.get(name))
+            if any(w is not None and g != w for g, w in zip(got, dims)):
+                raise ModelLoadError(f"model.onnx does not match the manifest: {name} has shape "
+                                     f"{got}, the manifest implies {dims}")
+
+    # -- Backend interface ------------------------------------------------------------------
+
+    def forward(self, input_ids, position_ids, tree_mask, mask_embeds, topk: int = 0,
+                full_logits: bool = False) -> StepOut:
+        # input_ids, position_ids: [T]; tree_mask: [T, T] bool; mask_embeds: [k, d] or None
+        t, io = len(input_ids), self._io
+        if topk > self.topk:
+            raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
+                              f"top-{self.topk}; re-export with a larger --bc")
+        feeds = (np.ascontiguousarray(input_ids, dtype=np.int64).reshape(1, t),
+                 np.ascontiguousarray(position_ids, dtype=np.int64).reshape(1, t),
+                 np.ascontiguousarray(tree_mask, dtype=np.bool_).reshape(1, 1, t, t),
+                 self._no_masks if mask_embeds is None
+                 else np.ascontiguousarray(mask_embeds, dtype=np.float32))
+        for name, arr in zip(FIXED_INPUTS, feeds):
+            _bind(io, name, arr)
+        self.kv.bind_past(io, self.cache_len)
+        logits = np.empty((1, t, self.vocab_size), dtype=np.float32) if full_logits else None
+        if (t, topk > 0) != self._outputs_for or full_logits:
+            self._bind_outputs(t, topk > 0, logits)
+        self.session.run_with_iobinding(io)
+        return StepOut(argmax=self._argmax[0, :t].copy(),
+                       topk_ids=self._top_ids[0, :t, :topk].copy(),
+                       topk_logprobs=self._top_lp[0, :t, :topk].copy(),
+                       logits=None if logits is None else logits[0])
+
+    def _bind_outputs(self, t: int, with_topk: bool, logits: np.ndarray | None) -> None:
+        # the steps of one plan share T, so outputs stay bound to the same buffers between
+        # them; buffers grow on demand and [1, :t] of a [1, cap, ...] buffer is contiguous
+        io = self._io
+        io.clear_binding_outputs()
+        self.kv.bind_present(io, t)
+        if self._argmax.shape[1] < t:
+            cap = max(t, 64)
+            self._argmax = np.zeros((1, cap), dtype=np.int64)
+            self._top_ids = np.zeros((1, cap, self.topk), dtype=np.int64)
+            self._top_lp = np.zeros((1, cap, self.topk), dtype=np.float32)
+        _bind(io, "argmax", self._argmax[:, :t], output=True)
+        if with_topk:
+            _bind(io, "topk_ids", self._top_ids[:, :t], output=True)
+            _bind(io, "topk_logprobs", self._top_lp[:, :t], output=True)
+        if logits is not None:
+            _bind(io, "logits", logits, output=True)
+        # a fresh logits array is bound per step: force a rebind next time
+        self._outputs_for = None if logits is not None else (t, with_topk)
+
+    def commit(self, rows) -> None:
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if self.cache_len + len(rows) > self.max_context:
+            raise ConfigError(f"committing {len(rows)} rows overruns the KV cache "
+                              f"({self.cache_len} of {self.max_context} rows used)")
+        self.kv.commit(rows, self.cache_len)
+        self.cache_len += len(rows)
+
+    def reset(self) -> None:
+        self.cache_len = 0
+
+    def embed(self, token_ids) -> np.ndarray:
+        return np.asarray(self._table[np.asarray(token_ids, dtype=np.int64)], dtype=np.float32)
+
+    def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._stats

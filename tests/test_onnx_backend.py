@@ -1,0 +1,263 @@
+"""The ONNX Runtime backend on real exported packages: exact token equality of probing (BC
+10/30/60, k 1/2, static and dynamic trees) against ``transformers`` greedy ``generate``, on
+stories260K and on small random-initialised llama (Llama-3 rope scaling), qwen2, qwen3 and
+mistral configs; plus the backend's own contract (top-K width, logits, device cache, errors).
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+transformers = pytest.importorskip("transformers")
+
+from edgemtp import GenerationConfig, Model  # noqa: E402
+from edgemtp.engine import Generation  # noqa: E402
+from edgemtp.errors import BackendUnavailableError, ConfigError  # noqa: E402
+from edgemtp.export.onnx_export import export_package  # noqa: E402
+from edgemtp.runtimes.onnxrt_backend import OrtBackend  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
+STORIES = SHARED / "models" / "stories260K"
+NEW_TOKENS = 128
+
+# (bc, k, tree): every budget of the issue, static and dynamic (for k = 1 both are one shape)
+PROBES = [(10, 1, "static"), (30, 1, "static"), (60, 1, "static"),
+          (10, 2, "static"), (10, 2, "dynamic"), (30, 2, "static"), (30, 2, "dynamic"),
+          (60, 2, "static"), (60, 2, "dynamic")]
+
+
+def story_prompts(n: int) -> list[str]:
+    with open(SHARED / "data" / "stories_prompts.jsonl") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()][:n]
+
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            seq = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new_tokens,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 pad_token_id=model.config.pad_token_id or 0)
+            out.append(seq[0, len(ids):].tolist())
+    return out
+
+
+def run(backend, prompts, **options) -> list[list[int]]:
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, **options)
+    return [Generation(backend, config, ids).run().token_ids for ids in prompts]
+
+
+# -- stories260K --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stories_pkg(tmp_path_factory):
+    assert STORIES.is_dir(), f"missing shared model {STORIES}"
+    out = tmp_path_factory.mktemp("ort") / "stories"
+    export_package(str(STORIES), out, max_context=256, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stories_case(stories_pkg):
+    tok = transformers.AutoTokenizer.from_pretrained(STORIES)
+    prompts = [tok(p).input_ids for p in story_prompts(24)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(STORIES).eval()
+    return OrtBackend(stories_pkg, threads=1), prompts, hf_greedy(hf, prompts)
+
+
+def test_stories_greedy_equals_transformers(stories_case):
+    backend, prompts, want = stories_case
+    assert len(prompts) >= 24
+    assert run(backend, prompts, drafter="none") == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bc,k,tree", PROBES, ids=[f"bc{b}-k{k}-{t}" for b, k, t in PROBES])
+def test_stories_probe_equals_transformers(stories_case, bc, k, tree):
+    backend, prompts, want = stories_case
+    got = run(backend, prompts, bc=bc, mask_tokens=k, tree=tree)
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, f"prompts {bad} differ from transformers greedy generate"
+
+
+def test_device_cache_path_matches_host_cache(stories_case, stories_pkg):
+    # the CUDA / TensorRT cache path (OrtValues bound by pointer, commits by the package's
+    # gather graph), exercised here on CPU memory
+    backend, prompts, want = stories_case
+    on_device = OrtBackend(stories_pkg, threads=1, device_cache=True)
+    assert run(on_device, prompts[:4], bc=60, mask_tokens=2) == want[:4]
+    assert run(on_device, prompts[:2], drafter="none") == want[:2]
+
+
+def test_model_load_picks_onnxruntime_and_package_tokenizer(stories_pkg, stories_case):
+    _, prompts, want = stories_case
+    model = Model.load(str(stories_pkg))
+    assert model.backend.name == "onnxruntime"
+    text = story_prompts(1)[0]
+    assert model.tokenizer.encode(text) == prompts[0]
+    result = model.generate(text, bc=30, max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == want[0]
+    assert result.text
+
+
+def test_step_outputs_match_torch_backend(stories_pkg):
+    from edgemtp.runtimes.torch_backend import TorchBackend
+
+    ort_b, torch_b = OrtBackend(stories_pkg), TorchBackend(str(STORIES))
+    ids = np.array([1, 403, 407, 261, 512, 513])             # prompt + two mask slots
+    mask = np.tril(np.ones((6, 6), dtype=bool))
+    embeds = ort_b.embed(np.array([1, 403, 407, 261])).mean(0, keepdims=True).repeat(2, 0)
+    outs = [b.forward(ids, np.arange(6), mask, embeds, topk=5, full_logits=True)
+            for b in (ort_b, torch_b)]
+    np.testing.assert_array_equal(outs[0].argmax, outs[1].argmax)
+    np.testing.assert_array_equal(outs[0].topk_ids[:4], outs[1].topk_ids[:4])
+    np.testing.assert_allclose(outs[0].topk_logprobs, outs[1].topk_logprobs, atol=2e-3)
+    np.testing.assert_allclose(outs[0].logits, outs[1].logits, atol=2e-3)
+    assert outs[0].topk_ids.shape == (6, 5) and outs[0].logits.shape == (6, 512)
+    lean = ort_b.forward(ids, np.arange(6), mask, embeds)     # no top-K, no logits asked
+    assert lean.logits is None and lean.topk_ids.shape == (6, 0)
+    np.testing.assert_array_equal(lean.argmax, outs[0].argmax)
+    np.testing.assert_allclose(ort_b.embed([5, 7]), torch_b.embed([5, 7]), atol=0)
+    for a, b in zip(ort_b.embedding_stats(), torch_b.embedding_stats()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sampling_matches_torch_backend(stories_case):
+    # sampling reads full logits every step (bound per step, then unbound); with one seed the
+    # two backends draw the same tokens unless a draw lands within ~1e-6 of a boundary
+    from edgemtp.runtimes.torch_backend import TorchBackend
+
+    backend, prompts, _ = stories_case
+    torch_b = TorchBackend(str(STORIES))
+    for opts in (dict(drafter="none"), dict(bc=30, mask_tokens=2)):
+        config = GenerationConfig(max_new_tokens=64, temperature=0.8, top_p=0.9, seed=3, **opts)
+        for ids in prompts[:3]:
+            ours = Generation(backend, config, ids).run().token_ids
+            assert ours == Generation(torch_b, config, ids).run().token_ids
+
+
+def test_commit_copies_only_accepted_rows(stories_pkg):
+    b = OrtBackend(stories_pkg)
+    b.forward(np.array([1, 403, 407]), np.arange(3), np.tril(np.ones((3, 3), bool)), None)
+    b.commit(np.array([0, 1, 2]))
+    assert b.cache_len == 3
+    b.forward(np.array([9, 10, 11]), np.array([3, 4, 4]),
+              np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool), None)
+    b.commit(np.array([0, 2]))
+    assert b.cache_len == 5
+    np.testing.assert_array_equal(b.kv.k[:, 3], b.kv.new_k[:, 0])
+    np.testing.assert_array_equal(b.kv.k[:, 4], b.kv.new_k[:, 2])
+    assert not b.kv.k[:, 5:].any()
+    b.reset()
+    assert b.cache_len == 0
+
+
+def test_topk_wider_than_exported_is_refused(stories_pkg):
+    b = OrtBackend(stories_pkg)
+    with pytest.raises(ConfigError, match="exports top-31"):
+        b.forward(np.array([1]), np.array([0]), np.ones((1, 1), bool), None, topk=32)
+
+
+def test_missing_execution_provider_is_one_clear_line(stories_pkg):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA")
+    with pytest.raises(BackendUnavailableError) as e:
+        OrtBackend(stories_pkg, device="cuda")
+    msg = str(e.value)
+    assert "CUDAExecutionProvider" in msg and "onnxruntime-gpu" in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="device must be one of cpu, cuda, tensorrt"):
+        OrtBackend(stories_pkg, device="npu")
+
+
+def test_max_context_option_shrinks_the_cache(stories_pkg):
+    b = OrtBackend(stories_pkg, max_context=32)
+    assert b.max_context == 32 and b.kv.k.shape[1] == 32
+    assert OrtBackend(stories_pkg, max_context=10_000).max_context == 256
+    with pytest.raises(ConfigError, match="the max context is 32"):
+        Generation(b, GenerationConfig(), list(range(1, 40)))
+
+
+def test_fp16_package_is_lossless_on_its_own_backend(tmp_path):
+    out = tmp_path / "stories16"
+    report = export_package(str(STORIES), out, dtype="fp16", bc=(30,), mask_tokens=(1, 2),
+                            max_context=256, progress=False)
+    manifest = json.loads((out / "edgemtp.json").read_text())
+    assert manifest["dtype"] == "fp16"
+    assert np.load(out / "embeddings.npy").dtype == np.float16
+    assert report.check.token_rows <= 2e-2 * report.check.scale
+    tok = transformers.AutoTokenizer.from_pretrained(STORIES)
+    prompts = [tok(p).input_ids for p in story_prompts(4)]
+    b = OrtBackend(out, threads=1)
+    assert b.kv.k.dtype == np.float16
+    greedy = run(b, prompts, drafter="none")
+    assert run(b, prompts, bc=30) == greedy
+    assert run(b, prompts, bc=30, mask_tokens=2) == greedy
+
+
+# -- random-initialised families ------------------------------------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+               "rope_theta": 500000.0}
+
+
+def tiny_config(family: str):
+    # initializer_range 0.3 gives decisive logits (top-2 margins >= ~1e-3, far above fp32
+    # noise), so equality tests the runtime and not tie-breaking
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  tie_word_embeddings=False)
+    if family == "llama":
+        return transformers.LlamaConfig(**common, rope_parameters=LLAMA3_ROPE)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=24)
+    return transformers.MistralConfig(**common, sliding_window=None)
+
+
+FAMILY_PROBES = [(10, 1, "static"), (30, 1, "static"), (30, 2, "dynamic"), (60, 2, "static")]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
+def family_case(request, tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(request.param)).eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder / "hf")
+    out = folder / "pkg"
+    export_package(str(folder / "hf"), out, bc=(10, 30, 60), progress=False)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 320, n).tolist() for n in (5, 11, 17)]
+    return request.param, out, prompts, hf_greedy(hf, prompts)
+
+
+@pytest.mark.parametrize("bc,k,tree", FAMILY_PROBES,
+                         ids=[f"bc{b}-k{k}-{t}" for b, k, t in FAMILY_PROBES])
+def test_random_family_probe_equals_transformers(family_case, bc, k, tree):
+    family, pkg, prompts, want = family_case
+    manifest = json.loads((pkg / "edgemtp.json").read_text())
+    assert manifest["family"] == family and manifest["tokenizer"] is False
+    backend = OrtBackend(pkg, threads=1)
+    assert run(backend, prompts, drafter="none") == want
+    assert run(backend, prompts, bc=bc, mask_tokens=k, tree=tree) == want
+
+
+def test_tensorrt_profile_covers_every_generation_shape(stories_pkg):
+    # checked on CPU: the options the TensorRT EP would get (one engine for all shapes)
+    opts = OrtBackend(stories_pkg)._provider_options("tensorrt")
+    assert "input_ids:1x1," in opts["trt_profile_min_shapes"]
+    assert "past_value_4:1x0x4x8" in opts["trt_profile_min_shapes"]
+    assert "tree_mask:1x1x60x60" in opts["trt_profile_opt_shapes"]
+    assert "input_ids:1x256," in opts["trt_profile_max_shapes"]
+    assert "past_key_0:1x256x4x8" in opts["trt_profile_max_shapes"]
+    assert opts["trt_engine_cache_path"].endswith("engines")
