@@ -30,8 +30,12 @@ class Drafter(Protocol):
 
     def mask_embeds(self) -> np.ndarray | None: ...
 
-    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int]) -> None:
-        """Learn from a step: the accepted node's mask rows and the tokens just committed."""
+    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
+                path_rows: np.ndarray) -> None:
+        """Learn from a step: the accepted node's mask rows, the tokens just committed
+        (accepted nodes + bonus) and the block rows of the root and accepted nodes (whose
+        outputs are the model's own distributions at committed positions; for prefill, the
+        prompt's rows)."""
         ...
 
 
@@ -50,7 +54,8 @@ class NoDrafter:
     def mask_embeds(self) -> None:
         return None
 
-    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int]) -> None:
+    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
+                path_rows: np.ndarray) -> None:
         pass
 
 
@@ -114,7 +119,8 @@ class ProbeDrafter:
     def mask_embeds(self) -> np.ndarray:
         return self.embeds.value
 
-    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int]) -> None:
+    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
+                path_rows: np.ndarray) -> None:
         if self._pools is not None:  # new_tokens: the true tokens at depths 1, 2, ...
             self.calibration.record(*self._pools, truth=new_tokens)
             self._pools = None

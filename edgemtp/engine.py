@@ -127,7 +127,7 @@ class Generation:
         if not self.done:
             b.commit(np.arange(t))
             self._root = root
-            self.drafter.observe(out, np.arange(t, t + k), new)
+            self.drafter.observe(out, np.arange(t, t + k), new, np.arange(t))
         self.stats.forward_calls += 1
         self.stats.time_prefill += perf_counter() - t0
         return new
@@ -145,13 +145,13 @@ class Generation:
         accepted, bonus = self.verifier.walk(plan, tokens, out)                      # verify
         t3 = perf_counter()
         new = self._emit([int(tokens[a]) for a in accepted] + [bonus])                # commit
+        path = np.array([0, *accepted], dtype=np.int64)
         if not self.done:
-            b.commit(np.array([0, *accepted], dtype=np.int64))
+            b.commit(path)
             self._root = bonus
         t4 = perf_counter()
-        last = accepted[-1] if accepted else 0
         if not self.done:
-            self.drafter.observe(out, plan.mask_row(last, 1) + np.arange(plan.k), new)
+            self.drafter.observe(out, plan.mask_row(path[-1], 1) + np.arange(plan.k), new, path)
         st.forward_calls += 1
         st.accept_lengths.append(len(accepted))
         st.time_draft += (t1 - t0) + (perf_counter() - t4)
