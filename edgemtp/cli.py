@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(d, model_required=False)
     d.add_argument("--prompts", type=int, default=4, help="story prompts to run (default: 4)")
     d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--out", default="out", help="where the exported package goes (default: out/)")
+    d.add_argument("--no-reference", action="store_true",
+                   help="skip the transformers generate reference run")
     d.set_defaults(func=cmd_demo, model=None)
     return parser
 

@@ -1,5 +1,7 @@
-"""The main job: run plain greedy decoding and mask-token probing on the same prompts and
-backend, check they produce the same tokens, and print the text and the speed-up figures."""
+"""The main job: export a Hugging Face model to an ONNX package, then run plain greedy
+decoding and mask-token probing on the same prompts and backend, check they produce the same
+tokens (and the same as ``transformers`` ``generate``), and print the text and the speed-up
+figures."""
 
 from __future__ import annotations
 
@@ -32,17 +34,55 @@ def story_prompts(n: int) -> list[str]:
 
 
 def run_demo(a) -> int:
-    from tqdm import tqdm
-
     from .api import Model
 
     model_path = a.model or str((SHARED / "models" / "stories260K").resolve())
     if a.model is None and not Path(model_path).is_dir():
         raise EdgeMTPError("no default model found at ../shared/models/stories260K; give --model")
-    model = Model.load(model_path, backend=a.backend, device=a.device, dtype=a.dtype,
+    prompts = story_prompts(a.prompts)
+    is_package = (Path(model_path) / "edgemtp.json").is_file()
+    reference = (None if a.no_reference or is_package
+                 else _transformers_reference(model_path, prompts, a))
+    run_path = model_path
+    if a.backend in ("auto", "onnxruntime") and not is_package:
+        from edgemtp.export.onnx_export import export_package
+
+        run_path = str(Path(a.out) / Path(model_path).name)
+        print(export_package(model_path, run_path, dtype=a.dtype if a.dtype != "bf16" else "fp32",
+                             max_context=a.max_context, force=True,
+                             trust_remote_code=a.trust_remote_code).summary(), file=sys.stderr)
+    model = Model.load(run_path, backend=a.backend, device=a.device, dtype=a.dtype,
                        max_context=a.max_context, trust_remote_code=a.trust_remote_code,
                        threads=a.threads)
-    prompts = story_prompts(a.prompts)
+    return _compare(model, run_path, prompts, a, reference)
+
+
+def _transformers_reference(path: str, prompts: list[str], a) -> dict:
+    """Greedy tokens and tokens/s of ``transformers`` ``generate``: the outside reference."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=a.trust_remote_code)
+    hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=a.trust_remote_code).eval()
+    outputs, speeds = [], []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([tok(p).input_ids])
+            t0 = time.perf_counter()
+            out = hf.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=False)
+            new = out[0, ids.shape[1]:].tolist()
+            speeds.append(len(new) / (time.perf_counter() - t0))
+            outputs.append(new)
+    return {"outputs": outputs, "tokens_per_second": statistics.median(speeds)}
+
+
+def _compare(model, model_path: str, prompts: list[str], a, hf_ref: dict | None) -> int:
+    from tqdm import tqdm
+
     rows, reference = [], None
     runs = tqdm(total=len(CONFIGS) * len(prompts), desc="generating", unit="run", file=sys.stderr)
     for label, opts in CONFIGS:
@@ -57,7 +97,8 @@ def run_demo(a) -> int:
         rows.append((label, results, same))
     runs.close()
 
-    print(f"model: {model_path}\nprompt: {prompts[0]}\n")
+    name = type(model.backend).__name__
+    print(f"model: {model_path} ({model.backend.name} backend)\nprompt: {prompts[0]}\n")
     print(rows[-1][1][0].text.strip() + "\n")
     base_tps = statistics.median(r.stats.tokens_per_second for r in rows[0][1])
     print(f"{'method':<26}{'tokens':>8}{'fwd calls':>11}{'BE':>7}{'tok/s':>9}{'speed-up':>10}"
@@ -68,10 +109,19 @@ def run_demo(a) -> int:
         tps = statistics.median(r.stats.tokens_per_second for r in results)
         print(f"{label:<26}{toks:>8}{calls:>11}{toks / calls:>7.2f}{tps:>9.1f}"
               f"{tps / base_tps:>9.2f}x  {'yes' if same else 'NO'}")
-    print(f"\n{len(prompts)} prompts, {a.max_new_tokens} new tokens, backend {a.backend} on "
-          f"{a.device}. BE = tokens per forward call (prefill included); speed-up = median "
-          f"tok/s over greedy on the same backend.")
-    if not all(same for _, _, same in rows):
+    if hf_ref is not None:
+        hf_same = all(r.token_ids == h for r, h in zip(rows[0][1], hf_ref["outputs"]))
+        hf_tps = hf_ref["tokens_per_second"]
+        print(f"{'transformers generate':<26}{'':>8}{'':>11}{1.0:>7.2f}{hf_tps:>9.1f}"
+              f"{hf_tps / base_tps:>9.2f}x  {'yes' if hf_same else 'NO'}")
+        print(f"\n{model.backend.name} greedy runs at {base_tps / hf_tps:.1f}x the tokens/s of "
+              f"transformers greedy generate.")
+    else:
+        hf_same = True
+    print(f"\n{len(prompts)} prompts, {a.max_new_tokens} new tokens, {name} on {a.device}. "
+          f"BE = tokens per forward call (prefill included); speed-up = median tok/s over "
+          f"greedy on the same backend. Lossless = same tokens as greedy (and transformers).")
+    if not all(same for _, _, same in rows) or not hf_same:
         print("edgemtp: error: probing output differs from greedy decoding", file=sys.stderr)
         return 1
     return 0
