@@ -199,9 +199,10 @@ def default_branching(bc: int, k: int) -> tuple[int, ...]:
     return (m - sum(tail), *tail)
 
 
+@lru_cache(maxsize=256)
 def static_plan(bc: int, k: int, branching: tuple[int, ...] | None = None) -> Plan:
     """The static plan a budget allows: ``[N-1]`` for k = 1, ``branching`` (or the default
-    one) for k >= 2."""
+    one) for k >= 2. Compiled once per process (plans are immutable)."""
     n = nodes_for_budget(bc, k)
     if k == 1 and branching is None:
         return Plan.top1((n - 1,), k)

@@ -1,0 +1,153 @@
+"""The ``auto`` drafter: probe only when it pays on this device, by block complexity.
+
+Per step it picks, among plain decoding (T = 1), a mask-only step (root + 1 mask, T = 2, which
+still emits one token but keeps the acceptance estimate fresh) and k = 1 probing plans with
+``m`` draft nodes (T = 2(m + 1) <= budget), the one with the most expected tokens per second::
+
+    expected tokens / latency(T) = (1 + P(the next token is among the mask's top m)) / t(T)
+
+``t(T)`` is the device's forward latency curve (measured once per loaded model, or read from
+an ``edgemtp profile`` file); the acceptance comes from the ranks at which the true tokens
+appeared among the mask token's candidates so far. Where speculation cannot pay (a mid-size
+model on a 2-core CPU) it decodes plainly, so it is never much slower than plain decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+import numpy as np
+
+from .backend import Backend, StepOut
+from .config import GenerationConfig
+from .embeddings import MaskEmbeddings
+from .errors import ConfigError
+from .latency import LatencyCurve
+from .plans import Plan
+from .tree import prune, static_tree
+
+PLAIN = Plan.root_only()
+MASK_ONLY = Plan((-1,), 1)  # root + its mask: one token, and candidates for the next step
+
+
+def measure_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7,
+                    topk: int = 0) -> LatencyCurve:
+    """Median forward latency per block size over a causal block after ``context`` cached
+    tokens (clipped to the cache). Leaves the cache empty."""
+    backend.reset()
+    p = max(1, min(context, backend.max_context - max(sizes) - 1))
+    ids = np.arange(p, dtype=np.int64) % backend.vocab_size
+    backend.forward(ids, np.arange(p), np.tril(np.ones((p, p), dtype=bool)), None)
+    backend.commit(np.arange(p))
+    masks = np.zeros((1, backend.hidden_size), dtype=np.float32)
+    out = []
+    for t in sizes:
+        block = np.tril(np.ones((t, t), dtype=bool))
+        runs = []
+        for _ in range(repeats + 1):  # the first run warms up allocations
+            t0 = time.perf_counter()
+            backend.forward(np.arange(t) % backend.vocab_size, p + np.arange(t), block, masks,
+                            topk=topk)
+            runs.append(time.perf_counter() - t0)
+        out.append(float(np.median(runs[1:])))
+    backend.reset()
+    # a bigger block never costs less: smooth timing noise into a non-decreasing curve
+    return LatencyCurve(tuple(sizes), tuple(np.maximum.accumulate(out).tolist()))
+
+
+@lru_cache(maxsize=16)
+def _probe_plans(m_max: int) -> dict[int, Plan]:
+    # k = 1 plans with m draft nodes, compiled once per process
+    return {m: Plan.top1((m,), 1) for m in range(1, max(m_max, 0) + 1)}
+
+
+class AutoDrafter:
+    """Picks the plan with the best expected tokens/s each step (see module docstring)."""
+
+    mask_tokens = 1
+    explore_every = 8  # in plain mode, a mask-only step this often keeps acceptance known
+
+    def __init__(self, backend: Backend, config: GenerationConfig,
+                 memory: dict | None = None) -> None:
+        memory = {} if memory is None else memory
+        m_max = config.bc // 2 - 1  # k = 1: BC = 2 * (1 + m)
+        self.plans = _probe_plans(m_max)
+        if backend.vocab_size < m_max + 2:
+            raise ConfigError(f"a plan of {m_max + 1} nodes needs a vocabulary of at least "
+                              f"{m_max + 2} tokens, the model has {backend.vocab_size}")
+        self.width = m_max + 1  # candidates a probing step needs
+        # a sparse grid (interpolated between): powers of two up to the budget, and the budget
+        top = max([MASK_ONLY.bc, *(p.bc for p in self.plans.values())])
+        sizes = sorted({1, top, *(2 ** i for i in range(1, top.bit_length()) if 2 ** i <= top)})
+        key = ("latency", tuple(sizes))
+        if config.latency is not None:
+            self.latency = config.latency
+        else:
+            if key not in memory:
+                memory[key] = measure_latency(backend, sizes, topk=self.width)
+            self.latency = memory[key]
+        # ranks at which true tokens appeared among the mask's pruned candidates; starts from
+        # a pessimistic prior (a few misses), so an unknown model decodes plainly first
+        self.rank_hits = memory.setdefault(("auto-ranks", self.width),
+                                           {"hits": np.zeros(self.width), "steps": 4.0})
+        self.topk = self.width  # what the next forward must return (0 on plain steps)
+        self.prune = config.prune
+        self.explore = config.bc >= MASK_ONLY.bc
+        self.embeds = MaskEmbeddings(1, config.mask_init, config.ema, backend.embed,
+                                     stats=backend.embedding_stats()
+                                     if config.mask_init == "sample" else None,
+                                     vector=None if config.mask_vector is None
+                                     else np.asarray(config.mask_vector), seed=config.seed)
+        self._cand: tuple[np.ndarray, np.ndarray] | None = None
+        self._root = -1
+        self._plain_steps = 0
+        self.choices: dict[int, int] = {}  # plan BC -> steps, for reports
+
+    def start(self, prompt_ids: np.ndarray) -> None:
+        self.embeds.start(prompt_ids)
+
+    def expected_gain(self, m: int) -> float:
+        """P(the next token is among the top ``m`` candidates), from the observed ranks."""
+        h = self.rank_hits
+        return float(h["hits"][:m].sum() / h["steps"])
+
+    def choose(self) -> Plan:
+        if self._cand is None:  # nothing to draft from: plain, now and then a mask-only step
+            self._plain_steps += 1
+            explore = self.explore and self._plain_steps % self.explore_every == 0
+            return MASK_ONLY if explore else PLAIN
+        best, best_rate = PLAIN, 1.0 / self.latency(1)
+        for m, plan in self.plans.items():
+            rate = (1.0 + self.expected_gain(m)) / self.latency(plan.bc)
+            if rate > best_rate:
+                best, best_rate = plan, rate
+        return best
+
+    def propose(self, root: int) -> tuple[Plan, np.ndarray]:
+        plan = self.choose()
+        self.topk = self.width if plan.k else 0
+        self.choices[plan.bc] = self.choices.get(plan.bc, 0) + 1
+        self._root = root
+        if plan.n_nodes == 1:
+            return plan, np.array([root], dtype=np.int64)
+        ids, lp = self._cand
+        return plan, static_tree(plan, root, ids, lp, self.prune)
+
+    def mask_embeds(self) -> np.ndarray:
+        return self.embeds.value
+
+    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
+                path_rows: np.ndarray) -> None:
+        if self._cand is not None and self._root >= 0:  # where was the true next token?
+            ids, _ = prune(self._cand[0][0], self._cand[1][0], self._root, self.width - 1,
+                           self.prune)
+            rank = np.flatnonzero(ids == new_tokens[0])
+            self.rank_hits["steps"] += 1.0
+            if rank.size:
+                self.rank_hits["hits"][rank[0]] += 1.0
+        if len(mask_rows):
+            self._cand = out.topk_ids[mask_rows], out.topk_logprobs[mask_rows]
+        else:
+            self._cand = None
+        self.embeds.update(new_tokens)

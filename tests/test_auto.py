@@ -1,0 +1,98 @@
+"""The auto drafter: probes only when the device's latency curve says it pays, never exceeds
+the budget, and stays lossless whatever it picks."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from edgemtp import ConfigError, GenerationConfig
+from edgemtp.engine import Generation
+from edgemtp.latency import LatencyCurve
+from edgemtp.policy import measure_latency
+from edgemtp.runtimes.torch_backend import TorchBackend
+
+from conftest import story_prompts
+
+STEEP = LatencyCurve((1, 2, 60), (1e-3, 1.01e-3, 1e-1))  # every extra position costs a lot
+FLAT = LatencyCurve((1, 60), (1e-3, 1.05e-3))             # wide blocks are almost free
+
+
+class RecordingBackend:
+    """The real backend, with the block size of every forward call written down."""
+
+    def __init__(self, inner):
+        self.inner, self.sizes = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, input_ids, *args, **kw):
+        self.sizes.append(len(input_ids))
+        return self.inner.forward(input_ids, *args, **kw)
+
+
+@pytest.fixture(scope="module")
+def setup(stories_path):
+    tok = AutoTokenizer.from_pretrained(stories_path)
+    hf = AutoModelForCausalLM.from_pretrained(stories_path).eval()
+    prompts = [tok(p).input_ids for p in story_prompts(8)]
+    refs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=96, do_sample=False)
+            refs.append(out[0, len(ids):].tolist())
+    return TorchBackend(stories_path), prompts, refs
+
+
+def _run(backend, prompts, config, memory=None):
+    rec = RecordingBackend(backend)
+    results = [Generation(rec, config, ids, memory=memory).run() for ids in prompts]
+    return results, rec.sizes
+
+
+def test_auto_falls_back_to_plain_decoding_when_speculation_loses(setup):
+    backend, prompts, refs = setup
+    config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=96, latency=STEEP)
+    results, sizes = _run(backend, prompts, config, memory={})
+    assert [r.token_ids for r in results] == refs
+    decode = [t for t in sizes if t < 8]  # prefill blocks are the prompt + 1 mask
+    assert set(decode) <= {1, 2}, "a steep latency curve must never pick a tree"
+    assert sum(r.stats.new_tokens for r in results) == sum(r.stats.forward_calls for r in results)
+
+
+def test_auto_probes_when_wide_blocks_are_cheap(setup):
+    backend, prompts, refs = setup
+    config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=96, latency=FLAT)
+    memory = {}
+    _run(backend, prompts, config, memory)  # learn the acceptance of this model
+    results, sizes = _run(backend, prompts, config, memory)
+    assert [r.token_ids for r in results] == refs
+    be = sum(r.stats.new_tokens for r in results) / sum(r.stats.forward_calls for r in results)
+    assert be > 1.2, f"auto should probe with a flat latency curve, got BE {be:.3f}"
+
+
+@pytest.mark.parametrize("bc", [1, 3, 4, 10, 30])
+def test_auto_never_exceeds_the_budget(setup, bc):
+    backend, prompts, refs = setup
+    config = GenerationConfig(drafter="auto", bc=bc, max_new_tokens=96, latency=FLAT)
+    results, sizes = _run(backend, prompts[:3], config, memory={})
+    assert [r.token_ids for r in results] == refs[:3]
+    prefill = {len(ids) + 1 for ids in prompts[:3]}
+    assert all(t <= bc or t in prefill for t in sizes), (bc, sorted(set(sizes)))
+
+
+def test_measured_latency_curve_is_monotone_and_leaves_cache_empty(setup):
+    backend = setup[0]
+    curve = measure_latency(backend, (1, 2, 8, 32), repeats=2)
+    assert curve.sizes == (1, 2, 8, 32)
+    assert all(b >= a > 0 for a, b in zip(curve.seconds, curve.seconds[1:]))
+    assert backend.cache_len == 0
+
+
+def test_latency_curve_rejects_nonsense():
+    with pytest.raises(ConfigError, match="increase"):
+        LatencyCurve((4, 1), (1e-3, 2e-3))
+    with pytest.raises(ConfigError, match="one time per block size"):
+        LatencyCurve((1, 2), (1e-3,))
+    assert np.isclose(LatencyCurve((1, 10), (1.0, 2.0))(20), 3.111111, atol=1e-5)
