@@ -33,9 +33,13 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    p.add_argument("--model", required=model_required,
-                   help="Hugging Face model folder (or hub id on a machine that is online)")
+def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True,
+                    positional: bool = False) -> None:
+    if positional:
+        p.add_argument("model", help="Hugging Face model folder or exported package")
+    else:
+        p.add_argument("--model", required=model_required,
+                       help="Hugging Face model folder, exported package, or hub id (online)")
     p.add_argument("--backend", default="auto",
                    help="torch or onnxruntime (default: auto, onnxruntime for an exported "
                         "package, torch for a Hugging Face folder)")
@@ -69,10 +73,19 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--profile", default=None,
+                   help="an 'edgemtp profile' JSON: its recommended drafter/BC/k become the "
+                        "defaults (flags given here still win); auto uses its latency curve")
 
 
 def _config(a: argparse.Namespace) -> GenerationConfig:
+    latency = None
+    if getattr(a, "profile", None):
+        from .profile import read_profile
+
+        latency = read_profile(a.profile)[1]
     return GenerationConfig(
+        latency=latency,
         max_new_tokens=a.max_new_tokens, bc=a.bc, mask_tokens=a.mask_tokens, tree=a.tree,
         branching=a.branching, mask_init=a.mask_init, ema=a.ema, prune=not a.no_prune,
         calibrate=not a.no_calibrate,
@@ -136,6 +149,51 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(a: argparse.Namespace) -> int:
+    from .profile import load_prompts, plot, run_profile, table
+
+    prompts = load_prompts(a.prompts_file, a.prompts)
+    model = _load(a)
+    profile = run_profile(model, a.budget, prompts, a.max_new_tokens, repeats=a.repeats)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(profile, indent=1))
+    plot(profile, out / "profile.png")
+    print(table(profile))
+    print(f"wrote {out / 'profile.json'} (use: edgemtp generate --profile {out / 'profile.json'}) "
+          f"and {out / 'profile.png'}")
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .benchmark import markdown, plots, prompt_sets, run_bench
+    from .config import DRAFTERS as known
+
+    drafters = [d for d in a.drafters.split(",") if d]
+    unknown = [d for d in drafters if d not in known or d == "none"]
+    if unknown:
+        raise EdgeMTPError(f"unknown drafter(s) {', '.join(unknown)}; choose from "
+                           f"{', '.join(d for d in known if d != 'none')}")
+    tasks = prompt_sets([s for s in a.sets.split(",") if s], a.per_set)
+    model = _load(a)
+    result = run_bench(model, tasks, drafters, list(a.bc), a.max_new_tokens,
+                       hf_reference=not a.no_hf_reference)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_{Path(a.model).name}_{model.backend.name}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    text = markdown(result, f"edgemtp bench: {Path(a.model).name} on {model.backend.name}")
+    (out / f"{stem}.md").write_text(text)
+    pngs = plots(result, out, stem)
+    print(text)
+    print(f"wrote {out / stem}.json, .md, " + ", ".join(p.name for p in pngs), file=sys.stderr)
+    if result["failures"]:
+        print(f"edgemtp: error: {len(result['failures'])} outputs differ from greedy decoding",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -176,6 +234,34 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("package", help="package folder written by 'edgemtp export'")
     i.set_defaults(func=cmd_inspect)
 
+    p = sub.add_parser("profile", help="measure latency, BE and tokens/s per plan on this device "
+                                       "and recommend a budget, mask-token count and drafter")
+    p.add_argument("--budget", type=int, default=60, help="largest block complexity (default: 60)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts to run (default: 8)")
+    p.add_argument("--prompts-file", default=None,
+                   help="JSONL with 'prompt' or 'turns' (default: the shared story prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default="profile", help="folder for profile.json/png")
+    _add_model_args(p, positional=True)
+    p.set_defaults(func=cmd_profile)
+
+    b = sub.add_parser("bench", help="drafters x BC x prompt sets, BE and tokens/s, checked "
+                                     "against greedy; JSON, Markdown and PNG plots")
+    _add_model_args(b)
+    b.add_argument("--drafters", default="probe,pld,stand,hybrid,auto",
+                   help="comma-separated drafters (default: probe,pld,stand,hybrid,auto)")
+    b.add_argument("--bc", type=_int_list, default=(10, 30, 60), help="budgets (default 10,30,60)")
+    b.add_argument("--sets", default="stories,spec_bench",
+                   help="prompt sets: stories, spec_bench (by category)")
+    b.add_argument("--per-set", type=int, default=8,
+                   help="prompts per set / per Spec-Bench category (default: 8)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--out", default="bench/results")
+    b.add_argument("--no-hf-reference", action="store_true",
+                   help="skip transformers' prompt lookup reference run")
+    b.set_defaults(func=cmd_bench)
+
     d = sub.add_parser("demo", help="the main job: generate with greedy and probing, check they "
                                     "match, print the text and the speed-up figures")
     _add_model_args(d, model_required=False)
@@ -188,8 +274,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "profile", None) and args.command == "generate":
+        # the profile's recommendation becomes the defaults; flags on the command line win
+        from .profile import read_profile
+
+        rec = read_profile(args.profile)[0]
+        gen = parser._subparsers._group_actions[0].choices["generate"]
+        gen.set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
+                         mask_tokens=int(rec["mask_tokens"]))
+        args = parser.parse_args(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = _parse(argv)
+    except EdgeMTPError as e:
+        print(f"edgemtp: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return args.func(args)
     except EdgeMTPError as e:

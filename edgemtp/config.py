@@ -7,8 +7,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .errors import ConfigError
+from .latency import LatencyCurve
 
-DRAFTERS = ("probe", "none")
+DRAFTERS = ("probe", "auto", "pld", "stand", "hybrid", "none")
 TREES = ("static", "dynamic")
 MASK_INITS = ("mean", "sample", "last-k", "vector")
 
@@ -41,9 +42,17 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = field(default=())
+    latency: LatencyCurve | None = None  # for drafter="auto"; None: measured once per model
     eos_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("branching", "stop", "eos_token_ids", "mask_vector"):  # lists -> tuples
+            value = getattr(self, name)
+            if isinstance(value, (list, np.ndarray)):
+                object.__setattr__(self, name, tuple(value.tolist() if isinstance(value, np.ndarray)
+                                                     else value))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         _check(isinstance(self.bc, int) and self.bc >= 1,
@@ -72,6 +81,8 @@ class GenerationConfig:
             _check(len(self.branching) == self.mask_tokens,
                    f"branching needs one count per mask token ({self.mask_tokens}), "
                    f"got {list(self.branching)}")
+        _check(self.latency is None or isinstance(self.latency, LatencyCurve),
+               "latency must be a LatencyCurve (see edgemtp profile)")
         if self.drafter == "probe":  # fail before any model is loaded
             from .plans import nodes_for_budget, static_plan
 

@@ -11,9 +11,10 @@ import numpy as np
 from .backend import Backend, StepOut
 from .config import GenerationConfig
 from .embeddings import MaskEmbeddings
+from .ngram import HybridDrafter, PromptLookupDrafter, StandDrafter
 from .errors import ConfigError
 from .plans import DynamicPlans, Plan, dynamic_plans, nodes_for_budget, static_plan
-from .tree import RankCalibration, dynamic_tree, prune, static_tree
+from .tree import RankCalibration, dynamic_tree, ranked_tree, static_tree
 
 ROOT_ONLY = Plan.root_only()
 
@@ -100,21 +101,12 @@ class ProbeDrafter:
         if self.plans is None:
             return self.static, static_tree(self.static, root, ids, lp, self.prune)
         cal = self.calibration
-        plan, tokens = dynamic_tree(self.plans, root, ids, lp, self.prune,
-                                    cal.bias() if cal is not None else None)
-        if cal is not None:
-            self._pools = self._ranked(root, ids, lp)
+        if cal is None:
+            return dynamic_tree(self.plans, root, ids, lp, self.prune)
+        # the tree's own pruned rankings are the ones calibration records
+        plan, tokens, *pools = ranked_tree(self.plans, root, ids, lp, self.prune, cal.bias())
+        self._pools = tuple(pools)
         return plan, tokens
-
-    def _ranked(self, root: int, ids: np.ndarray, lp: np.ndarray) -> tuple[list, list]:
-        # each depth's pruned ranking, under the top-1 of the depth above
-        pools_ids, pools_lp, parent = [], [], root
-        for j in range(self.mask_tokens):
-            i, p = prune(ids[j], lp[j], parent, self.topk - 1, self.prune)
-            pools_ids.append(i)
-            pools_lp.append(p)
-            parent = int(i[0])
-        return pools_ids, pools_lp
 
     def mask_embeds(self) -> np.ndarray:
         return self.embeds.value
@@ -135,7 +127,17 @@ def make_drafter(backend: Backend, config: GenerationConfig, memory: dict | None
     return DRAFTERS[config.drafter](backend, config, memory)
 
 
+def _auto(backend: Backend, config: GenerationConfig, memory: dict | None) -> Drafter:
+    from .policy import AutoDrafter  # noqa: PLC0415  (policy imports this module's neighbours)
+
+    return AutoDrafter(backend, config, memory)
+
+
 DRAFTERS = {
     "probe": ProbeDrafter,
+    "auto": _auto,
+    "pld": PromptLookupDrafter,
+    "stand": StandDrafter,
+    "hybrid": HybridDrafter,
     "none": lambda backend, config, memory: NoDrafter(),
 }

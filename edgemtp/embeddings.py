@@ -32,7 +32,15 @@ class MaskEmbeddings:
                  vector: np.ndarray | None = None, seed: int = 0) -> None:
         self.k, self.init, self.ema, self.embed = k, init, ema, embed
         self.stats, self.vector, self.seed = stats, vector, seed
-        self.value: np.ndarray | None = None
+        self._value: np.ndarray | None = None
+        self._pending: list[int] = []  # committed tokens not yet folded in (see update)
+
+    @property
+    def value(self) -> np.ndarray | None:
+        """The current ``[k, d]`` embeddings, with every committed token folded in."""
+        if self._pending:
+            self._fold()
+        return self._value
 
     def start(self, prompt_ids: np.ndarray) -> None:
         # value: [k, d] float32, re-initialised for every prompt
@@ -55,11 +63,19 @@ class MaskEmbeddings:
                 raise ConfigError(f"mask vector has {vec.size} values; expected the hidden "
                                   f"size {d} (or k*d = {self.k * d})")
             v = np.broadcast_to(vec.reshape(-1, d), (self.k, d))
-        self.value = np.array(v, dtype=np.float32, copy=True)  # ours to update in place
+        self._value = np.array(v, dtype=np.float32, copy=True)  # ours to update in place
+        self._pending = []
 
     def update(self, token_ids) -> None:
-        """EMA towards each newly committed token, in order."""
-        if self.ema == 0.0 or len(token_ids) == 0:
-            return
-        for e in self.embed(np.asarray(token_ids, dtype=np.int64)):
-            self.value += self.ema * (e.astype(np.float32) - self.value)
+        """EMA towards each newly committed token, in order. Folded in lazily, when the value
+        is next read, so steps that carry no mask tokens pay nothing."""
+        if self.ema != 0.0:
+            self._pending.extend(int(t) for t in token_ids)
+
+    def _fold(self) -> None:
+        # n sequential updates in one go: m_n = (1-l)^n m + sum_i l (1-l)^(n-i) e_i
+        e = self.embed(np.asarray(self._pending, dtype=np.int64)).astype(np.float64)
+        n, lam = len(e), self.ema
+        w = lam * (1.0 - lam) ** np.arange(n - 1, -1, -1)
+        self._value = ((1.0 - lam) ** n * self._value + (w @ e)[None, :]).astype(np.float32)
+        self._pending = []

@@ -16,7 +16,10 @@ class Stats:
     accept_lengths: list[int] = field(default_factory=list)  # accepted draft nodes per step
     time_prefill: float = 0.0
     time_draft: float = 0.0    # propose a tree, pick its plan, update mask embeddings
-    time_forward: float = 0.0  # backend forward passes after prefill
+    time_forward: float = 0.0  # forward passes after prefill: the runtime's own run call
+                               # where the backend reports it (``last_run_s``), else all of it
+    time_bind: float = 0.0     # host work around that run inside the backend's forward
+                               # (binding inputs, output copies)
     time_verify: float = 0.0
     time_commit: float = 0.0   # cache commit, emission, stop checks
 
@@ -27,8 +30,8 @@ class Stats:
 
     @property
     def total_time(self) -> float:
-        return (self.time_prefill + self.time_draft + self.time_forward + self.time_verify
-                + self.time_commit)
+        return (self.time_prefill + self.time_draft + self.time_forward + self.time_bind
+                + self.time_verify + self.time_commit)
 
     @property
     def tokens_per_second(self) -> float:
@@ -36,7 +39,8 @@ class Stats:
 
     @property
     def host_overhead(self) -> float:
-        """Share of decode time spent outside forward passes."""
+        """Share of decode time spent outside the model's forward passes (the runtime's run
+        call where the backend reports it; binding counts as overhead)."""
         decode = self.total_time - self.time_prefill
         return 1.0 - self.time_forward / decode if decode > 0 else 0.0
 
@@ -52,7 +56,8 @@ class Stats:
             "tokens_per_second": round(self.tokens_per_second, 2),
             "accept_histogram": {str(k): v for k, v in self.accept_histogram().items()},
             "time_s": {name: round(getattr(self, f"time_{name}"), 6)
-                       for name in ("prefill", "draft", "forward", "verify", "commit")},
+                       for name in ("prefill", "draft", "forward", "bind", "verify",
+                                    "commit")},
             "host_overhead": round(self.host_overhead, 4),
         }
 

@@ -7,9 +7,20 @@ fully given by its node count per depth and its plan comes from a precompiled ta
 
 from __future__ import annotations
 
+from functools import lru_cache
+from math import inf
+
 import numpy as np
 
 from .plans import DynamicPlans, Plan
+
+# The functions below run once per decode step on arrays of a few dozen entries, where a
+# numpy call's fixed cost dominates: they use plain Python lists where that measured faster.
+
+
+@lru_cache(maxsize=256)
+def _counts(plan: Plan) -> tuple[int, ...]:
+    return plan.counts
 
 
 def prune(ids: np.ndarray, logprobs: np.ndarray, parent: int, n: int, enabled: bool = True):
@@ -30,12 +41,13 @@ def static_tree(plan: Plan, root: int, cand_ids: np.ndarray, cand_lp: np.ndarray
 
     cand_ids / cand_lp: [k, K] top-K of the accepted node's mask rows, best first.
     """
-    tokens, parent = [np.array([root])], root
-    for j, count in enumerate(plan.counts):
-        ids, _ = prune(cand_ids[j], cand_lp[j], parent, count, prune_parent)
-        tokens.append(ids)
-        parent = int(ids[0])
-    return np.concatenate(tokens).astype(np.int64)
+    tokens, parent = [root], root
+    for j, count in enumerate(_counts(plan)):
+        row = cand_ids[j].tolist()  # prune() on lists
+        ids = [t for t in row if t != parent][:count] if prune_parent else row[:count]
+        tokens.extend(ids)
+        parent = ids[0]
+    return np.array(tokens, dtype=np.int64)
 
 
 def dynamic_tree(plans: DynamicPlans, root: int, cand_ids: np.ndarray, cand_lp: np.ndarray,
@@ -53,27 +65,66 @@ def dynamic_tree(plans: DynamicPlans, root: int, cand_ids: np.ndarray, cand_lp: 
     >>> plan.counts, tokens.tolist()
     ((1,), [0, 4])
     """
-    m = plans.n_nodes - 1
-    parent, base = root, 0.0
-    pools_ids, pools_cum = [], []
-    cap = np.inf
-    for j in range(plans.k):
-        ids, lp = prune(cand_ids[j], cand_lp[j], parent, m, prune_parent)
-        score = base + lp.astype(np.float64)
-        if bias is not None:
+    plan, tokens, _, _ = ranked_tree(plans, root, cand_ids, cand_lp, prune_parent, bias)
+    return plan, tokens
+
+
+def ranked_tree(plans: DynamicPlans, root: int, cand_ids: np.ndarray, cand_lp: np.ndarray,
+                prune_parent: bool = True, bias: np.ndarray | None = None
+                ) -> tuple[Plan, np.ndarray, list[list[int]], list[list[float]]]:
+    """:func:`dynamic_tree`, plus each depth's pruned ranking (ids, log-probs, as lists)
+    under the top-1 of the depth above, as :meth:`RankCalibration.record` takes them."""
+    m, k = plans.n_nodes - 1, plans.k
+    id_rows, lp_rows = cand_ids.tolist(), cand_lp.tolist()
+    bias_rows = None if bias is None else bias.tolist()
+    parent, base, cap = root, 0.0, inf
+    pools_ids, pools_lp, scores, monotone = [], [], [], True
+    for j in range(k):
+        row, lps = id_rows[j], lp_rows[j]
+        if prune_parent:  # prune() on lists
+            cols = [c for c, t in enumerate(row) if t != parent][:m]
+            ids, lp = [row[c] for c in cols], [lps[c] for c in cols]
+        else:
+            ids, lp = row[:m], lps[:m]
+        if bias_rows is None:
+            score = [base + x for x in lp]
+            monotone = monotone and all(a >= b for a, b in zip(score, score[1:]))
+        else:
             # never above the parent, never above a better-ranked sibling: kept nodes stay a
             # prefix of each depth's ranking, so the shape still names the tree
-            score = np.minimum.accumulate(np.minimum(score + bias[j, :len(score)], cap))
+            score, run = [], cap
+            for x, b in zip(lp, bias_rows[j]):
+                s = base + x + b
+                if s < run:
+                    run = s
+                score.append(run)
         pools_ids.append(ids)
-        pools_cum.append(score)
-        parent, base, cap = int(ids[0]), float(score[0]), score[0]
-    # stable sort: among equal scores the shallower / better-ranked candidate wins, so every
-    # kept node's parent is kept too and each depth keeps a prefix of its ranking
-    depth_of = np.concatenate([np.full(len(p), j) for j, p in enumerate(pools_ids)])
-    order = np.argsort(-np.concatenate(pools_cum), kind="stable")[:m]
-    counts = np.bincount(depth_of[order], minlength=plans.k)
-    tokens = [np.array([root])] + [p[:c] for p, c in zip(pools_ids, counts)]
-    return plans[tuple(int(c) for c in counts)], np.concatenate(tokens).astype(np.int64)
+        pools_lp.append(lp)
+        scores.append(score)
+        parent, base = ids[0], score[0]
+        cap = base
+    # keep the best m of all depths by a stable sort on score: among equal scores the
+    # shallower / better-ranked candidate wins, so every kept node's parent is kept too and
+    # each depth keeps a prefix of its ranking. Each depth's scores are non-increasing (top-K
+    # log-probs come sorted; the bias path makes them so), so a k-way merge of the depths
+    # gives that sort's top m; otherwise sort.
+    counts = [0] * k
+    if monotone:
+        for _ in range(min(m, sum(map(len, scores)))):
+            best, top = -1, -inf
+            for j in range(k):
+                h = counts[j]
+                if h < len(scores[j]) and (best < 0 or scores[j][h] > top):
+                    best, top = j, scores[j][h]
+            counts[best] += 1
+    else:
+        flat = [(-s, j) for j, score in enumerate(scores) for s in score]
+        for _, j in sorted(flat, key=lambda e: e[0])[:m]:
+            counts[j] += 1
+    tokens = [root]
+    for ids, c in zip(pools_ids, counts):
+        tokens.extend(ids[:c])
+    return plans[tuple(counts)], np.array(tokens, dtype=np.int64), pools_ids, pools_lp
 
 
 class RankCalibration:
@@ -103,11 +154,13 @@ class RankCalibration:
             if j >= len(truth):
                 return
             n = min(len(ids), self.mass.shape[1])
-            self.mass[j, :n] += np.exp(lp[:n].astype(np.float64))
-            rank = np.flatnonzero(ids[:n] == truth[j])
-            if rank.size:
-                self.hits[j, rank[0]] += 1.0
-            if ids[0] != truth[j]:  # deeper candidates hang under this top-1: not tried
+            self.mass[j, :n] += np.exp(np.asarray(lp[:n], dtype=np.float64))
+            ranked, true = ids[:n], truth[j]
+            if isinstance(ranked, np.ndarray):
+                ranked = ranked.tolist()
+            if true in ranked:
+                self.hits[j, ranked.index(true)] += 1.0
+            if ranked[0] != true:  # deeper candidates hang under this top-1: not tried
                 return
 
     def bias(self) -> np.ndarray:

@@ -56,6 +56,17 @@ class Verifier:
     def walk(self, plan: Plan, tokens: np.ndarray, out: StepOut) -> tuple[list[int], int]:
         """Accepted nodes (root excluded) and the bonus token."""
         node, accepted = 0, []
+        if not self.sample:  # the same walk on plain ints: no numpy scalar per comparison
+            argmax, tokens, children = out.argmax, np.asarray(tokens).tolist(), plan.children
+            while True:
+                target = int(argmax[node])
+                for child in children[node]:
+                    if tokens[child] == target:
+                        break
+                else:
+                    return accepted, target
+                accepted.append(child)
+                node = child
         while True:
             target = self.target(out, node)
             child = next((c for c in plan.children[node] if tokens[c] == target), None)

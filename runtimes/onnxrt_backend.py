@@ -16,12 +16,15 @@ into the cache, so K/V never leave the device.
 from __future__ import annotations
 
 from pathlib import Path
+from time import perf_counter
 
 import numpy as np
 
 from edgemtp.backend import StepOut
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
 from edgemtp.runtimes.package import COMMIT, FIXED_INPUTS, kv_names, load_package
+
+_INT64, _BOOL, _FLOAT32 = np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.float32)
 
 # --device -> (execution provider, OrtValue device type, how to get it)
 DEVICES = {
@@ -55,6 +58,31 @@ def _bind(io, name: str, arr: np.ndarray, output: bool = False) -> None:
     fn(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
 
 
+class Binder:
+    """Binds buffers by pointer to one IOBinding: ``input(name, dtype, shape, ptr)`` and
+    ``output(...)``. Goes straight to onnxruntime's C++ binding with a device object built
+    once where that is reachable: the public ``IOBinding.bind_*`` wrappers build a fresh
+    ``OrtDevice`` and re-check pinning on every call (about 2 us against 0.7 us a bind on
+    onnxruntime 1.31), and every decode step rebinds the 2 x layers past K/V."""
+
+    def __init__(self, ort, io, device: str) -> None:
+        self.io = io
+        raw = getattr(io, "_iobinding", None)
+        try:
+            c_dev = ort.OrtDevice.make(device, 0)._get_c_device()
+        except AttributeError:  # an onnxruntime without these internals: the public path
+            raw = None
+        if raw is not None:
+            raw_in, raw_out = raw.bind_input, raw.bind_output
+            self.input = lambda name, dtype, shape, ptr: raw_in(name, c_dev, dtype, shape, ptr)
+            self.output = lambda name, dtype, shape, ptr: raw_out(name, c_dev, dtype, shape, ptr)
+        else:
+            self.input = lambda name, dtype, shape, ptr: io.bind_input(name, device, 0, dtype,
+                                                                       shape, ptr)
+            self.output = lambda name, dtype, shape, ptr: io.bind_output(name, device, 0, dtype,
+                                                                         shape, ptr)
+
+
 class KVCache:
     """K and V caches ``[L, rows, H_kv, D]`` plus the last block's new K/V ``[L, cap, H, D]``,
     bound to the graph by pointer: layer ``i``'s past is the prefix ``cache[i, :P]`` (rebound
@@ -71,25 +99,23 @@ class KVCache:
         self.present = kv_names("present", layers)
         self.k_ptr, self.v_ptr = self._alloc_cache()
         self.cap, self.new_k_ptr, self.new_v_ptr = 0, 0, 0
+        stride = rows * self.row_bytes  # (name, pointer) of every layer's past, graph order
+        self._past_at = [(name, ptr + i * stride) for i in range(layers)
+                         for name, ptr in zip(self.past[2 * i:2 * i + 2], (self.k_ptr, self.v_ptr))]
 
-    def bind_past(self, io, p: int) -> None:
-        shape, stride = [1, p, *self.tail], self.rows * self.row_bytes
-        for i in range(self.layers):
-            io.bind_input(self.past[2 * i], self.device, 0, self.dtype, shape,
-                          self.k_ptr + i * stride)
-            io.bind_input(self.past[2 * i + 1], self.device, 0, self.dtype, shape,
-                          self.v_ptr + i * stride)
+    def bind_past(self, bind: Binder, p: int) -> None:
+        shape, dtype, fn = [1, p, *self.tail], self.dtype, bind.input
+        for name, ptr in self._past_at:
+            fn(name, dtype, shape, ptr)
 
-    def bind_present(self, io, t: int) -> None:
+    def bind_present(self, bind: Binder, t: int) -> None:
         if self.cap < t:
             self.cap = max(t, 64)
             self.new_k_ptr, self.new_v_ptr = self._alloc_new(self.cap)
         shape, stride = [1, t, *self.tail], self.cap * self.row_bytes
         for i in range(self.layers):
-            io.bind_output(self.present[2 * i], self.device, 0, self.dtype, shape,
-                           self.new_k_ptr + i * stride)
-            io.bind_output(self.present[2 * i + 1], self.device, 0, self.dtype, shape,
-                           self.new_v_ptr + i * stride)
+            bind.output(self.present[2 * i], self.dtype, shape, self.new_k_ptr + i * stride)
+            bind.output(self.present[2 * i + 1], self.dtype, shape, self.new_v_ptr + i * stride)
 
 
 class HostKV(KVCache):
@@ -107,8 +133,15 @@ class HostKV(KVCache):
 
     def commit(self, rows: np.ndarray, p: int) -> None:
         r = len(rows)
-        self.k[:, p:p + r] = self.new_k[:, rows]
-        self.v[:, p:p + r] = self.new_v[:, rows]
+        if r > 8:  # prefill: one fancy-indexed copy
+            self.k[:, p:p + r] = self.new_k[:, rows]
+            self.v[:, p:p + r] = self.new_v[:, rows]
+            return
+        # a step's path is a few rows: row-by-row slices skip the gather's temporary
+        k, v, new_k, new_v = self.k, self.v, self.new_k, self.new_v
+        for j, row in enumerate(rows.tolist(), start=p):
+            k[:, j] = new_k[:, row]
+            v[:, j] = new_v[:, row]
 
 
 class DeviceKV(KVCache):
@@ -118,6 +151,7 @@ class DeviceKV(KVCache):
     def __init__(self, ort, commit_session, device: str, *dims) -> None:
         self.ort, self.session, self.device = ort, commit_session, device
         self.io = commit_session.io_binding()
+        self.bind = Binder(ort, self.io, device)
         super().__init__(*dims)
 
     def _alloc(self, rows: int):
@@ -137,11 +171,11 @@ class DeviceKV(KVCache):
         io.bind_ortvalue_input("present_keys", self.new_k)
         io.bind_ortvalue_input("present_values", self.new_v)
         _bind(io, "rows", rows)
+        out = self.bind.output
         for i in range(self.layers):
             at = (i * self.rows + p) * self.row_bytes
-            io.bind_output(f"commit_key_{i}", self.device, 0, self.dtype, shape, self.k_ptr + at)
-            io.bind_output(f"commit_value_{i}", self.device, 0, self.dtype, shape,
-                           self.v_ptr + at)
+            out(f"commit_key_{i}", self.dtype, shape, self.k_ptr + at)
+            out(f"commit_value_{i}", self.dtype, shape, self.v_ptr + at)
         self.session.run_with_iobinding(io)
 
 
@@ -172,11 +206,21 @@ class OrtBackend:
                                pkg.np_dtype)
         else:
             self.kv = HostKV(layers, self.max_context, *dims, pkg.np_dtype)
-        self._table = np.load(pkg.root / m["embeddings"]["file"], mmap_mode="r")
+        # a plain ndarray over the memory map: indexing a np.memmap costs a subclass wrap
+        self._table = np.asarray(np.load(pkg.root / m["embeddings"]["file"], mmap_mode="r"))
         self._stats = (np.asarray(m["embeddings"]["mu"], dtype=np.float32),
                        np.asarray(m["embeddings"]["sigma"], dtype=np.float32))
         self._no_masks = np.zeros((1, self.hidden_size), dtype=np.float32)
         self._io = self.session.io_binding()
+        self._host = Binder(ort, self._io, "cpu")           # fixed inputs, outputs
+        self._kv_bind = Binder(ort, self._io, self.kv.device)
+        # the fixed inputs as last bound: ids and positions live in buffers of ours, the mask
+        # and mask embeddings are the caller's arrays (kept referenced while bound). Device
+        # providers copy a host input when it is bound, so there everything is bound per step.
+        self._rebind_inputs = device != "cpu"
+        self._ids = self._pos = np.zeros(0, dtype=np.int64)
+        self._fed_t, self._fed_mask, self._fed_embeds, self._fed_shape = -1, None, None, None
+        self.last_run_s = 0.0  # seconds the last forward spent in InferenceSession's run
         self._argmax = np.zeros((1, 0), dtype=np.int64)
         self._top_ids = np.zeros((1, 0, self.topk), dtype=np.int64)
         self._top_lp = np.zeros((1, 0, self.topk), dtype=np.float32)
@@ -272,44 +316,69 @@ class OrtBackend:
     def forward(self, input_ids, position_ids, tree_mask, mask_embeds, topk: int = 0,
                 full_logits: bool = False) -> StepOut:
         # input_ids, position_ids: [T]; tree_mask: [T, T] bool; mask_embeds: [k, d] or None
-        t, io = len(input_ids), self._io
+        t = len(input_ids)
         if topk > self.topk:
             raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
                               f"top-{self.topk}; re-export with a larger --bc")
-        feeds = (np.ascontiguousarray(input_ids, dtype=np.int64).reshape(1, t),
-                 np.ascontiguousarray(position_ids, dtype=np.int64).reshape(1, t),
-                 np.ascontiguousarray(tree_mask, dtype=np.bool_).reshape(1, 1, t, t),
-                 self._no_masks if mask_embeds is None
-                 else np.ascontiguousarray(mask_embeds, dtype=np.float32))
-        for name, arr in zip(FIXED_INPUTS, feeds):
-            _bind(io, name, arr)
-        self.kv.bind_past(io, self.cache_len)
+        self._feed(t, input_ids, position_ids, tree_mask, mask_embeds)
+        self.kv.bind_past(self._kv_bind, self.cache_len)
         logits = np.empty((1, t, self.vocab_size), dtype=np.float32) if full_logits else None
         if (t, topk > 0) != self._outputs_for or full_logits:
             self._bind_outputs(t, topk > 0, logits)
-        self.session.run_with_iobinding(io)
+        t0 = perf_counter()
+        self.session.run_with_iobinding(self._io)
+        self.last_run_s = perf_counter() - t0
         return StepOut(argmax=self._argmax[0, :t].copy(),
                        topk_ids=self._top_ids[0, :t, :topk].copy(),
                        topk_logprobs=self._top_lp[0, :t, :topk].copy(),
                        logits=None if logits is None else logits[0])
 
+    def _feed(self, t: int, input_ids, position_ids, tree_mask, mask_embeds) -> None:
+        # ids and positions are copied into buffers bound once per block size T; a plan's mask
+        # is the same array every step (and mask embeddings updated in place stay one array),
+        # so both are rebound only when another array comes: ORT reads bound memory at run
+        bind = self._host.input
+        if t > len(self._ids):
+            cap = max(t, 64)
+            self._ids, self._pos = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64)
+            self._fed_t = -1
+        self._ids[:t] = input_ids
+        self._pos[:t] = position_ids
+        fresh = t != self._fed_t or self._rebind_inputs
+        if fresh:
+            bind("input_ids", _INT64, [1, t], self._ids.ctypes.data)
+            bind("position_ids", _INT64, [1, t], self._pos.ctypes.data)
+            self._fed_t = t
+        mask = np.ascontiguousarray(tree_mask, dtype=np.bool_)
+        if fresh or mask is not self._fed_mask:
+            if mask.size != t * t:
+                raise ConfigError(f"tree_mask has {mask.size} entries; a block of {t} "
+                                  f"positions needs {t}x{t}")
+            bind("tree_mask", _BOOL, [1, 1, t, t], mask.ctypes.data)
+            self._fed_mask = mask
+        embeds = self._no_masks if mask_embeds is None else np.ascontiguousarray(
+            mask_embeds, dtype=np.float32)
+        if fresh or embeds is not self._fed_embeds or embeds.shape != self._fed_shape:
+            bind("mask_embeds", _FLOAT32, list(embeds.shape), embeds.ctypes.data)
+            self._fed_embeds, self._fed_shape = embeds, embeds.shape
+
     def _bind_outputs(self, t: int, with_topk: bool, logits: np.ndarray | None) -> None:
         # the steps of one plan share T, so outputs stay bound to the same buffers between
         # them; buffers grow on demand and [1, :t] of a [1, cap, ...] buffer is contiguous
-        io = self._io
-        io.clear_binding_outputs()
-        self.kv.bind_present(io, t)
+        self._io.clear_binding_outputs()
+        self.kv.bind_present(self._kv_bind, t)
         if self._argmax.shape[1] < t:
             cap = max(t, 64)
             self._argmax = np.zeros((1, cap), dtype=np.int64)
             self._top_ids = np.zeros((1, cap, self.topk), dtype=np.int64)
             self._top_lp = np.zeros((1, cap, self.topk), dtype=np.float32)
-        _bind(io, "argmax", self._argmax[:, :t], output=True)
+        out = self._host.output
+        out("argmax", _INT64, [1, t], self._argmax.ctypes.data)
         if with_topk:
-            _bind(io, "topk_ids", self._top_ids[:, :t], output=True)
-            _bind(io, "topk_logprobs", self._top_lp[:, :t], output=True)
+            out("topk_ids", _INT64, [1, t, self.topk], self._top_ids.ctypes.data)
+            out("topk_logprobs", _FLOAT32, [1, t, self.topk], self._top_lp.ctypes.data)
         if logits is not None:
-            _bind(io, "logits", logits, output=True)
+            out("logits", _FLOAT32, list(logits.shape), logits.ctypes.data)
         # a fresh logits array is bound per step: force a rebind next time
         self._outputs_for = None if logits is not None else (t, with_topk)
 
