@@ -118,8 +118,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             "stop_reason": result.stop_reason, "forward_calls": result.stats.forward_calls,
             "block_efficiency": round(result.stats.block_efficiency, 4),
             "tokens_per_second": round(result.stats.tokens_per_second, 2),
-            "bc": config.bc if config.drafter != "none" else 1,
-            "mask_tokens": config.mask_tokens if config.drafter != "none" else 0,
+            "bc": result.stats.bc, "mask_tokens": result.stats.mask_tokens,
             "stats": result.stats.to_dict(),
         }))
         return 0

@@ -13,7 +13,7 @@ import heapq
 import itertools
 from bisect import bisect_right
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -33,7 +33,7 @@ P_EDGES = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # probability bins of lookup can
 MASK_GAIN = 0.35       # prior: tokens a node's masks add to the next step if the path ends there
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1024)
 def tree_plan(parents: tuple[int, ...], k: int = 0) -> Plan:
     """The compiled plan of a tree shape, cached: a shape seen before costs no mask build.
 
@@ -129,6 +129,18 @@ class StoredDistributions:
         return list(out.items())
 
 
+class Lookup(NamedTuple):
+    """What the committed context says about the token after a suffix."""
+
+    n: int                            # matched n-gram length (0: no match)
+    guesses: list[tuple[int, float]]  # the model's own (token, p) after the matches, best first
+    bins: list[int]                   # each guess's probability bin (edges P_EDGES)
+    literal: int                      # the token after the most recent match (-1: none)
+
+
+NO_MATCH = Lookup(0, [], [], -1)
+
+
 class ContextModel:
     """An n-gram model of the committed context built from the model's own distributions:
     the guesses after a suffix are the distributions the model gave after the most recent
@@ -136,16 +148,16 @@ class ContextModel:
 
     >>> cm = ContextModel(topk=2)
     >>> cm.extend([1, 2, 3, 1], np.array([[2, 3], [3, 1], [1, 2]]),
-    ...           np.log([[.7, .3], [.9, .1], [.8, .2]]))
-    >>> n, guesses, literal = cm.next_tokens((3, 1))  # "3 1" is new; after "1" the model
-    >>> n, [(t, round(p, 2)) for t, p in guesses], literal  # said 2 | 3, and 2 followed
-    (1, [(2, 0.7), (3, 0.3)], 2)
+    ...           np.log([[.85, .15], [.9, .1], [.8, .2]]))
+    >>> lk = cm.next_tokens((3, 1))   # "3 1" is new; after "1" the model said 2 | 3, 2 came
+    >>> lk.n, [(t, round(p, 2)) for t, p in lk.guesses], lk.bins, lk.literal
+    (1, [(2, 0.85), (3, 0.15)], [6, 2], 2)
     """
 
     def __init__(self, topk: int, max_n: int = MAX_NGRAM) -> None:
         self.index = NgramIndex(max_n)
         self.dists = StoredDistributions(topk)
-        self._memo: dict[tuple, tuple[int, list[tuple[int, float]]]] = {}
+        self._memo: dict[tuple, Lookup] = {}
 
     @property
     def tokens(self) -> list[int]:
@@ -160,17 +172,17 @@ class ContextModel:
         self.index.extend(tokens)
         assert self.dists.size in (0, len(self.index.tokens) - 1)
 
-    def next_tokens(self, tail: tuple[int, ...]) -> tuple[int, list[tuple[int, float]], int]:
-        """Matched n, the model's guesses ``(token, p)`` after the match, and the token that
-        followed its most recent occurrence (-1: no match)."""
+    def next_tokens(self, tail: tuple[int, ...]) -> Lookup:
         n, ends = self.index.match(tail)
         if not ends:
-            return 0, [], -1
+            return NO_MATCH
         key = (tail[-n:], len(ends))  # stored distributions never change: memoise
         hit = self._memo.get(key)
         if hit is None:
-            guesses = self.dists.mixture(ends[-STAND_OCCURRENCES:])
-            hit = self._memo[key] = n, guesses, self.index.tokens[ends[-1] + 1]
+            guesses = sorted(self.dists.mixture(ends[-STAND_OCCURRENCES:]), key=lambda g: -g[1])
+            hit = self._memo[key] = Lookup(n, guesses, [bisect_right(P_EDGES, p)
+                                                        for _, p in guesses],
+                                           self.index.tokens[ends[-1] + 1])
         return hit
 
 
@@ -343,7 +355,8 @@ class StandDrafter:
     def propose(self, root: int) -> tuple[Plan, np.ndarray]:
         cm = self.context
         tree = GrownTree(root, tuple(cm.tokens[-self.max_ngram:]), self.max_ngram)
-        grow(tree, lambda t, node: cm.next_tokens(t.tails[node])[1], self.max_nodes, self.depth)
+        grow(tree, lambda t, node: cm.next_tokens(t.tails[node]).guesses, self.max_nodes,
+             self.depth)
         parents, tokens, _ = layout(tree, len(tree))
         return tree_plan(parents), tokens
 
@@ -384,7 +397,10 @@ class HitRates:
     def __init__(self, max_ngram: int, ranks: int, weight: float = 4.0) -> None:
         edges = (0.0, *P_EDGES, 1.0)
         mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-        self.n_bins, self.n_lookup, self.weight = len(mids), len(mids) * max_ngram, weight
+        # buckets: [lookup: n x bin | literal: n x (agrees, not) | mask: rank]
+        self.n_bins, self.weight = len(mids), weight
+        self.first_literal = len(mids) * max_ngram
+        self.first_mask = self.first_literal + 2 * max_ngram
         self.prior = np.array(mids * max_ngram + [0.5, 0.2] * max_ngram
                               + [0.5 / (r + 2) for r in range(ranks)])
         self.hits = np.zeros_like(self.prior)
@@ -394,11 +410,15 @@ class HitRates:
     def lookup_bucket(self, n: int, p: float) -> int:
         return (n - 1) * self.n_bins + bisect_right(P_EDGES, p)
 
+    def lookup_buckets(self, lk: Lookup) -> list[int]:
+        base = (lk.n - 1) * self.n_bins
+        return [base + b for b in lk.bins]
+
     def literal_bucket(self, n: int, agrees: bool) -> int:
-        return self.n_lookup + 2 * (n - 1) + (0 if agrees else 1)
+        return self.first_literal + 2 * (n - 1) + (0 if agrees else 1)
 
     def mask_bucket(self, rank: int) -> int:
-        return self.n_lookup + 2 * (self.n_lookup // self.n_bins) + rank
+        return self.first_mask + rank
 
     def rates(self) -> np.ndarray:
         return (self.hits + self.weight * self.prior) / (self.seen + self.weight)
@@ -456,7 +476,7 @@ class HybridDrafter:
     def _reset(self) -> None:
         self._cand: tuple[list, list] | None = None  # per mask j: its top-K ids, probs
         self._tree: GrownTree | None = None
-        self._buckets: dict[int, dict[int, list[int]]] = {}  # node -> token -> buckets
+        self._asked: dict[int, tuple[Lookup, list]] = {}  # node -> what proposed its children
         self._masks_of: dict[int, np.ndarray] = {}
 
     def start(self, prompt_ids: np.ndarray) -> None:
@@ -472,7 +492,7 @@ class HybridDrafter:
         tree = GrownTree(root, tuple(self.context.tokens[-self.max_ngram:]), self.max_ngram)
         rates = self.rates.rates().tolist() if self.calibrate else None
         chain = [0]  # the top-1 chain: mask j's candidates hang under its depth-j node
-        self._buckets = {}
+        self._asked = {}
 
         def children(t: GrownTree, node: int) -> list[tuple[int, float]]:
             d = t.depths[node]
@@ -500,51 +520,55 @@ class HybridDrafter:
 
     def _children(self, tree: GrownTree, node: int, j: int | None,
                   rates: list[float] | None) -> list[tuple[int, float]]:
-        """``(token, score)`` under ``node``; remembers each candidate's buckets."""
-        h = self.rates
-        n, guesses, literal = self.context.next_tokens(tree.tails[node])
-        score: dict[int, float] = {}
-        buckets: dict[int, list[int]] = {}  # token -> [lookup, literal, mask] bucket or -1
-        for t, p in guesses:
-            b = h.lookup_bucket(n, p)
-            score[t], buckets[t] = p if rates is None else rates[b], [b, -1, -1]
-        if literal >= 0 and rates is not None:
-            top = max(guesses, key=lambda tp: tp[1])[0] if guesses else -1
-            b = h.literal_bucket(n, literal == top)
-            score[literal] = max(score.get(literal, 0.0), rates[b])  # mostly the same evidence
-            buckets.setdefault(literal, [-1, -1, -1])[1] = b
-        if j is not None and self._cand is not None and j < len(self._cand[0]):
-            rank, parent = 0, tree.tokens[node]
-            for t, p in zip(self._cand[0][j], self._cand[1][j]):
-                if self.prune and t == parent:  # §3.6: masks echo their node's next token
-                    continue
-                b = h.mask_bucket(rank)
-                q = p if rates is None else rates[b]
-                rank += 1
-                score[t] = 1.0 - (1.0 - score.get(t, 0.0)) * (1.0 - q)
-                buckets.setdefault(t, [-1, -1, -1])[2] = b
+        """``(token, score)`` under ``node``."""
+        h, lk = self.rates, self.context.next_tokens(tree.tails[node])
+        masks = self._mask_guesses(j, tree.tokens[node])
+        self._asked[node] = lk, masks
+        if rates is None:
+            score = dict(lk.guesses)
+        else:
+            score = {t: rates[b] for (t, _), b in zip(lk.guesses, h.lookup_buckets(lk))}
+            if lk.literal >= 0:  # mostly the same evidence as the guesses: no noisy-or
+                b = h.literal_bucket(lk.n, lk.literal == lk.guesses[0][0])
+                score[lk.literal] = max(score.get(lk.literal, 0.0), rates[b])
+        for rank, (t, p) in enumerate(masks):
+            q = p if rates is None else rates[h.mask_bucket(rank)]
+            score[t] = 1.0 - (1.0 - score.get(t, 0.0)) * (1.0 - q)
         total = sum(score.values())
         if total > 0.99:  # siblings are exclusive events: keep their sum a probability
-            score = {t: s * 0.99 / total for t, s in score.items()}
-        self._buckets[node] = buckets
+            return [(t, s * 0.99 / total) for t, s in score.items()]
         return list(score.items())
+
+    def _mask_guesses(self, j: int | None, parent: int) -> list[tuple[int, float]]:
+        """Mask ``j``'s candidates under the chain node of depth ``j``, best first."""
+        if j is None or self._cand is None or j >= len(self._cand[0]):
+            return []
+        pairs = zip(self._cand[0][j], self._cand[1][j])
+        # §3.6: a mask echoes its node's own next token, which is the parent here
+        return [(t, p) for t, p in pairs if not (self.prune and t == parent)]
 
     def _learn(self, truth: list[int]) -> None:
         """Hit or miss for every candidate under the true path (known to its end)."""
-        tree, node, buckets, hits = self._tree, 0, [], []
+        h, tree, node = self.rates, self._tree, 0
+        buckets: list[int] = []
+        hits: list[bool] = []
         mask_only = False
         for t in truth:
-            cands = self._buckets.get(node)
-            if cands is None:
+            if node not in self._asked:
                 break
-            for tok, kinds in cands.items():
-                for b in kinds:
-                    if b >= 0:
-                        buckets.append(b)
-                        hits.append(tok == t)
+            lk, masks = self._asked[node]
+            for (tok, _), b in zip(lk.guesses, h.lookup_buckets(lk)):
+                buckets.append(b)
+                hits.append(tok == t)
+            if lk.literal >= 0:
+                buckets.append(h.literal_bucket(lk.n, lk.literal == lk.guesses[0][0]))
+                hits.append(lk.literal == t)
+            for rank, (tok, _) in enumerate(masks):
+                buckets.append(h.mask_bucket(rank))
+                hits.append(tok == t)
             if node == 0:
-                lb, pb, mb = cands.get(t, (-1, -1, -1))
-                mask_only = max(lb, pb) < 0 <= mb
+                mask_only = (t != lk.literal and all(g != t for g, _ in lk.guesses)
+                             and any(m == t for m, _ in masks))
             node = tree.child.get((node, t))
             if node is None:
                 break

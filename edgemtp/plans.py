@@ -139,12 +139,15 @@ class Plan:
             if p >= 0:
                 anc[i] = anc[p]
             anc[i, i] = True
+        if k == 0:  # a plain tree (lookup drafters build one most steps)
+            return anc
         mask = np.zeros((self.bc, self.bc), dtype=bool)
         mask[:n, :n] = anc
+        causal = np.tril(np.ones((k, k), dtype=bool))
         for i in range(n):
             rows = slice(n + i * k, n + (i + 1) * k)
             mask[rows, :n] = anc[i]
-            mask[rows, rows] = np.tril(np.ones((k, k), dtype=bool))
+            mask[rows, rows] = causal
         return mask
 
     def _build_positions(self) -> np.ndarray:

@@ -16,6 +16,7 @@ from edgemtp.models.decoder import TreeDecoder
 from edgemtp.models.families import family_for, max_context
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MASK_CACHE = 512  # device copies of plan masks kept (oldest out first)
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
@@ -131,6 +132,8 @@ class TorchBackend:
         key = tree_mask.__array_interface__["data"][0], tree_mask.shape
         hit = self._masks.get(key)
         if hit is None:
+            if len(self._masks) >= MASK_CACHE:  # lookup drafters make a new tree most steps
+                del self._masks[next(iter(self._masks))]
             t = torch.tensor(tree_mask, dtype=torch.bool, device=self.device)[None, None]
             hit = self._masks[key] = (tree_mask, t)
         return hit[1]
