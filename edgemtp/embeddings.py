@@ -73,9 +73,13 @@ class MaskEmbeddings:
             self._pending.extend(int(t) for t in token_ids)
 
     def _fold(self) -> None:
-        # n sequential updates in one go: m_n = (1-l)^n m + sum_i l (1-l)^(n-i) e_i
-        e = self.embed(np.asarray(self._pending, dtype=np.int64)).astype(np.float64)
+        e = self.embed(np.asarray(self._pending, dtype=np.int64))
         n, lam = len(e), self.ema
-        w = lam * (1.0 - lam) ** np.arange(n - 1, -1, -1)
-        self._value = ((1.0 - lam) ** n * self._value + (w @ e)[None, :]).astype(np.float32)
+        if n <= 4:  # the usual step: a few tokens, cheaper one by one
+            for row in e:
+                self._value += lam * (row.astype(np.float32) - self._value)
+        else:  # after plain steps: m_n = (1-l)^n m + sum_i l (1-l)^(n-i) e_i in one go
+            w = lam * (1.0 - lam) ** np.arange(n - 1, -1, -1)
+            folded = (1.0 - lam) ** n * self._value + (w @ e.astype(np.float64))[None, :]
+            self._value = folded.astype(np.float32)
         self._pending = []

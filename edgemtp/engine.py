@@ -21,6 +21,7 @@ from .plans import Plan
 from .verify import Verifier
 
 Decode = Callable[[list[int]], str]
+BLOCK_CACHE = 256  # per-plan step buffers a generation keeps (oldest out first)
 
 
 @dataclass
@@ -82,8 +83,9 @@ class Generation:
         self.stopper = Stopper(config, backend.eos_token_ids,
                                backend.max_context - self.prompt.size, decode)
         k = self.drafter.mask_tokens
-        self.stats = Stats(bc=config.bc if k else 1, mask_tokens=k, prompt_tokens=self.prompt.size)
-        self._blocks: dict[Plan, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.stats = Stats(bc=config.bc if config.drafter != "none" else 1, mask_tokens=k,
+                           prompt_tokens=self.prompt.size)
+        self._blocks: dict[int, tuple] = {}  # id(plan) -> plan, N, ids, positions, mask rows
         self._reports_run = hasattr(backend, "last_run_s")
         self._root: int | None = None
 
@@ -179,16 +181,20 @@ class Generation:
         # ids [tokens, mask slots] and positions (template + P) of one step, written into
         # buffers kept per plan, and the plan's mask rows per node [N, k]; mask slot j of
         # every node is id vocab + j - 1, node-major
-        block = self._blocks.get(plan)
-        if block is None:
+        # (keyed by identity, cheaper than hashing a plan; an entry keeps its plan alive, and
+        # the table is bounded: lookup drafters make a new plan most steps)
+        block = self._blocks.get(id(plan))
+        if block is None or block[0] is not plan:
+            if len(self._blocks) >= BLOCK_CACHE:
+                del self._blocks[next(iter(self._blocks))]
             n, k = plan.n_nodes, plan.k
             slots = np.tile(self.backend.vocab_size + np.arange(k), n)
-            block = (np.concatenate([np.zeros(n, dtype=np.int64), slots]),
+            block = (plan, n, np.concatenate([np.zeros(n, dtype=np.int64), slots]),
                      np.empty(plan.bc, dtype=np.int64),
                      n + np.arange(n * k, dtype=np.int64).reshape(n, k))
-            block[2].flags.writeable = False  # drafters get views of it
-            self._blocks[plan] = block
-        ids, positions, mask_rows = block
-        ids[:plan.n_nodes] = tokens
+            block[4].flags.writeable = False  # drafters get views of it
+            self._blocks[id(plan)] = block
+        _, n, ids, positions, mask_rows = block
+        ids[:n] = tokens
         np.add(plan.positions, p, out=positions)
         return ids, positions, mask_rows

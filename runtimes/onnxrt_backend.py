@@ -25,6 +25,7 @@ from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
 from edgemtp.runtimes.package import COMMIT, FIXED_INPUTS, kv_names, load_package
 
 _INT64, _BOOL, _FLOAT32 = np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.float32)
+_KEEP_MASK = 256  # largest block whose mask the backend keeps a bound copy of
 
 # --device -> (execution provider, OrtValue device type, how to get it)
 DEVICES = {
@@ -133,15 +134,22 @@ class HostKV(KVCache):
 
     def commit(self, rows: np.ndarray, p: int) -> None:
         r = len(rows)
-        if r > 8:  # prefill: one fancy-indexed copy
+        if r == 0:
+            return
+        few = rows.tolist() if r <= 8 else None  # a step's path: plain ints are cheaper
+        first = few[0] if few else int(rows[0])
+        if (few == list(range(first, first + r))) if few else np.all(np.diff(rows) == 1):
+            # consecutive rows (a prefill, a top-1 path): one slice copy each
+            self.k[:, p:p + r] = self.new_k[:, first:first + r]
+            self.v[:, p:p + r] = self.new_v[:, first:first + r]
+        elif few:  # a few rows: row-by-row slices skip the gather's temporary
+            k, v, new_k, new_v = self.k, self.v, self.new_k, self.new_v
+            for j, row in enumerate(few, start=p):
+                k[:, j] = new_k[:, row]
+                v[:, j] = new_v[:, row]
+        else:
             self.k[:, p:p + r] = self.new_k[:, rows]
             self.v[:, p:p + r] = self.new_v[:, rows]
-            return
-        # a step's path is a few rows: row-by-row slices skip the gather's temporary
-        k, v, new_k, new_v = self.k, self.v, self.new_k, self.new_v
-        for j, row in enumerate(rows.tolist(), start=p):
-            k[:, j] = new_k[:, row]
-            v[:, j] = new_v[:, row]
 
 
 class DeviceKV(KVCache):
@@ -214,12 +222,15 @@ class OrtBackend:
         self._io = self.session.io_binding()
         self._host = Binder(ort, self._io, "cpu")           # fixed inputs, outputs
         self._kv_bind = Binder(ort, self._io, self.kv.device)
-        # the fixed inputs as last bound: ids and positions live in buffers of ours, the mask
-        # and mask embeddings are the caller's arrays (kept referenced while bound). Device
-        # providers copy a host input when it is bound, so there everything is bound per step.
+        # the fixed inputs are copied into buffers of ours, bound while their shapes hold
+        # (see _feed); device providers copy a host input when it is bound, so there they
+        # are bound every step
         self._rebind_inputs = device != "cpu"
         self._ids = self._pos = np.zeros(0, dtype=np.int64)
-        self._fed_t, self._fed_mask, self._fed_embeds, self._fed_shape = -1, None, None, None
+        self._mask, self._mask_t, self._big_mask = np.zeros(0, dtype=np.bool_), None, None
+        self._embeds_t = np.zeros((0, 0), dtype=np.float32)
+        self._fed_t = -1  # the block size the inputs are bound for
+        self._views, self._views_for = None, None
         self.last_run_s = 0.0  # seconds the last forward spent in InferenceSession's run
         self._argmax = np.zeros((1, 0), dtype=np.int64)
         self._top_ids = np.zeros((1, 0, self.topk), dtype=np.int64)
@@ -325,18 +336,23 @@ class OrtBackend:
         logits = np.empty((1, t, self.vocab_size), dtype=np.float32) if full_logits else None
         if (t, topk > 0) != self._outputs_for or full_logits:
             self._bind_outputs(t, topk > 0, logits)
+        if (t, topk) != self._views_for:  # this block's rows of the output buffers
+            self._views = (self._argmax[0, :t], self._top_ids[0, :t, :topk],
+                           self._top_lp[0, :t, :topk])
+            self._views_for = (t, topk)
         t0 = perf_counter()
         self.session.run_with_iobinding(self._io)
         self.last_run_s = perf_counter() - t0
-        return StepOut(argmax=self._argmax[0, :t].copy(),
-                       topk_ids=self._top_ids[0, :t, :topk].copy(),
-                       topk_logprobs=self._top_lp[0, :t, :topk].copy(),
+        argmax, top_ids, top_lp = self._views  # copies: the buffers are reused next step
+        return StepOut(argmax=argmax.copy(), topk_ids=top_ids.copy(),
+                       topk_logprobs=top_lp.copy(),
                        logits=None if logits is None else logits[0])
 
     def _feed(self, t: int, input_ids, position_ids, tree_mask, mask_embeds) -> None:
-        # ids and positions are copied into buffers bound once per block size T; a plan's mask
-        # is the same array every step (and mask embeddings updated in place stay one array),
-        # so both are rebound only when another array comes: ORT reads bound memory at run
+        # The four fixed inputs are copied into buffers of ours that stay bound while their
+        # shapes do: a step's copies are a few hundred bytes, while a bind costs a
+        # microsecond or more of Python and C++; ORT reads bound memory when it runs. A mask
+        # too large to keep a copy of (a long prefill) is bound where it lies.
         bind = self._host.input
         if t > len(self._ids):
             cap = max(t, 64)
@@ -349,18 +365,27 @@ class OrtBackend:
             bind("input_ids", _INT64, [1, t], self._ids.ctypes.data)
             bind("position_ids", _INT64, [1, t], self._pos.ctypes.data)
             self._fed_t = t
-        mask = np.ascontiguousarray(tree_mask, dtype=np.bool_)
-        if fresh or mask is not self._fed_mask:
-            if mask.size != t * t:
-                raise ConfigError(f"tree_mask has {mask.size} entries; a block of {t} "
-                                  f"positions needs {t}x{t}")
-            bind("tree_mask", _BOOL, [1, 1, t, t], mask.ctypes.data)
-            self._fed_mask = mask
-        embeds = self._no_masks if mask_embeds is None else np.ascontiguousarray(
-            mask_embeds, dtype=np.float32)
-        if fresh or embeds is not self._fed_embeds or embeds.shape != self._fed_shape:
-            bind("mask_embeds", _FLOAT32, list(embeds.shape), embeds.ctypes.data)
-            self._fed_embeds, self._fed_shape = embeds, embeds.shape
+        if getattr(tree_mask, "shape", None) != (t, t):
+            tree_mask = np.asarray(tree_mask, dtype=np.bool_).reshape(t, t)
+        if t > _KEEP_MASK:
+            self._big_mask = np.ascontiguousarray(tree_mask, dtype=np.bool_)  # held while bound
+            bind("tree_mask", _BOOL, [1, 1, t, t], self._big_mask.ctypes.data)
+        elif fresh:
+            if self._mask.size < t * t:
+                self._mask = np.zeros(max(t, 64) ** 2, dtype=np.bool_)
+            self._mask_t = self._mask[:t * t].reshape(t, t)
+            self._mask_t[...] = tree_mask
+            bind("tree_mask", _BOOL, [1, 1, t, t], self._mask.ctypes.data)
+        else:
+            self._mask_t[...] = tree_mask
+        embeds = self._no_masks if mask_embeds is None else mask_embeds
+        if not isinstance(embeds, np.ndarray):
+            embeds = np.asarray(embeds, dtype=np.float32)
+        if fresh or embeds.shape != self._embeds_t.shape:
+            self._embeds_t = np.array(embeds, dtype=np.float32, order="C")
+            bind("mask_embeds", _FLOAT32, list(self._embeds_t.shape), self._embeds_t.ctypes.data)
+        else:
+            self._embeds_t[...] = embeds
 
     def _bind_outputs(self, t: int, with_topk: bool, logits: np.ndarray | None) -> None:
         # the steps of one plan share T, so outputs stay bound to the same buffers between
@@ -372,6 +397,7 @@ class OrtBackend:
             self._argmax = np.zeros((1, cap), dtype=np.int64)
             self._top_ids = np.zeros((1, cap, self.topk), dtype=np.int64)
             self._top_lp = np.zeros((1, cap, self.topk), dtype=np.float32)
+            self._views_for = None
         out = self._host.output
         out("argmax", _INT64, [1, t], self._argmax.ctypes.data)
         if with_topk:
@@ -394,7 +420,10 @@ class OrtBackend:
         self.cache_len = 0
 
     def embed(self, token_ids) -> np.ndarray:
-        return np.asarray(self._table[np.asarray(token_ids, dtype=np.int64)], dtype=np.float32)
+        ids = token_ids if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int64 \
+            else np.asarray(token_ids, dtype=np.int64)
+        rows = self._table[ids]  # fancy indexing: a fresh array, the caller's to keep
+        return rows if rows.dtype == np.float32 else rows.astype(np.float32)
 
     def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
         return self._stats

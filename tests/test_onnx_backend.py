@@ -158,6 +158,44 @@ def test_commit_copies_only_accepted_rows(stories_pkg):
     assert b.cache_len == 0
 
 
+def test_inputs_bound_once_still_reach_the_graph(stories_pkg):
+    # ids/positions buffers are bound once per block size and a mask or mask-embeddings array
+    # once per object: new values in them, arrays changed in place and a new T must all reach
+    # the graph exactly as a backend that binds everything afresh sees them
+    rng = np.random.default_rng(0)
+    mask = np.tril(np.ones((6, 6), dtype=bool))
+    embeds = rng.standard_normal((2, 64)).astype(np.float32)
+    reused = OrtBackend(stories_pkg, threads=1)
+
+    def check(ids, pos, m, e, topk=5):
+        got = reused.forward(ids, pos, m, e, topk=topk)
+        want = OrtBackend(stories_pkg, threads=1).forward(
+            ids.copy(), pos.copy(), m.copy(), None if e is None else e.copy(), topk=topk)
+        np.testing.assert_array_equal(got.argmax, want.argmax)
+        np.testing.assert_array_equal(got.topk_ids, want.topk_ids)
+        np.testing.assert_allclose(got.topk_logprobs, want.topk_logprobs, atol=1e-6)
+        assert reused.last_run_s > 0
+
+    for ids in ([1, 403, 407, 261, 512, 513], [1, 300, 301, 302, 512, 513]):
+        for _ in range(2):
+            check(np.array(ids), np.arange(6), mask, embeds)
+            embeds *= 0.5                    # the same arrays, new values
+            mask[5, 1] = not mask[5, 1]
+    other = mask.copy()                      # new arrays of the same shapes, new values
+    other[5, 1] = not other[5, 1]
+    check(np.array([1, 403, 407, 261, 512, 513]), np.arange(6), other, embeds * 2.0)
+    check(np.array([1, 403, 512]), np.arange(3), np.tril(np.ones((3, 3), bool)), embeds[:1])
+    check(np.array([7]), np.array([0]), np.ones((1, 1), bool), None, topk=0)
+
+
+def test_stats_split_the_runtime_run_from_binding(stories_case):
+    backend, prompts, _ = stories_case
+    s = Generation(backend, GenerationConfig(max_new_tokens=16, bc=30), prompts[0]).run().stats
+    assert s.time_forward > 0 and s.time_bind > 0   # run_with_iobinding vs the rest of forward
+    assert 0 < s.host_overhead < 1
+    assert s.to_dict()["time_s"]["bind"] == round(s.time_bind, 6)
+
+
 def test_topk_wider_than_exported_is_refused(stories_pkg):
     b = OrtBackend(stories_pkg)
     with pytest.raises(ConfigError, match="exports top-31"):
