@@ -184,7 +184,7 @@ def markdown(result: dict, title: str) -> str:
     out += ["", f"Prompts per task: {counts}."]
     skipped = {t: n for t, n in result["skipped_prompts"].items() if n}
     if skipped:
-        out += [f"Skipped (prompt + new tokens longer than the model's context): "
+        out += ["Skipped (prompt + new tokens longer than the model's context): "
                 + ", ".join(f"{t} {n}" for t, n in skipped.items()) + "."]
     if result["failures"]:
         out += ["", f"**{len(result['failures'])} outputs differ from greedy decoding.**"]

@@ -15,6 +15,26 @@ def story_prompts(n: int = 48) -> list[str]:
         return [json.loads(line)["prompt"] for line in f if line.strip()][:n]
 
 
+def family_configs() -> dict:
+    """Small random-initialisable configs of every supported family (Llama-3 rope scaling
+    included), for equality tests against transformers."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=256, initializer_range=0.2, eos_token_id=255,
+                  bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                   "rope_theta": 500000.0}
+    return {
+        "llama3": LlamaConfig(**common, rope_parameters=llama3_rope),
+        "qwen2": Qwen2Config(**common),
+        "qwen3": Qwen3Config(**common, head_dim=16),
+        "mistral": MistralConfig(**common, sliding_window=None),
+    }
+
+
 @pytest.fixture(scope="session")
 def stories_path() -> str:
     assert STORIES.is_dir(), f"missing shared model {STORIES}"

@@ -2,21 +2,18 @@
 ``transformers`` ``generate`` computes them, and sample from exactly the model's distribution.
 """
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
 from scipy import stats as sps
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig,
-                          Qwen2Config, Qwen3Config)
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from edgemtp import GenerationConfig
 from edgemtp.engine import Generation
 from edgemtp.runtimes.torch_backend import TorchBackend
 from edgemtp.verify import Verifier, process_logits
 
-from conftest import story_prompts
+from conftest import family_configs, story_prompts
 
 PLANS = [(bc, k, tree) for bc in (10, 30, 60) for k in (1, 2) for tree in ("static", "dynamic")]
 N_PROMPTS, NEW_TOKENS = 24, 128
@@ -57,20 +54,7 @@ def test_plain_decoding_is_the_reference(stories):
 
 # -- random-initialised configs of every family ------------------------------------------
 
-def _family_configs():
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                  max_position_embeddings=256, initializer_range=0.2, eos_token_id=255,
-                  bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
-    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                   "rope_theta": 500000.0}
-    return {
-        "llama3": LlamaConfig(**common, rope_parameters=llama3_rope),
-        "qwen2": Qwen2Config(**common),
-        "qwen3": Qwen3Config(**common, head_dim=16),
-        "mistral": MistralConfig(**common, sliding_window=None),
-    }
+_family_configs = family_configs
 
 
 FAMILY_PLANS = [(10, 1, "dynamic"), (30, 2, "dynamic"), (60, 1, "static"), (60, 2, "static")]

@@ -6,14 +6,14 @@ the hybrid's block efficiency against prompt lookup and probing on the same prom
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from edgemtp import GenerationConfig
 from edgemtp.engine import Generation
 from edgemtp.ngram import PromptLookupDrafter
 from edgemtp.runtimes.torch_backend import TorchBackend
 
-from conftest import story_prompts
+from conftest import family_configs, story_prompts
 from test_plans import check_plan
 
 N_PROMPTS, NEW_TOKENS, BCS = 24, 128, (10, 30, 60)
@@ -192,16 +192,7 @@ def test_pld_finds_the_obvious_match_in_a_repetitive_prompt(stories):
 # -- random-initialised configs ---------------------------------------------------------------
 
 
-def _family_configs():
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                  max_position_embeddings=256, initializer_range=0.2, eos_token_id=255,
-                  bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
-    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                   "rope_theta": 500000.0}
-    return {"llama3": LlamaConfig(**common, rope_parameters=llama3_rope),
-            "qwen3": Qwen3Config(**common, head_dim=16)}
+_family_configs = family_configs
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])

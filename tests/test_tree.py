@@ -452,8 +452,6 @@ def test_calibrated_dynamic_tree_stays_a_valid_top1_tree(case, data):
     """Any per-(depth, rank) bias still gives a table plan whose every depth keeps a prefix
     of its ranking and whose kept set is the top N - 1 by biased score, capped by the parent's
     and by every better-ranked sibling's."""
-    from edgemtp.tree import RankCalibration  # noqa: F401  (the bias's producer)
-
     bc, k, root, ids, lp, on = case
     plans = dynamic_plans(bc, k)
     n = plans.n_nodes
