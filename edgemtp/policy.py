@@ -1,14 +1,17 @@
 """The ``auto`` drafter: probe only when it pays on this device, by block complexity.
 
 Per step it picks, among plain decoding (T = 1), a mask-only step (root + 1 mask, T = 2, which
-still emits one token but keeps the acceptance estimate fresh) and k = 1 probing plans with
-``m`` draft nodes (T = 2(m + 1) <= budget), the one with the most expected tokens per second::
+still emits one token but keeps the acceptance estimate fresh), k = 1 probing plans with
+``m`` draft nodes (T = 2(m + 1) <= budget) and prompt-lookup chains of ``L`` tokens
+(T = L + 1 <= budget), the one with the most expected tokens per second::
 
-    expected tokens / latency(T) = (1 + P(the next token is among the mask's top m)) / t(T)
+    probe:  (1 + P(the next token is among the mask's top m)) / t(2(m + 1))
+    lookup: (1 + sum_{d <= L} P(the chain's first d tokens are right)) / t(L + 1)
 
 ``t(T)`` is the device's forward latency curve (measured once per loaded model, or read from
 an ``edgemtp profile`` file); the acceptance comes from the ranks at which the true tokens
-appeared among the mask token's candidates so far. Where speculation cannot pay (a mid-size
+appeared among the mask token's candidates so far, and from how far every lookup chain (used
+or not) agreed with the tokens that followed. Where speculation cannot pay (a mid-size
 model on a 2-core CPU) it decodes plainly, so it is never much slower than plain decoding.
 """
 
@@ -25,6 +28,7 @@ from .embeddings import MaskEmbeddings
 from .errors import ConfigError
 from .latency import LatencyCurve
 from .plans import Plan
+from .ngram import MAX_DEPTH, NgramIndex, chain_plan, lookup_chain
 from .tree import prune, static_tree
 
 PLAIN = Plan.root_only()
@@ -93,19 +97,29 @@ class AutoDrafter:
                                            {"hits": np.zeros(self.width), "steps": 4.0})
         self.topk = self.width  # what the next forward must return (0 on plain steps)
         self.prune = config.prune
-        self.explore = config.bc >= MASK_ONLY.bc
+        self._lat = np.array([self.latency(max(t, 1)) for t in range(max(config.bc, 4) + 1)])
+        # mask-only steps only where probing could ever pay: even a sure accept doubles the
+        # tokens of a step at best, so a 4-position block must cost under twice a 1-position one
+        self.explore = config.bc >= 4 and 2.0 * self.latency(1) > self.latency(4)
         self.embeds = MaskEmbeddings(1, config.mask_init, config.ema, backend.embed,
                                      stats=backend.embedding_stats()
                                      if config.mask_init == "sample" else None,
                                      vector=None if config.mask_vector is None
                                      else np.asarray(config.mask_vector), seed=config.seed)
         self._cand: tuple[np.ndarray, np.ndarray] | None = None
+        self.n_chain = max(0, min(config.bc - 1, MAX_DEPTH))
+        self.chain_hits = memory.setdefault(("auto-chain", self.n_chain), {
+            "hits": np.zeros(self.n_chain), "tries": np.full(self.n_chain, 4.0)})
+        self.index = NgramIndex()
+        self._chains: list[tuple[int, list[int]]] = []  # (context position, chain) to score
+        self._chain: list[int] = []
         self._root = -1
         self._plain_steps = 0
         self.choices: dict[int, int] = {}  # plan BC -> steps, for reports
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)
+        self.index.extend(prompt_ids)
 
     def expected_gain(self, m: int) -> float:
         """P(the next token is among the top ``m`` candidates), from the observed ranks."""
@@ -113,29 +127,47 @@ class AutoDrafter:
         return float(h["hits"][:m].sum() / h["steps"])
 
     def choose(self) -> Plan:
-        if self._cand is None:  # nothing to draft from: plain, now and then a mask-only step
+        lat = self._lat  # t(T) for T = 0..budget, looked up once
+        best, best_rate = PLAIN, 1.0 / lat[1]
+        if self._chain:  # prompt lookup: the chain prefix with the best rate (T = n + 1)
+            n = len(self._chain)
+            h = self.chain_hits
+            rates = (1.0 + np.cumsum(h["hits"][:n] / h["tries"][:n])) / lat[2:n + 2]
+            i = int(rates.argmax())
+            if rates[i] > best_rate:
+                best, best_rate = chain_plan(i + 1), rates[i]
+        if self._cand is not None and self.plans:  # probing with m nodes (T = 2(m + 1))
+            m = np.arange(1, len(self.plans) + 1)
+            rates = (1.0 + np.cumsum(self.rank_hits["hits"])[m - 1] / self.rank_hits["steps"]
+                     ) / lat[2 * (m + 1)]
+            i = int(rates.argmax())
+            if rates[i] > best_rate:
+                best, best_rate = self.plans[i + 1], rates[i]
+        elif best is PLAIN:  # nothing to probe from: now and then a mask-only step
             self._plain_steps += 1
-            explore = self.explore and self._plain_steps % self.explore_every == 0
-            return MASK_ONLY if explore else PLAIN
-        best, best_rate = PLAIN, 1.0 / self.latency(1)
-        for m, plan in self.plans.items():
-            rate = (1.0 + self.expected_gain(m)) / self.latency(plan.bc)
-            if rate > best_rate:
-                best, best_rate = plan, rate
+            if self.explore and self._plain_steps % self.explore_every == 0:
+                best = MASK_ONLY
         return best
 
     def propose(self, root: int) -> tuple[Plan, np.ndarray]:
+        # the index holds the context up to the root: a chain guesses what follows it
+        self._chain = lookup_chain(self.index, self.n_chain)
+        if self._chain:
+            self._chains.append((len(self.index.tokens), self._chain))
         plan = self.choose()
         self.topk = self.width if plan.k else 0
         self.choices[plan.bc] = self.choices.get(plan.bc, 0) + 1
         self._root = root
+        if plan.k == 0 and plan.n_nodes > 1:  # a lookup chain
+            return plan, np.array([root, *self._chain[:plan.n_nodes - 1]], dtype=np.int64)
         if plan.n_nodes == 1:
             return plan, np.array([root], dtype=np.int64)
         ids, lp = self._cand
         return plan, static_tree(plan, root, ids, lp, self.prune)
 
-    def mask_embeds(self) -> np.ndarray:
-        return self.embeds.value
+    def mask_embeds(self) -> np.ndarray | None:
+        # only a step that carries masks reads them (and folds in the EMA)
+        return self.embeds.value if self.topk else None
 
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
                 path_rows: np.ndarray) -> None:
@@ -151,3 +183,18 @@ class AutoDrafter:
         else:
             self._cand = None
         self.embeds.update(new_tokens)
+        self.index.extend(new_tokens)
+        self._score_chains()
+
+    def _score_chains(self) -> None:
+        # how far each chain agreed with what followed, once that is known (used or not)
+        ctx, h, waiting = self.index.tokens, self.chain_hits, []
+        for start, chain in self._chains:
+            seen = ctx[start:start + len(chain)]
+            agree = next((i for i, (a, b) in enumerate(zip(chain, seen)) if a != b), len(seen))
+            if agree == len(seen) and len(seen) < len(chain):
+                waiting.append((start, chain))  # all right so far: wait for more tokens
+                continue
+            h["tries"][:len(chain)] += 1.0
+            h["hits"][:agree] += 1.0
+        self._chains = waiting

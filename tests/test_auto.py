@@ -14,7 +14,7 @@ from edgemtp.runtimes.torch_backend import TorchBackend
 
 from conftest import story_prompts
 
-STEEP = LatencyCurve((1, 2, 60), (1e-3, 1.01e-3, 1e-1))  # every extra position costs a lot
+STEEP = LatencyCurve((1, 2, 60), (1e-3, 3e-3, 1e-1))    # no draft can pay for its block
 FLAT = LatencyCurve((1, 60), (1e-3, 1.05e-3))             # wide blocks are almost free
 
 
@@ -57,8 +57,22 @@ def test_auto_falls_back_to_plain_decoding_when_speculation_loses(setup):
     results, sizes = _run(backend, prompts, config, memory={})
     assert [r.token_ids for r in results] == refs
     decode = [t for t in sizes if t < 8]  # prefill blocks are the prompt + 1 mask
-    assert set(decode) <= {1, 2}, "a steep latency curve must never pick a tree"
+    assert set(decode) == {1}, "a steep latency curve must never pick a tree or explore"
     assert sum(r.stats.new_tokens for r in results) == sum(r.stats.forward_calls for r in results)
+
+
+def test_auto_uses_prompt_lookup_when_a_short_chain_pays(setup):
+    """t(2) barely above t(1): a one-token lookup chain pays, a probing tree (T >= 4) does
+    not, and the output is still exactly greedy."""
+    backend, prompts, refs = setup
+    curve = LatencyCurve((1, 2, 4, 60), (1e-3, 1.01e-3, 5e-3, 1e-1))
+    config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=96, latency=curve)
+    results, sizes = _run(backend, prompts, config, memory={})
+    assert [r.token_ids for r in results] == refs
+    decode = {t for t in sizes if t < 8}
+    assert decode <= {1, 2} and 2 in decode
+    be = sum(r.stats.new_tokens for r in results) / sum(r.stats.forward_calls for r in results)
+    assert be > 1.1, f"one-token lookup chains should be accepted often here, BE {be:.3f}"
 
 
 def test_auto_probes_when_wide_blocks_are_cheap(setup):
