@@ -205,19 +205,20 @@ def plots(result: dict, out: Path, stem: str) -> list[Path]:
     colors = dict(zip(methods_, plt.cm.tab10.colors))
     paths = []
     fig, ax = plt.subplots(figsize=(min(16, max(8, 0.45 * len(tasks) * len(methods_) + 3)), 4.5))
-    width = 0.8 / max(1, len(methods_))
+    slots = max(1, len(methods_) * len(budgets))
+    width = 0.8 / slots
     x = np.arange(len(tasks))
     for i, m in enumerate(methods_):
-        for j, bc in enumerate(budgets):  # higher opacity = larger BC, as in the paper
+        for j, bc in enumerate(budgets):  # side by side; higher opacity = larger BC (paper)
             vals = [next((r["block_efficiency"] for r in rows
                           if (r["method"], r["bc"], r["task"]) == (m, bc, t)), 0) for t in tasks]
-            ax.bar(x + i * width, vals, width, color=colors[m],
+            ax.bar(x + (i * len(budgets) + j) * width, vals, width, color=colors[m],
                    alpha=0.35 + 0.65 * (j + 1) / len(budgets),
-                   label=m if j == len(budgets) - 1 else None, zorder=len(budgets) - j)
-    ax.set_xticks(x + width * (len(methods_) - 1) / 2, tasks, rotation=20)
+                   label=m if j == len(budgets) - 1 else None)
+    ax.set_xticks(x + width * (slots - 1) / 2, tasks, rotation=20)
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set(ylabel="block efficiency", title=f"BE per task and method (BC {budgets}; darker = "
-                                            "larger BC)")
+    ax.set(ylabel="block efficiency", title=f"BE per task and method (BC {budgets}, left to "
+                                            "right; darker = larger BC)")
     ax.legend(ncol=len(methods_))
     fig.tight_layout()
     paths.append(out / f"{stem}_be.png")
