@@ -275,7 +275,7 @@ def markdown(res: dict) -> str:
     m, dec = res["meta"], res["decode"]
     rows = {r["method"]: r for r in dec["rows"]}
     hf = rows[HF]
-    out = [f"# onnxruntime CPU: probing on stories260K, and latency vs block size", "",
+    out = ["# onnxruntime CPU: probing on stories260K, and latency vs block size", "",
            f"{m['date']}, {m['machine']}, onnxruntime {m['onnxruntime']}, torch {m['torch']}, "
            f"{m['threads']} intra-op thread(s). {dec['prompts']} story prompts x "
            f"{dec['new_tokens']} new tokens, {dec['repeats']} repeats (medians; the configs run "
@@ -410,7 +410,7 @@ def conclusion(res: dict) -> list[str]:
             + ("below even the T = 10 break-even: on this CPU no probing budget pays for such a "
                "model, the smallest one (BC 10) loses least, and plain greedy is fastest. "
                if below else
-               f"so only budgets whose break-even is below that pay (see the table). ")
+               "so only budgets whose break-even is below that pay (see the table). ")
             + "Large budgets need hardware on which a forward stays memory-bound up to "
               "large T, so that t(T) stays close to t(1) (GPUs; for the GPU benches to show).")
     return lines

@@ -121,11 +121,6 @@ class AutoDrafter:
         self.embeds.start(prompt_ids)
         self.index.extend(prompt_ids)
 
-    def expected_gain(self, m: int) -> float:
-        """P(the next token is among the top ``m`` candidates), from the observed ranks."""
-        h = self.rank_hits
-        return float(h["hits"][:m].sum() / h["steps"])
-
     def choose(self) -> Plan:
         lat = self._lat  # t(T) for T = 0..budget, looked up once
         best, best_rate = PLAIN, 1.0 / lat[1]
