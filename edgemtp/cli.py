@@ -68,6 +68,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-calibrate", action="store_true",
                    help="dynamic tree by raw cumulative probability (the paper's Algorithm 1)")
     g.add_argument("--drafter", choices=DRAFTERS, default="probe")
+    g.add_argument("--lade", type=_int_list, default=None, metavar="L,W,G",
+                   help="lookahead decoding's n-gram size, window and guess set (with "
+                        "--drafter lade; default: the paper's for BC 10/30/60)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -90,7 +93,7 @@ def _config(a: argparse.Namespace) -> GenerationConfig:
         branching=a.branching, mask_init=a.mask_init, ema=a.ema, prune=not a.no_prune,
         calibrate=not a.no_calibrate,
         drafter=a.drafter, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-        seed=a.seed, stop=tuple(a.stop))
+        seed=a.seed, stop=tuple(a.stop), lookahead=getattr(a, "lade", None))
 
 
 def _load(a: argparse.Namespace):
@@ -248,8 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="drafters x BC x prompt sets, BE and tokens/s, checked "
                                      "against greedy; JSON, Markdown and PNG plots")
     _add_model_args(b)
-    b.add_argument("--drafters", default="probe,pld,stand,hybrid,auto",
-                   help="comma-separated drafters (default: probe,pld,stand,hybrid,auto)")
+    b.add_argument("--drafters", default="probe,pld,stand,lade,hybrid,auto",
+                   help="comma-separated drafters (default: probe,pld,stand,lade,hybrid,auto)")
     b.add_argument("--bc", type=_int_list, default=(10, 30, 60), help="budgets (default 10,30,60)")
     b.add_argument("--sets", default="stories,spec_bench",
                    help="prompt sets: stories, spec_bench (by category)")

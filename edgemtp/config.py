@@ -9,7 +9,7 @@ import numpy as np
 from .errors import ConfigError
 from .latency import LatencyCurve
 
-DRAFTERS = ("probe", "auto", "pld", "stand", "hybrid", "none")
+DRAFTERS = ("probe", "auto", "pld", "stand", "lade", "hybrid", "none")
 TREES = ("static", "dynamic")
 MASK_INITS = ("mean", "sample", "last-k", "vector")
 
@@ -21,6 +21,10 @@ class GenerationConfig:
     ``calibrate`` corrects the dynamic tree's scores with the acceptance it observes per depth
     and rank (:class:`edgemtp.tree.RankCalibration`); ``False`` is the paper's Algorithm 1.
     Neither changes the output tokens, only how many forward calls they take.
+
+    ``lookahead`` is lookahead decoding's ``(L, W, G)`` (``drafter="lade"``); by default the
+    paper's for BC 10 / 30 / 60 and the same proportions otherwise
+    (:func:`edgemtp.lookahead.lade_shape`).
 
     ``temperature == 0`` means greedy decoding; ``> 0`` samples losslessly from the model's
     processed distribution (temperature, then top-k, then top-p, as ``transformers`` does).
@@ -43,10 +47,11 @@ class GenerationConfig:
     seed: int = 0
     stop: tuple[str, ...] = field(default=())
     latency: LatencyCurve | None = None  # for drafter="auto"; None: measured once per model
+    lookahead: tuple[int, int, int] | None = None  # LADE's (L, W, G); None: from the budget
     eos_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("branching", "stop", "eos_token_ids", "mask_vector"):  # lists -> tuples
+        for name in ("branching", "stop", "eos_token_ids", "mask_vector", "lookahead"):  # lists -> tuples
             value = getattr(self, name)
             if isinstance(value, (list, np.ndarray)):
                 object.__setattr__(self, name, tuple(value.tolist() if isinstance(value, np.ndarray)
@@ -83,6 +88,14 @@ class GenerationConfig:
                    f"got {list(self.branching)}")
         _check(self.latency is None or isinstance(self.latency, LatencyCurve),
                "latency must be a LatencyCurve (see edgemtp profile)")
+        if self.lookahead is not None:
+            _check(self.drafter == "lade", "lookahead (L, W, G) only applies to drafter='lade'")
+            _check(len(self.lookahead) == 3 and all(isinstance(v, int) for v in self.lookahead),
+                   f"lookahead needs three integers (L, W, G), got {list(self.lookahead)}")
+        if self.drafter == "lade":
+            from .lookahead import lade_shape
+
+            lade_shape(self.bc, self.lookahead)
         if self.drafter == "probe":  # fail before any model is loaded
             from .plans import nodes_for_budget, static_plan
 

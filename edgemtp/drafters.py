@@ -11,8 +11,9 @@ import numpy as np
 from .backend import Backend, StepOut
 from .config import GenerationConfig
 from .embeddings import MaskEmbeddings
-from .ngram import HybridDrafter, PromptLookupDrafter, StandDrafter
 from .errors import ConfigError
+from .lookahead import LookaheadDrafter
+from .ngram import HybridDrafter, PromptLookupDrafter, StandDrafter
 from .plans import DynamicPlans, Plan, dynamic_plans, nodes_for_budget, static_plan
 from .tree import RankCalibration, dynamic_tree, ranked_tree, static_tree
 
@@ -138,6 +139,7 @@ DRAFTERS = {
     "auto": _auto,
     "pld": PromptLookupDrafter,
     "stand": StandDrafter,
+    "lade": LookaheadDrafter,
     "hybrid": HybridDrafter,
     "none": lambda backend, config, memory: NoDrafter(),
 }

@@ -178,9 +178,9 @@ class Generation:
         return new
 
     def _block(self, plan: Plan, tokens: np.ndarray, p: int):
-        # ids [tokens, mask slots] and positions (template + P) of one step, written into
-        # buffers kept per plan, and the plan's mask rows per node [N, k]; mask slot j of
-        # every node is id vocab + j - 1, node-major
+        # ids [tokens, mask slots, extra rows] and positions (template + P) of one step,
+        # written into buffers kept per plan, and the plan's mask rows per node [N, k]; mask
+        # slot j of every node is id vocab + j - 1, node-major
         # (keyed by identity, cheaper than hashing a plan; an entry keeps its plan alive, and
         # the table is bounded: lookup drafters make a new plan most steps)
         block = self._blocks.get(id(plan))
@@ -189,12 +189,17 @@ class Generation:
                 del self._blocks[next(iter(self._blocks))]
             n, k = plan.n_nodes, plan.k
             slots = np.tile(self.backend.vocab_size + np.arange(k), n)
-            block = (plan, n, np.concatenate([np.zeros(n, dtype=np.int64), slots]),
+            extra = np.zeros(plan.bc - n * (k + 1), dtype=np.int64)
+            block = (plan, n, np.concatenate([np.zeros(n, dtype=np.int64), slots, extra]),
                      np.empty(plan.bc, dtype=np.int64),
                      n + np.arange(n * k, dtype=np.int64).reshape(n, k))
             block[4].flags.writeable = False  # drafters get views of it
             self._blocks[id(plan)] = block
         _, n, ids, positions, mask_rows = block
-        ids[:n] = tokens
+        if len(tokens) == n:
+            ids[:n] = tokens
+        else:  # rows after the nodes' masks (a lookahead window) come with the node tokens
+            ids[:n] = tokens[:n]
+            ids[n * (plan.k + 1):] = tokens[n:]
         np.add(plan.positions, p, out=positions)
         return ids, positions, mask_rows

@@ -20,6 +20,7 @@ import numpy as np
 from .backend import Backend, StepOut
 from .config import GenerationConfig
 from .embeddings import MaskEmbeddings
+from .lookahead import JacobiWindow, LookaheadPlan, lookahead_plan
 from .plans import Plan
 
 MAX_NGRAM = 3          # longest context suffix matched against earlier context (PLD's default)
@@ -31,6 +32,12 @@ MIN_SCORE = 1e-3       # a candidate whose cumulative score is below this never 
 HYBRID_TOPK = 20       # candidates per block row for the hybrid (stored and mask proposals)
 P_EDGES = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # probability bins of lookup candidates
 MASK_GAIN = 0.35       # prior: tokens a node's masks add to the next step if the path ends there
+# the hybrid's Jacobi lookahead window (levels, width) from a budget up: LADE's trajectories
+# are a strong candidate source on small models (paper App. C). One level (bigrams) beat 2-4
+# levels at every budget on story prompts 24-47 (bench: BC 60 BE 2.197 without a window,
+# 2.358 with (1, 12), 2.329 with (2, 12), 2.246 with (3, 12))
+HYBRID_WINDOWS = ((60, (1, 12)), (30, (1, 8)), (10, (1, 3)))
+HYBRID_POOL = 7        # continuations kept per key in the hybrid's Jacobi pool
 
 
 @lru_cache(maxsize=1024)
@@ -380,7 +387,8 @@ class HitRates:
     less often than a 3-gram one); the token that literally followed the match (PLD's
     guess: what an induction head copies) by n and whether the model's own guess agreed; a
     mask candidate's by its rank (on small models mask probabilities say little, ranks
-    more). ``rate = (hits + w * prior) / (seen + w)``.
+    more); a Jacobi candidate's (an n-gram from the lookahead window's trajectories) by its
+    index in the n-gram's continuation. ``rate = (hits + w * prior) / (seen + w)``.
 
     >>> h = HitRates(max_ngram=3, ranks=2)
     >>> b = h.lookup_bucket(3, 0.95)
@@ -394,15 +402,18 @@ class HitRates:
     are worth, in the same unit as a draft node's chance of acceptance.
     """
 
-    def __init__(self, max_ngram: int, ranks: int, weight: float = 4.0) -> None:
+    def __init__(self, max_ngram: int, ranks: int, jacobi: int = 0,
+                 weight: float = 4.0) -> None:
         edges = (0.0, *P_EDGES, 1.0)
         mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-        # buckets: [lookup: n x bin | literal: n x (agrees, not) | mask: rank]
+        # buckets: [lookup: n x bin | literal: n x (agrees, not) | mask: rank | jacobi: index]
         self.n_bins, self.weight = len(mids), weight
         self.first_literal = len(mids) * max_ngram
         self.first_mask = self.first_literal + 2 * max_ngram
+        self.first_jacobi = self.first_mask + ranks
         self.prior = np.array(mids * max_ngram + [0.5, 0.2] * max_ngram
-                              + [0.5 / (r + 2) for r in range(ranks)])
+                              + [0.5 / (r + 2) for r in range(ranks)]
+                              + [0.3 if i == 0 else 0.5 for i in range(jacobi)])
         self.hits = np.zeros_like(self.prior)
         self.seen = np.zeros_like(self.prior)
         self.gain_sum, self.gain_n = MASK_GAIN * 20.0, 20.0
@@ -419,6 +430,9 @@ class HitRates:
 
     def mask_bucket(self, rank: int) -> int:
         return self.first_mask + rank
+
+    def jacobi_bucket(self, index: int) -> int:
+        return self.first_jacobi + index
 
     def rates(self) -> np.ndarray:
         return (self.hits + self.weight * self.prior) / (self.seen + self.weight)
@@ -453,6 +467,12 @@ class HybridDrafter:
     of :class:`~edgemtp.plans.Plan`, so ``k`` masks on a node cost ``k`` positions and the
     plan stays a plain tree (``BC`` = positions <= the budget). :func:`place_masks` splits
     the budget between draft nodes and masks by the tokens each is expected to add.
+
+    From BC 10 up, part of the budget also runs a Jacobi lookahead window (LADE's lookahead
+    branch, :class:`~edgemtp.lookahead.JacobiWindow`; ``HYBRID_WINDOWS``) next to the tree:
+    the n-grams of its trajectories are a third candidate source, keyed by a node's token
+    and followed along their continuation (the paper's App. C: fuse LADE's n-grams with
+    probing). ``BC`` = tree positions + window cells <= the budget.
     """
 
     topk = HYBRID_TOPK
@@ -467,8 +487,12 @@ class HybridDrafter:
         self.embeds = MaskEmbeddings(self.k, config.mask_init, config.ema, backend.embed,
                                      stats=stats, vector=vector, seed=config.seed)
         # kept in the caller's memory, if any, so it keeps learning across generations
+        window = hybrid_window(config.bc)
+        self.jacobi = None if window is None else JacobiWindow(*window, pool_size=HYBRID_POOL,
+                                                               seed=config.seed)
+        self.tree_bc = self.bc - (0 if window is None else window[0] * window[1] - 1)
         key = ("hybrid-hit-rates", config.bc, self.k, config.prune, config.calibrate)
-        fresh = HitRates(max_ngram, self.topk)
+        fresh = HitRates(max_ngram, self.topk, jacobi=0 if window is None else window[0])
         self.rates = fresh if memory is None else memory.setdefault(key, fresh)
         self.context = ContextModel(self.topk, max_ngram)
         self._reset()
@@ -476,13 +500,17 @@ class HybridDrafter:
     def _reset(self) -> None:
         self._cand: tuple[list, list] | None = None  # per mask j: its top-K ids, probs
         self._tree: GrownTree | None = None
-        self._asked: dict[int, tuple[Lookup, list]] = {}  # node -> what proposed its children
+        self._asked: dict[int, tuple] = {}  # node -> what proposed its children
         self._masks_of: dict[int, np.ndarray] = {}
+        self._offers: dict[int, list] = {}  # node -> Jacobi (n-gram, index) it offers
+        self._plan: Plan | None = None
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.context = ContextModel(self.topk, self.max_ngram)
         self.context.extend(prompt_ids)
         self.embeds.start(prompt_ids)
+        if self.jacobi is not None:
+            self.jacobi.start(prompt_ids)
         self._reset()
 
     def mask_embeds(self) -> np.ndarray:
@@ -501,16 +529,26 @@ class HybridDrafter:
             j = d if d < len(chain) and chain[d] == node else None
             return self._children(t, node, j, rates)
 
-        self._tree = grow(tree, children, self.bc, self.depth)
-        parents, tokens, self._masks_of = place_masks(self._tree, self.bc, self.k, self.vocab,
-                                                     self.rates.gain)
-        return tree_plan(parents), tokens
+        self._offers = {}
+        self._tree = grow(tree, children, self.tree_bc, self.depth)
+        parents, tokens, self._masks_of = place_masks(self._tree, self.tree_bc, self.k,
+                                                     self.vocab, self.rates.gain)
+        if self.jacobi is None:
+            self._plan = tree_plan(parents)
+            return self._plan, tokens
+        plan = self._plan = lookahead_plan(parents, self.jacobi.levels, self.jacobi.width)
+        ids = np.empty(plan.bc, dtype=np.int64)
+        ids[:plan.n_nodes] = tokens
+        self.jacobi.place(plan, ids, root)
+        return plan, ids
 
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
                 path_rows: np.ndarray) -> None:
         if self._tree is not None:  # a step: our masks are leaves of our own tree
             self._learn(new_tokens)
             mask_rows = self._masks_of.get(int(path_rows[-1]), mask_rows[:0])
+            if isinstance(self._plan, LookaheadPlan):
+                self.jacobi.advance(self._plan, out.argmax)
         self._cand = None
         if len(mask_rows):
             self._cand = (out.topk_ids[mask_rows].tolist(),
@@ -523,7 +561,8 @@ class HybridDrafter:
         """``(token, score)`` under ``node``."""
         h, lk = self.rates, self.context.next_tokens(tree.tails[node])
         masks = self._mask_guesses(j, tree.tokens[node])
-        self._asked[node] = lk, masks
+        jac = self._jacobi_guesses(tree, node)
+        self._asked[node] = lk, masks, jac
         if rates is None:
             score = dict(lk.guesses)
         else:
@@ -534,10 +573,31 @@ class HybridDrafter:
         for rank, (t, p) in enumerate(masks):
             q = p if rates is None else rates[h.mask_bucket(rank)]
             score[t] = 1.0 - (1.0 - score.get(t, 0.0)) * (1.0 - q)
+        for t, b in jac:
+            q = h.prior[b] if rates is None else rates[b]
+            score[t] = 1.0 - (1.0 - score.get(t, 0.0)) * (1.0 - q)
         total = sum(score.values())
         if total > 0.99:  # siblings are exclusive events: keep their sum a probability
             return [(t, s * 0.99 / total) for t, s in score.items()]
         return list(score.items())
+
+    def _jacobi_guesses(self, tree: GrownTree, node: int) -> list[tuple[int, int]]:
+        """``(token, bucket)`` the Jacobi pool proposes under ``node``: the next token of
+        every n-gram continuation the node's parent offered and the node's token matched,
+        and the first token of every continuation keyed by the node's token (one bucket per
+        token: the lowest index offering it)."""
+        if self.jacobi is None:
+            return []
+        tok, parent = tree.tokens[node], tree.parents[node]
+        offers = [(c, i + 1) for c, i in self._offers.get(parent, ())
+                  if c[i] == tok and i + 1 < len(c)]
+        offers.extend((c, 0) for c in self.jacobi.pool.get(tok))
+        self._offers[node] = offers
+        best: dict[int, int] = {}
+        for c, i in offers:
+            if c[i] not in best or i < best[c[i]]:
+                best[c[i]] = i
+        return [(t, self.rates.jacobi_bucket(i)) for t, i in best.items()]
 
     def _mask_guesses(self, j: int | None, parent: int) -> list[tuple[int, float]]:
         """Mask ``j``'s candidates under the chain node of depth ``j``, best first."""
@@ -556,7 +616,10 @@ class HybridDrafter:
         for t in truth:
             if node not in self._asked:
                 break
-            lk, masks = self._asked[node]
+            lk, masks, jac = self._asked[node]
+            for tok, b in jac:
+                buckets.append(b)
+                hits.append(tok == t)
             for (tok, _), b in zip(lk.guesses, h.lookup_buckets(lk)):
                 buckets.append(b)
                 hits.append(tok == t)
@@ -568,7 +631,7 @@ class HybridDrafter:
                 hits.append(tok == t)
             if node == 0:
                 mask_only = (t != lk.literal and all(g != t for g, _ in lk.guesses)
-                             and any(m == t for m, _ in masks))
+                             and all(g != t for g, _ in jac) and any(m == t for m, _ in masks))
             node = tree.child.get((node, t))
             if node is None:
                 break
@@ -576,6 +639,15 @@ class HybridDrafter:
             self.rates.record(buckets, hits)
         if self._cand is not None:  # this step's root had mask candidates
             self.rates.record_gain(len(truth) - 1 if mask_only else 0.0)
+
+
+def hybrid_window(bc: int) -> tuple[int, int] | None:
+    """The hybrid's Jacobi window ``(levels, width)`` for a budget (None: no window).
+
+    >>> hybrid_window(9), hybrid_window(10), hybrid_window(30), hybrid_window(60)
+    (None, (1, 3), (1, 8), (1, 12))
+    """
+    return next((w for floor, w in HYBRID_WINDOWS if bc >= floor), None)
 
 
 def place_masks(tree: GrownTree, bc: int, k: int, vocab: int, gain: float

@@ -154,11 +154,13 @@ class Plan:
         masks = (self.depth[:, None] + np.arange(1, self.k + 1)[None, :]).reshape(-1)
         return np.concatenate([self.depth, masks]).astype(np.int64)
 
+    def _labels(self) -> list[str]:
+        return ([f"node {i}" for i in range(self.n_nodes)]
+                + [f"mask {i}.{j}" for i in range(self.n_nodes) for j in range(1, self.k + 1)])
+
     def render(self) -> str:
         """ASCII picture of the block mask (``x`` = attends), for docs and debugging."""
-        n = self.n_nodes
-        labels = [f"node {i}" for i in range(n)]
-        labels += [f"mask {i}.{j}" for i in range(n) for j in range(1, self.k + 1)]
+        n, labels = self.n_nodes, self._labels()
         head = " ".join(str(c % 10) for c in range(n)) + " | " + " ".join(
             str(c % 10) for c in range(n, self.bc))
         lines = [f"pos  row         {head}"]

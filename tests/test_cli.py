@@ -60,6 +60,11 @@ ERROR_CASES = [
     ("negative-seed", [*M, *P, "--seed", "-1"], [r"seed", r">= 0", r"-1"]),
     ("zero-threads", [*M, *P, "--threads", "0"], [r"threads", r">= 1"]),
     ("unknown-device", [*M, *P, "--device", "tpu"], [r"device", r"tpu"]),
+    ("lade-over-budget", [*M, *P, "--drafter", "lade", "--lade", "5,8,7", "--bc", "30"],
+     [r"L=5, W=8, G=7", r"\b60\b", r"budget 30"]),
+    ("lade-shape-without-lade", [*M, *P, "--lade", "3,4,1"], [r"lookahead", r"lade"]),
+    ("lade-shape-not-three", [*M, *P, "--drafter", "lade", "--lade", "3,4"],
+     [r"three integers", r"\(L, W, G\)"]),
 ]
 
 # positive runs: (id, argv after "generate")
@@ -69,6 +74,7 @@ GOOD_CASES = {
     "json-bc60": [*COMMON, "--json", "--bc", "60", "-k", "2"],
     "json-stream": [*COMMON, "--json", "--stream"],
     "plain-stream": [*COMMON, "--bc", "60", "-k", "2"],
+    "json-lade": [*COMMON, "--json", "--drafter", "lade", "--bc", "10", "--lade", "3,3,2"],
 }
 
 
@@ -84,7 +90,8 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
 # which positive runs each test reads (so a -k selection starts only what it needs)
 NEEDS = {"test_json_prints_one_result_object": ["json-bc60"],
          "test_json_stream_lines_add_up_to_the_result": ["json-stream"],
-         "test_plain_mode_streams_text_and_one_stats_line": ["plain-stream", "json-bc60"]}
+         "test_plain_mode_streams_text_and_one_stats_line": ["plain-stream", "json-bc60"],
+         "test_lookahead_drafter_from_the_command_line": ["json-lade"]}
 # the slow ones: they import torch and load a model or its config
 SLOW = {*GOOD_CASES, "missing-model-folder", "folder-without-config", "not-a-causal-lm",
         "prompt-longer-than-context"}
@@ -248,6 +255,15 @@ def test_plain_mode_streams_text_and_one_stats_line(runs):
     assert len(lines) == 1, lines
     assert re.match(rf"^\[max_new_tokens\] {MAX_NEW} tokens in \d+ forward calls", lines[0]), lines
     assert "BC 60" in lines[0] and "k 2" in lines[0], lines[0]
+
+
+def test_lookahead_drafter_from_the_command_line(runs, tokenizer, hf_greedy):
+    p = runs["json-lade"]
+    _ok(p)
+    obj = json.loads(p.stdout)
+    _check_result_object(obj, bc=10, k=0, tokenizer=tokenizer)
+    assert obj["token_ids"] == hf_greedy
+    assert obj["block_efficiency"] > 1.0
 
 
 def test_hf_prompt_tokenization_matches(tokenizer):

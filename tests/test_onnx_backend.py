@@ -86,6 +86,17 @@ def test_stories_probe_equals_transformers(stories_case, bc, k, tree):
     assert not bad, f"prompts {bad} differ from transformers greedy generate"
 
 
+@pytest.mark.parametrize("drafter", ["pld", "stand", "lade", "hybrid"])
+def test_stories_lookup_drafters_equal_transformers(stories_case, drafter):
+    # LADE and the hybrid carry a lookahead window next to the tree: rows the graph runs
+    # but the cache never keeps
+    backend, prompts, want = stories_case
+    for bc in (10, 60):
+        got = run(backend, prompts[:8], drafter=drafter, bc=bc)
+        bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        assert not bad, f"{drafter} BC {bc}: prompts {bad} differ from transformers greedy"
+
+
 def test_device_cache_path_matches_host_cache(stories_case, stories_pkg):
     # the CUDA / TensorRT cache path (OrtValues bound by pointer, commits by the package's
     # gather graph), exercised here on CPU memory

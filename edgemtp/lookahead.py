@@ -1,0 +1,284 @@
+"""Lookahead decoding (LADE; Fu et al. 2024; paper App. F) in the same runtime and the same
+BC accounting: ``BC = (L - 1)(W + G)`` for n-gram size ``L``, window ``W`` and guess set
+``G``.
+
+One block carries two branches next to each other:
+
+- the **verification branch**: the root and a trie of up to ``G`` guessed ``(L - 1)``-token
+  continuations of it from the n-gram pool, a plain tree the lossless verifier walks;
+- the **lookahead branch**: a window of ``L - 1`` levels by ``W`` columns of Jacobi
+  iterates. Level 0 column 0 is the root itself; the cell ``(l, i)`` sits at position
+  ``P + l + i`` and attends to the cache, the level-0 cells of columns ``0..i`` and the
+  cells of column ``i`` at levels ``1..l``, i.e. to the chain of positions ``P .. P + l + i``
+  it continues. Lookahead rows are never committed and no tree node sees them.
+
+After each step the model's argmax at the last level gives one new token per column; column
+``i`` then yields the n-gram ``(level 0, level 1, ..., level L-2 of column i, new token)``
+for the pool, and the window moves up a level (the new tokens become the last level). The
+pool is keyed by an n-gram's first token and keeps the ``G`` most recent continuations per
+key (least recently seen out first), seeded from the prompt's n-grams and fed the n-grams
+of the committed output as well (the reference implementation's ``POOL_FROM_PROMPT``).
+
+The window is filled from the prompt at start (random positions, seeded) rather than by
+the reference implementation's warm-up steps, so every step has the same lookahead shape.
+The verification branch merges guesses that share a prefix into one trie, so a step may
+use fewer than ``(L - 1)(W + G)`` positions, never more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from .backend import Backend, StepOut
+from .config import GenerationConfig
+from .errors import BudgetError, ConfigError
+from .plans import Plan
+
+# the paper's configurations (App. F): BC -> (L, W, G)
+LADE_CONFIGS = {10: (3, 4, 1), 30: (4, 5, 5), 60: (5, 8, 7)}
+
+
+def lade_shape(bc: int, given: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """``(L, W, G)`` for a budget: the one given (checked against the budget), the paper's
+    for BC 10 / 30 / 60, else the largest of the same proportions that fits.
+
+    >>> lade_shape(30), lade_shape(60), lade_shape(20), lade_shape(6)
+    ((4, 5, 5), (5, 8, 7), (3, 6, 4), (3, 2, 1))
+    """
+    if given is not None:
+        n, w, g = (int(v) for v in given)
+        if n < 2 or w < 1 or g < 0:
+            raise ConfigError(f"lookahead (L, W, G) needs L >= 2, W >= 1 and G >= 0, "
+                              f"got {list(given)}")
+        if (n - 1) * (w + g) > bc:
+            raise BudgetError(f"lookahead L={n}, W={w}, G={g} needs BC (L-1)(W+G) = "
+                              f"{(n - 1) * (w + g)}, above the budget {bc}")
+        return n, w, g
+    if bc in LADE_CONFIGS:
+        return LADE_CONFIGS[bc]
+    n = 5 if bc >= 60 else 4 if bc >= 30 else 3
+    while n > 2 and bc // (n - 1) < 3:
+        n -= 1
+    per = bc // (n - 1)
+    if per < 3:
+        raise BudgetError(f"lookahead decoding needs a block complexity of at least 3 "
+                          f"(L=2, W=2, G=1), got {bc}")
+    g = max(1, min(per - 2, round(0.45 * per)))
+    return n, per - g, g
+
+
+@dataclass(frozen=True)
+class LookaheadPlan(Plan):
+    """A verification tree (``parents``, no masks) followed by a lookahead window of
+    ``levels`` x ``window`` Jacobi cells whose cell ``(0, 0)`` is the root (node 0).
+
+    Block rows: ``[tree nodes, level 0 columns 1..W-1, level 1 columns 0..W-1, ...]``.
+
+    >>> p = LookaheadPlan((-1, 0), 0, levels=2, window=3)   # L = 3, W = 3, one guess node
+    >>> p.bc, p.grid.tolist()
+    (7, [[0, 2, 3], [4, 5, 6]])
+    >>> print(p.render())
+    pos  row         0 1 | 2 3 4 5 6
+      0  node 0      x . | . . . . .
+      1  node 1      x x | . . . . .
+      1  look 0.1    x . | x . . . .
+      2  look 0.2    x . | x x . . .
+      1  look 1.0    x . | . . x . .
+      2  look 1.1    x . | x . . x .
+      3  look 1.2    x . | x x . . x
+    """
+
+    levels: int = 1
+    window: int = 1
+    grid: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.k != 0:
+            raise ConfigError(f"a lookahead plan carries no mask tokens, got k={self.k}")
+        if self.levels < 1 or self.window < 1:
+            raise ConfigError(f"a lookahead window needs >= 1 level and >= 1 column, got "
+                              f"{self.levels} x {self.window}")
+        n = len(self.parents)
+        grid = np.arange(n - 1, n - 1 + self.levels * self.window,
+                         dtype=np.int64).reshape(self.levels, self.window)
+        grid[0, 0] = 0  # the root is the window's first cell
+        object.__setattr__(self, "grid", grid)
+        grid.flags.writeable = False
+        super().__post_init__()
+
+    @property
+    def bc(self) -> int:
+        """Positions in the block: tree nodes plus ``levels * window - 1`` lookahead cells."""
+        return self.n_nodes + self.levels * self.window - 1
+
+    def _build_mask(self) -> np.ndarray:
+        n, g = self.n_nodes, self.grid
+        mask = np.zeros((self.bc, self.bc), dtype=bool)
+        mask[:n, :n] = super()._build_mask()
+        for i in range(self.window):
+            prefix = g[0, :i + 1]  # the root and level 0 up to column i
+            for lvl in range(self.levels):
+                if lvl == 0 and i == 0:
+                    continue  # the root's row belongs to the tree
+                mask[g[lvl, i], prefix] = True
+                mask[g[lvl, i], g[1:lvl + 1, i]] = True
+        return mask
+
+    def _build_positions(self) -> np.ndarray:
+        pos = np.empty(self.bc, dtype=np.int64)
+        pos[:self.n_nodes] = self.depth
+        lvl, col = np.indices(self.grid.shape)
+        pos[self.grid.ravel()[1:]] = (lvl + col).ravel()[1:]
+        return pos
+
+    def _labels(self) -> list[str]:
+        names = [f"node {i}" for i in range(self.n_nodes)]
+        cells = {int(r): f"look {lvl}.{i}" for (lvl, i), r in np.ndenumerate(self.grid)}
+        return names + [cells[r] for r in range(self.n_nodes, self.bc)]
+
+
+@lru_cache(maxsize=1024)
+def lookahead_plan(parents: tuple[int, ...], levels: int, window: int) -> LookaheadPlan:
+    """The compiled plan of a guess trie and a window, cached by shape."""
+    return LookaheadPlan(parents, 0, levels=levels, window=window)
+
+
+def guess_trie(root: int, guesses) -> tuple[tuple[int, ...], list[int]]:
+    """Merge guessed continuations of ``root`` into one trie, in a plan's depth order.
+
+    >>> guess_trie(5, [(6, 7), (6, 8), (9, 7)])
+    ((-1, 0, 0, 1, 1, 2), [5, 6, 9, 7, 8, 7])
+    """
+    toks, par, dep, kids = [root], [-1], [0], [{}]
+    for guess in guesses:
+        node = 0
+        for t in guess:
+            nxt = kids[node].get(t)
+            if nxt is None:
+                nxt = len(toks)
+                kids[node][t] = nxt
+                toks.append(t)
+                par.append(node)
+                dep.append(dep[node] + 1)
+                kids.append({})
+            node = nxt
+    order = sorted(range(len(toks)), key=lambda i: (dep[i], i))
+    new = {old: i for i, old in enumerate(order)}
+    return tuple(-1 if par[o] < 0 else new[par[o]] for o in order), [toks[o] for o in order]
+
+
+class NgramPool:
+    """LADE's n-gram pool: per first token, the ``size`` most recently seen continuations
+    (a continuation seen again moves to the back; the oldest leaves when full).
+
+    >>> pool = NgramPool(size=2)
+    >>> for gram in [(1, 2, 3), (1, 4, 5), (1, 2, 3), (1, 6, 7)]:
+    ...     pool.add(gram[0], gram[1:])
+    >>> pool.get(1)
+    [(2, 3), (6, 7)]
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.table: dict[int, list[tuple[int, ...]]] = {}
+
+    def add(self, key: int, cont: tuple[int, ...]) -> None:
+        if self.size <= 0:
+            return
+        row = self.table.setdefault(key, [])
+        if cont in row:
+            row.remove(cont)
+        elif len(row) >= self.size:
+            del row[0]
+        row.append(cont)
+
+    def get(self, key: int) -> list[tuple[int, ...]]:
+        return self.table.get(key, [])
+
+    def add_sequence(self, tokens: list[int], n: int, first: int = 0) -> None:
+        """Every n-gram of ``tokens`` that starts at or after ``first``."""
+        for s in range(first, len(tokens) - n + 1):
+            self.add(tokens[s], tuple(tokens[s + 1:s + n]))
+
+
+class JacobiWindow:
+    """LADE's lookahead branch: ``levels`` x ``width`` Jacobi iterates whose cell ``(0, 0)``
+    is the root, and the pool of the n-grams (``levels + 1`` tokens) their trajectories give.
+    Used by :class:`LookaheadDrafter` and by the hybrid drafter."""
+
+    def __init__(self, levels: int, width: int, pool_size: int, seed: int) -> None:
+        self.levels, self.width, self.seed = levels, width, seed
+        self.pool = NgramPool(pool_size)
+        self.cells = np.zeros((levels, width), dtype=np.int64)
+
+    def start(self, prompt: np.ndarray) -> None:
+        """Fill the window from the prompt (random positions, seeded); empty the pool."""
+        rng = np.random.default_rng(self.seed)
+        self.cells = rng.choice(np.asarray(prompt, dtype=np.int64), size=self.cells.shape)
+        self.pool = NgramPool(self.pool.size)
+
+    def place(self, plan: LookaheadPlan, ids: np.ndarray, root: int) -> None:
+        """Write the window's cells (the root excluded) into a block's ids."""
+        self.cells[0, 0] = root
+        ids[plan.grid.ravel()[1:]] = self.cells.ravel()[1:]
+
+    def advance(self, plan: LookaheadPlan, argmax: np.ndarray) -> None:
+        """After a step: pool every column's n-gram, then move the window up a level (the
+        last level's outputs become its new last level)."""
+        fresh = argmax[plan.grid[-1]].astype(np.int64)
+        cells = self.cells
+        for gram in np.vstack([cells, fresh[None, :]]).T.tolist():  # column i: its n-gram
+            self.pool.add(gram[0], tuple(gram[1:]))
+        self.cells = np.vstack([cells[1:], fresh[None, :]])
+
+
+class LookaheadDrafter:
+    """Lookahead decoding as a drafter (module docstring): each step verifies the pool's
+    guesses for the root and advances the Jacobi window in the same forward pass."""
+
+    mask_tokens = 0
+    topk = 0
+
+    def __init__(self, backend: Backend, config: GenerationConfig,
+                 memory: dict | None = None) -> None:
+        self.n, w, g = lade_shape(config.bc, config.lookahead)
+        self.jacobi = JacobiWindow(self.n - 1, w, g, config.seed)
+        self.history: list[int] = []
+        self._plan: LookaheadPlan | None = None
+
+    @property
+    def pool(self) -> NgramPool:
+        return self.jacobi.pool
+
+    @property
+    def window(self) -> np.ndarray:
+        return self.jacobi.cells
+
+    def start(self, prompt_ids: np.ndarray) -> None:
+        self.jacobi.start(prompt_ids)
+        self.history = np.asarray(prompt_ids).tolist()
+        self.pool.add_sequence(self.history, self.n)
+        self._plan = None
+
+    def propose(self, root: int) -> tuple[LookaheadPlan, np.ndarray]:
+        parents, tokens = guess_trie(root, reversed(self.pool.get(root)))  # newest first
+        plan = self._plan = lookahead_plan(parents, self.jacobi.levels, self.jacobi.width)
+        ids = np.empty(plan.bc, dtype=np.int64)
+        ids[:plan.n_nodes] = tokens
+        self.jacobi.place(plan, ids, root)
+        return plan, ids
+
+    def mask_embeds(self) -> None:
+        return None
+
+    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
+                path_rows: np.ndarray) -> None:
+        if self._plan is not None:  # a step (not prefill): the window's n-grams, then move
+            self.jacobi.advance(self._plan, out.argmax)
+            self._plan = None
+        start = len(self.history) - self.n + 1
+        self.history.extend(new_tokens)
+        self.pool.add_sequence(self.history, self.n, first=max(start, 0))
