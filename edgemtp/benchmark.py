@@ -61,17 +61,23 @@ def methods(drafters: list[str], budgets: list[int]) -> list[tuple[str, int, dic
 
 
 def run_bench(model, tasks: dict[str, list[str]], drafters: list[str], budgets: list[int],
-              max_new_tokens: int, hf_reference: bool = True) -> dict:
+              max_new_tokens: int, hf_reference: bool = True, repeats: int = 1) -> dict:
+    """Tokens/s of a method on a task is the median over ``repeats`` runs of its prompts
+    (run back to back, so the first, cold one does not count when ``repeats >= 3``); every
+    run's outputs are checked against greedy's."""
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
     from tqdm import tqdm
 
     plan = methods(drafters, budgets)
     tasks, skipped = _fitting(model, tasks, max_new_tokens)
-    total = sum(len(p) for p in tasks.values()) * (len(plan) + 1 + int(hf_reference))
+    total = sum(len(p) for p in tasks.values()) * ((len(plan) + 1) * repeats + int(hf_reference))
     bar = tqdm(total=total, desc="bench", unit="gen", file=sys.stderr)
     rows, failures = [], []
     for task, prompts in tasks.items():
         greedy = _measure(model, prompts, GenerationConfig(drafter="none",
-                                                           max_new_tokens=max_new_tokens), bar)
+                                                           max_new_tokens=max_new_tokens), bar,
+                          repeats)
         rows.append(dict(task=task, method="greedy", bc=1, **greedy["summary"]))
         for name, bc, opts in plan:
             try:
@@ -80,8 +86,9 @@ def run_bench(model, tasks: dict[str, list[str]], drafters: list[str], budgets: 
                 rows.append(dict(task=task, method=name, bc=bc, skipped=str(e)))
                 bar.update(len(prompts))
                 continue
-            res = _measure(model, prompts, config, bar)
-            bad = [i for i, (a, b) in enumerate(zip(res["outputs"], greedy["outputs"])) if a != b]
+            res = _measure(model, prompts, config, bar, repeats)
+            bad = sorted({i for outputs in res["runs"] for i, (a, b)
+                          in enumerate(zip(outputs, greedy["outputs"])) if a != b})
             failures += [dict(task=task, method=name, bc=bc, prompt=i) for i in bad]
             rows.append({"task": task, "method": name, "bc": bc, **res["summary"],
                          "lossless": not bad})
@@ -97,7 +104,7 @@ def run_bench(model, tasks: dict[str, list[str]], drafters: list[str], budgets: 
         base = next(r for r in rows if r["task"] == row["task"] and r["method"] == "greedy")
         if "tokens_per_second" in row:
             row["speedup"] = round(row["tokens_per_second"] / base["tokens_per_second"], 3)
-    return dict(rows=rows, failures=failures, max_new_tokens=max_new_tokens,
+    return dict(rows=rows, failures=failures, max_new_tokens=max_new_tokens, repeats=repeats,
                 backend=model.backend.name, date=time.strftime("%Y-%m-%d"),
                 prompts={t: len(p) for t, p in tasks.items()}, skipped_prompts=skipped)
 
@@ -118,17 +125,25 @@ def _fitting(model, tasks: dict[str, list[str]], max_new_tokens: int):
     return kept, skipped
 
 
-def _measure(model, prompts: list[str], config: GenerationConfig, bar) -> dict:
-    outputs, tokens, calls, t0 = [], 0, 0, time.perf_counter()
-    for p in prompts:
-        r = model.generate(p, config)
-        outputs.append(r.token_ids)
-        tokens, calls = tokens + r.stats.new_tokens, calls + r.stats.forward_calls
-        bar.update()
-    seconds = time.perf_counter() - t0
-    return dict(outputs=outputs, summary=dict(
+def _measure(model, prompts: list[str], config: GenerationConfig, bar, repeats: int = 1
+             ) -> dict:
+    runs, rates, counts = [], [], []
+    for _ in range(repeats):
+        outputs, tokens, calls, t0 = [], 0, 0, time.perf_counter()
+        for p in prompts:
+            r = model.generate(p, config)
+            outputs.append(r.token_ids)
+            tokens, calls = tokens + r.stats.new_tokens, calls + r.stats.forward_calls
+            bar.update()
+        rates.append(tokens / (time.perf_counter() - t0))
+        runs.append(outputs)
+        counts.append((tokens, calls))
+    # BE from the first run: later ones would have learned (calibration, hit rates) on the
+    # very prompts they are scored on
+    tokens, calls = counts[0]
+    return dict(outputs=runs[0], runs=runs, summary=dict(
         tokens=tokens, forward_calls=calls, block_efficiency=round(tokens / calls, 4),
-        tokens_per_second=round(tokens / seconds, 2), lossless=True))
+        tokens_per_second=round(statistics.median(rates), 2), lossless=True))
 
 
 def _hf_prompt_lookup(model, prompts: list[str], max_new_tokens: int, bar) -> dict | None:
@@ -161,7 +176,8 @@ def markdown(result: dict, title: str) -> str:
     keys = list(dict.fromkeys((r["method"], r["bc"]) for r in rows))
     out = [f"# {title}", "", f"{result['max_new_tokens']} new tokens per prompt, backend "
            f"{result['backend']}, {result['date']}. Cells: BE (tokens per forward call, prefill "
-           "included) / tokens per second. Every output is checked against greedy decoding.",
+           "included) / tokens per second (median of the repeats). Every output is checked against "
+           "greedy decoding.",
            "", "| method | BC | " + " | ".join(tasks) + " | mean BE | lossless |",
            "|---|---:|" + "---:|" * len(tasks) + "---:|:---:|"]
     for method, bc in keys:

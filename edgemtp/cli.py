@@ -179,7 +179,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     tasks = prompt_sets([s for s in a.sets.split(",") if s], a.per_set)
     model = _load(a)
     result = run_bench(model, tasks, drafters, list(a.bc), a.max_new_tokens,
-                       hf_reference=not a.no_hf_reference)
+                       hf_reference=not a.no_hf_reference, repeats=a.repeats)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_{Path(a.model).name}_{model.backend.name}"
@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--per-set", type=int, default=8,
                    help="prompts per set / per Spec-Bench category (default: 8)")
     b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per method and task; tokens/s is their median (default: 3)")
     b.add_argument("--out", default="bench/results")
     b.add_argument("--no-hf-reference", action="store_true",
                    help="skip transformers' prompt lookup reference run")

@@ -23,6 +23,7 @@ CONFIGS = [  # (label, options); the first one is the reference
     ("probe k=1 BC=60", dict(bc=60)),
     ("probe k=2 BC=60 dynamic", dict(bc=60, mask_tokens=2)),
     ("prompt lookup BC=10", dict(drafter="pld", bc=10)),
+    ("lookahead (LADE) BC=30", dict(drafter="lade", bc=30)),
     ("hybrid k=1 BC=30", dict(drafter="hybrid", bc=30)),
     ("auto BC<=60", dict(drafter="auto", bc=60)),
 ]

@@ -322,9 +322,19 @@ def lookup_chain(index: NgramIndex, n: int) -> list[int]:
     >>> lookup_chain(ix, 4)    # "1 2" was last followed by "3 9 1 2"
     [3, 9, 1, 2]
     """
+    return lookup(index, n)[1]
+
+
+def lookup(index: NgramIndex, n: int) -> tuple[int, list[int]]:
+    """:func:`lookup_chain` with the length of the n-gram it matched (0: no chain).
+
+    >>> ix = NgramIndex(3); ix.extend([1, 2, 3, 4, 1, 2, 3, 9, 1, 2])
+    >>> lookup(ix, 2)
+    (2, [3, 9])
+    """
     if n <= 0:
-        return []
-    _, ends = index.match(index.tokens)
+        return 0, []
+    matched, ends = index.match(index.tokens)
     best: list[int] = []
     for p in reversed(ends[-PLD_OCCURRENCES:]):
         cont = index.tokens[p + 1:p + 1 + n]
@@ -332,7 +342,7 @@ def lookup_chain(index: NgramIndex, n: int) -> list[int]:
             best = cont
             if len(best) == n:
                 break
-    return best
+    return (matched if best else 0), best
 
 
 # -- STAND ----------------------------------------------------------------------------------------

@@ -9,10 +9,14 @@ still emits one token but keeps the acceptance estimate fresh), k = 1 probing pl
     lookup: (1 + sum_{d <= L} P(the chain's first d tokens are right)) / t(L + 1)
 
 ``t(T)`` is the device's forward latency curve (measured once per loaded model, or read from
-an ``edgemtp profile`` file); the acceptance comes from the ranks at which the true tokens
-appeared among the mask token's candidates so far, and from how far every lookup chain (used
-or not) agreed with the tokens that followed. Where speculation cannot pay (a mid-size
-model on a 2-core CPU) it decodes plainly, so it is never much slower than plain decoding.
+an ``edgemtp profile`` file); a speculative step also pays the host time it costs beyond a
+plain step's (binding new shapes, drafting), measured while generating as the time between
+steps minus ``t(T)``, for plain and speculative steps apart. The acceptance comes from the ranks at
+which the true tokens appeared among the mask token's candidates so far, and from how far
+every lookup chain (used or not) agreed with the tokens that followed, per matched n-gram
+length and weighted to the recent past (a code prompt's chains fare worse than a story's).
+Where speculation cannot pay (a mid-size model on a 2-core CPU) it decodes plainly, so it
+is never much slower than plain decoding.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from .embeddings import MaskEmbeddings
 from .errors import ConfigError
 from .latency import LatencyCurve
 from .plans import Plan
-from .ngram import MAX_DEPTH, NgramIndex, chain_plan, lookup_chain
+from .ngram import MAX_DEPTH, MAX_NGRAM, NgramIndex, chain_plan, lookup
 from .tree import prune, static_tree
 
 PLAIN = Plan.root_only()
@@ -71,6 +75,8 @@ class AutoDrafter:
 
     mask_tokens = 1
     explore_every = 8  # in plain mode, a mask-only step this often keeps acceptance known
+    decay = 0.98       # weight of a lookup chain's record per newer chain of its n-gram length
+    host_ema = 0.1     # weight of the newest step in the host-time estimates
 
     def __init__(self, backend: Backend, config: GenerationConfig,
                  memory: dict | None = None) -> None:
@@ -108,11 +114,18 @@ class AutoDrafter:
                                      else np.asarray(config.mask_vector), seed=config.seed)
         self._cand: tuple[np.ndarray, np.ndarray] | None = None
         self.n_chain = max(0, min(config.bc - 1, MAX_DEPTH))
+        # per matched n-gram length n (row n - 1): chains tried / right up to depth d
         self.chain_hits = memory.setdefault(("auto-chain", self.n_chain), {
-            "hits": np.zeros(self.n_chain), "tries": np.full(self.n_chain, 4.0)})
+            "hits": np.zeros((MAX_NGRAM, self.n_chain)),
+            "tries": np.full((MAX_NGRAM, self.n_chain), 4.0)})
+        # host seconds per step beyond t(T): [plain steps, speculative steps]
+        self.host = memory.setdefault("auto-host", np.zeros(2))
+        self._t_step: float | None = None
+        self._last_t = 1
         self.index = NgramIndex()
-        self._chains: list[tuple[int, list[int]]] = []  # (context position, chain) to score
+        self._chains: list[tuple[int, int, list[int]]] = []  # (position, n, chain) to score
         self._chain: list[int] = []
+        self._chain_n = 0
         self._root = -1
         self._plain_steps = 0
         self.choices: dict[int, int] = {}  # plan BC -> steps, for reports
@@ -120,21 +133,25 @@ class AutoDrafter:
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)
         self.index.extend(prompt_ids)
+        self._t_step = None
 
     def choose(self) -> Plan:
         lat = self._lat  # t(T) for T = 0..budget, looked up once
+        # a speculative step's host time beyond a plain step's (binding new shapes, drafting)
+        spec_s = max(self.host[1] - self.host[0], 0.0)
         best, best_rate = PLAIN, 1.0 / lat[1]
         if self._chain:  # prompt lookup: the chain prefix with the best rate (T = n + 1)
-            n = len(self._chain)
+            n, row = len(self._chain), self._chain_n - 1
             h = self.chain_hits
-            rates = (1.0 + np.cumsum(h["hits"][:n] / h["tries"][:n])) / lat[2:n + 2]
+            rates = (1.0 + np.cumsum(h["hits"][row, :n] / h["tries"][row, :n])
+                     ) / (lat[2:n + 2] + spec_s)
             i = int(rates.argmax())
             if rates[i] > best_rate:
                 best, best_rate = chain_plan(i + 1), rates[i]
         if self._cand is not None and self.plans:  # probing with m nodes (T = 2(m + 1))
             m = np.arange(1, len(self.plans) + 1)
             rates = (1.0 + np.cumsum(self.rank_hits["hits"])[m - 1] / self.rank_hits["steps"]
-                     ) / lat[2 * (m + 1)]
+                     ) / (lat[2 * (m + 1)] + spec_s)
             i = int(rates.argmax())
             if rates[i] > best_rate:
                 best, best_rate = self.plans[i + 1], rates[i]
@@ -145,11 +162,20 @@ class AutoDrafter:
         return best
 
     def propose(self, root: int) -> tuple[Plan, np.ndarray]:
+        now = time.perf_counter()
+        if self._t_step is not None:  # the last step's host time beyond its forward
+            i = int(self._last_t > 1)
+            extra = now - self._t_step - self._lat[min(self._last_t, len(self._lat) - 1)]
+            # clipped: a pause (GC, a busy consumer) must not swing the estimate
+            extra = min(max(extra, 0.0), 2.0 * self.host[i] + self._lat[1])
+            self.host[i] += self.host_ema * (extra - self.host[i])
+        self._t_step = now
         # the index holds the context up to the root: a chain guesses what follows it
-        self._chain = lookup_chain(self.index, self.n_chain)
+        self._chain_n, self._chain = lookup(self.index, self.n_chain)
         if self._chain:
-            self._chains.append((len(self.index.tokens), self._chain))
+            self._chains.append((len(self.index.tokens), self._chain_n, self._chain))
         plan = self.choose()
+        self._last_t = plan.bc
         self.topk = self.width if plan.k else 0
         self.choices[plan.bc] = self.choices.get(plan.bc, 0) + 1
         self._root = root
@@ -184,12 +210,15 @@ class AutoDrafter:
     def _score_chains(self) -> None:
         # how far each chain agreed with what followed, once that is known (used or not)
         ctx, h, waiting = self.index.tokens, self.chain_hits, []
-        for start, chain in self._chains:
+        for start, n, chain in self._chains:
             seen = ctx[start:start + len(chain)]
             agree = next((i for i, (a, b) in enumerate(zip(chain, seen)) if a != b), len(seen))
             if agree == len(seen) and len(seen) < len(chain):
-                waiting.append((start, chain))  # all right so far: wait for more tokens
+                waiting.append((start, n, chain))  # all right so far: wait for more tokens
                 continue
-            h["tries"][:len(chain)] += 1.0
-            h["hits"][:agree] += 1.0
+            tries, hits = h["tries"][n - 1], h["hits"][n - 1]
+            tries *= self.decay
+            hits *= self.decay
+            tries[:len(chain)] += 1.0
+            hits[:agree] += 1.0
         self._chains = waiting

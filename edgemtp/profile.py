@@ -25,12 +25,20 @@ BC_GRID = (4, 6, 8, 10, 14, 20, 30, 40, 60, 90, 120)
 
 def candidates(budget: int) -> list[tuple[str, dict]]:
     """Plans worth measuring under ``budget``: plain decoding, k = 1 probing on a grid of BCs,
-    k = 2 dynamic trees, and the auto policy."""
+    k = 2 dynamic trees, the lookup drafters (PLD, STAND, LADE, hybrid) at the paper's BCs
+    (or the budget, when below 10), and the auto policy."""
     out = [("none", dict(drafter="none"))]
     out += [(f"probe k=1 BC={b}", dict(drafter="probe", bc=b, mask_tokens=1))
             for b in BC_GRID if b <= budget]
     out += [(f"probe k=2 BC={b}", dict(drafter="probe", bc=b, mask_tokens=2))
             for b in BC_GRID if b <= budget and b >= 9 and b % 3 == 0]
+    if budget >= 2:  # a PLD chain is at most 10 deep: BC 11 is all it can use
+        out.append((f"pld BC={min(budget, 11)}", dict(drafter="pld", bc=min(budget, 11))))
+    for b in [b for b in (10, 30, 60) if b <= budget] or [budget]:
+        out.append((f"stand BC={b}", dict(drafter="stand", bc=b)))
+        if b >= 3:
+            out.append((f"lade BC={b}", dict(drafter="lade", bc=b)))
+        out.append((f"hybrid k=1 BC={b}", dict(drafter="hybrid", bc=b, mask_tokens=1)))
     if budget >= 4:
         out.append((f"auto BC<={budget}", dict(drafter="auto", bc=budget)))
     return out
@@ -133,12 +141,15 @@ def plot(profile: dict, path: Path) -> None:
     a.plot(lat["block_sizes"], [1e3 * s for s in lat["seconds"]], "o-")
     a.set(xlabel="block size T (positions per forward)", ylabel="forward latency (ms)",
           title=f"t(T) on this device ({profile['backend']})")
-    for k, marker in ((1, "o-"), (2, "s-")):
-        rows = [r for r in profile["plans"] if r["options"].get("mask_tokens") == k
-                and r["options"]["drafter"] == "probe"]
+    series = [("probe k=1", "probe", 1, "o-"), ("probe k=2", "probe", 2, "s-"),
+              ("pld", "pld", None, "D"), ("stand", "stand", None, "^-"),
+              ("lade", "lade", None, "v-"), ("hybrid k=1", "hybrid", 1, "P-")]
+    for label, drafter, k, marker in series:
+        rows = [r for r in profile["plans"] if r["options"]["drafter"] == drafter
+                and (k is None or r["options"].get("mask_tokens") == k)]
         if rows:
             b.plot([r["options"]["bc"] for r in rows], [r["tokens_per_second"] for r in rows],
-                   marker, label=f"probe k={k}")
+                   marker, label=label)
     base = profile["plans"][0]["tokens_per_second"]
     b.axhline(base, color="gray", ls="--", label="plain decoding")
     b.set(xlabel="block complexity BC", ylabel="tokens / s", title="measured tokens/s")
