@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from .config import GenerationConfig
@@ -91,30 +92,35 @@ def _compare(model, model_path: str, prompts: list[str], a, hf_ref: dict | None)
     runs = tqdm(total=len(CONFIGS) * len(prompts), desc="generating", unit="run", file=sys.stderr)
     for label, opts in CONFIGS:
         config = GenerationConfig(max_new_tokens=a.max_new_tokens, **opts)
+        # untimed warm-up: compiles plans, binds shapes, and lets auto measure the device's
+        # latency curve (once per loaded model)
+        model.generate(prompts[0], config.with_(max_new_tokens=min(16, a.max_new_tokens)))
         results = []
         for p in prompts:
-            results.append(model.generate(p, config))
+            t0 = time.perf_counter()
+            r = model.generate(p, config)
+            results.append((r, r.stats.new_tokens / (time.perf_counter() - t0)))
             runs.update()
         if reference is None:
             reference = results
-        same = all(r.token_ids == g.token_ids for r, g in zip(results, reference))
+        same = all(r.token_ids == g.token_ids for (r, _), (g, _) in zip(results, reference))
         rows.append((label, results, same))
     runs.close()
 
     name = type(model.backend).__name__
     print(f"model: {model_path} ({model.backend.name} backend)\nprompt: {prompts[0]}\n")
-    print(rows[-1][1][0].text.strip() + "\n")
-    base_tps = statistics.median(r.stats.tokens_per_second for r in rows[0][1])
+    print(rows[-1][1][0][0].text.strip() + "\n")
+    base_tps = statistics.median(tps for _, tps in rows[0][1])
     print(f"{'method':<26}{'tokens':>8}{'fwd calls':>11}{'BE':>7}{'tok/s':>9}{'speed-up':>10}"
           f"  lossless")
     for label, results, same in rows:
-        toks = sum(r.stats.new_tokens for r in results)
-        calls = sum(r.stats.forward_calls for r in results)
-        tps = statistics.median(r.stats.tokens_per_second for r in results)
+        toks = sum(r.stats.new_tokens for r, _ in results)
+        calls = sum(r.stats.forward_calls for r, _ in results)
+        tps = statistics.median(t for _, t in results)
         print(f"{label:<26}{toks:>8}{calls:>11}{toks / calls:>7.2f}{tps:>9.1f}"
               f"{tps / base_tps:>9.2f}x  {'yes' if same else 'NO'}")
     if hf_ref is not None:
-        hf_same = all(r.token_ids == h for r, h in zip(rows[0][1], hf_ref["outputs"]))
+        hf_same = all(r.token_ids == h for (r, _), h in zip(rows[0][1], hf_ref["outputs"]))
         hf_tps = hf_ref["tokens_per_second"]
         print(f"{'transformers generate':<26}{'':>8}{'':>11}{1.0:>7.2f}{hf_tps:>9.1f}"
               f"{hf_tps / base_tps:>9.2f}x  {'yes' if hf_same else 'NO'}")
@@ -123,7 +129,8 @@ def _compare(model, model_path: str, prompts: list[str], a, hf_ref: dict | None)
     else:
         hf_same = True
     print(f"\n{len(prompts)} prompts, {a.max_new_tokens} new tokens, {name} on {a.device}. "
-          f"BE = tokens per forward call (prefill included); speed-up = median tok/s over "
+          f"BE = tokens per forward call (prefill included); tok/s = median over prompts of "
+          f"wall-clock tokens per second (after one warm-up run per method); speed-up = over "
           f"greedy on the same backend. Lossless = same tokens as greedy (and transformers).")
     if not all(same for _, _, same in rows) or not hf_same:
         print("edgemtp: error: probing output differs from greedy decoding", file=sys.stderr)

@@ -77,6 +77,7 @@ class AutoDrafter:
     explore_every = 8  # in plain mode, a mask-only step this often keeps acceptance known
     decay = 0.98       # weight of a lookup chain's record per newer chain of its n-gram length
     host_ema = 0.1     # weight of the newest step in the host-time estimates
+    refresh = 8        # steps between recomputations of the lookup-chain rate table
 
     def __init__(self, backend: Backend, config: GenerationConfig,
                  memory: dict | None = None) -> None:
@@ -126,6 +127,8 @@ class AutoDrafter:
         self._chains: list[tuple[int, int, list[int]]] = []  # (position, n, chain) to score
         self._chain: list[int] = []
         self._chain_n = 0
+        self._chain_table: list | None = None
+        self._steps = 0
         self._root = -1
         self._plain_steps = 0
         self.choices: dict[int, int] = {}  # plan BC -> steps, for reports
@@ -141,13 +144,11 @@ class AutoDrafter:
         spec_s = max(self.host[1] - self.host[0], 0.0)
         best, best_rate = PLAIN, 1.0 / lat[1]
         if self._chain:  # prompt lookup: the chain prefix with the best rate (T = n + 1)
-            n, row = len(self._chain), self._chain_n - 1
-            h = self.chain_hits
-            rates = (1.0 + np.cumsum(h["hits"][row, :n] / h["tries"][row, :n])
-                     ) / (lat[2:n + 2] + spec_s)
-            i = int(rates.argmax())
-            if rates[i] > best_rate:
-                best, best_rate = chain_plan(i + 1), rates[i]
+            if self._steps % self.refresh == 0 or self._chain_table is None:
+                self._chain_table = self._chain_rates(spec_s)
+            i, rate = self._chain_table[self._chain_n - 1][len(self._chain) - 1]
+            if rate > best_rate:
+                best, best_rate = chain_plan(i), rate
         if self._cand is not None and self.plans:  # probing with m nodes (T = 2(m + 1))
             m = np.arange(1, len(self.plans) + 1)
             rates = (1.0 + np.cumsum(self.rank_hits["hits"])[m - 1] / self.rank_hits["steps"]
@@ -161,7 +162,23 @@ class AutoDrafter:
                 best = MASK_ONLY
         return best
 
+    def _chain_rates(self, spec_s: float) -> list[list[tuple[int, float]]]:
+        """Per matched n-gram length and chain length L: the best prefix length and its
+        expected tokens/s (a table, so most steps choose without numpy)."""
+        h, lat, n = self.chain_hits, self._lat, self.n_chain
+        rates = (1.0 + np.cumsum(h["hits"] / h["tries"], axis=1)) / (lat[2:n + 2] + spec_s)
+        table = []
+        for row in rates.tolist():
+            best, out = (0, 0.0), []
+            for i, r in enumerate(row, start=1):
+                if r > best[1]:
+                    best = (i, r)
+                out.append(best)
+            table.append(out)
+        return table
+
     def propose(self, root: int) -> tuple[Plan, np.ndarray]:
+        self._steps += 1
         now = time.perf_counter()
         if self._t_step is not None:  # the last step's host time beyond its forward
             i = int(self._last_t > 1)
