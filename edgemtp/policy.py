@@ -9,12 +9,14 @@ still emits one token but keeps the acceptance estimate fresh), k = 1 probing pl
     lookup: (1 + sum_{d <= L} P(the chain's first d tokens are right)) / t(L + 1)
 
 ``t(T)`` is the device's forward latency curve (measured once per loaded model, or read from
-an ``edgemtp profile`` file); a speculative step also pays the host time it costs beyond a
-plain step's (binding new shapes, drafting), measured while generating as the time between
-steps minus ``t(T)``, for plain and speculative steps apart. The acceptance comes from the ranks at
-which the true tokens appeared among the mask token's candidates so far, and from how far
-every lookup chain (used or not) agreed with the tokens that followed, per matched n-gram
-length and weighted to the recent past (a code prompt's chains fare worse than a story's).
+an ``edgemtp profile`` file) plus the host time of a step, measured while generating as the
+time between steps minus ``t(T)``, for plain and speculative steps apart (a speculative step
+binds new shapes and drafts; it is charged at least a plain step's host time). The measured
+host time also absorbs an error of the curve at the sizes actually used. The acceptance
+comes from the ranks at which the true tokens appeared among the mask token's candidates so
+far, and from how far every lookup chain (used or not) agreed with the tokens that followed,
+per matched n-gram length and weighted to the recent past (a code prompt's chains fare worse
+than a story's).
 Where speculation cannot pay (a mid-size model on a 2-core CPU) it decodes plainly, so it
 is never much slower than plain decoding.
 """
@@ -75,7 +77,7 @@ class AutoDrafter:
 
     mask_tokens = 1
     explore_every = 8  # in plain mode, a mask-only step this often keeps acceptance known
-    decay = 0.98       # weight of a lookup chain's record per newer chain of its n-gram length
+    decay = 0.98  # weight of a lookup chain's record per newer chain of its n-gram length
     host_ema = 0.1     # weight of the newest step in the host-time estimates
     refresh = 8        # steps between recomputations of the lookup-chain rate table
 
@@ -120,7 +122,7 @@ class AutoDrafter:
             "hits": np.zeros((MAX_NGRAM, self.n_chain)),
             "tries": np.full((MAX_NGRAM, self.n_chain), 4.0)})
         # host seconds per step beyond t(T): [plain steps, speculative steps]
-        self.host = memory.setdefault("auto-host", np.zeros(2))
+        self.host = memory.setdefault("auto-host", [0.0, -1.0])  # -1: not measured yet
         self._t_step: float | None = None
         self._last_t = 1
         self.index = NgramIndex()
@@ -140,9 +142,10 @@ class AutoDrafter:
 
     def choose(self) -> Plan:
         lat = self._lat  # t(T) for T = 0..budget, looked up once
-        # a speculative step's host time beyond a plain step's (binding new shapes, drafting)
-        spec_s = max(self.host[1] - self.host[0], 0.0)
-        best, best_rate = PLAIN, 1.0 / lat[1]
+        # whole step costs: the forward plus the host time measured around it (a speculative
+        # step's is at least a plain one's: it also binds new shapes and drafts)
+        plain_s, spec_s = self.host[0], max(self.host)
+        best, best_rate = PLAIN, 1.0 / (lat[1] + plain_s)
         if self._chain:  # prompt lookup: the chain prefix with the best rate (T = n + 1)
             if self._steps % self.refresh == 0 or self._chain_table is None:
                 self._chain_table = self._chain_rates(spec_s)
@@ -184,8 +187,9 @@ class AutoDrafter:
             i = int(self._last_t > 1)
             extra = now - self._t_step - self._lat[min(self._last_t, len(self._lat) - 1)]
             # clipped: a pause (GC, a busy consumer) must not swing the estimate
-            extra = min(max(extra, 0.0), 2.0 * self.host[i] + self._lat[1])
-            self.host[i] += self.host_ema * (extra - self.host[i])
+            extra = min(max(extra, 0.0), 2.0 * max(self.host) + self._lat[1])
+            h = self.host[i]
+            self.host[i] = extra if h < 0 else h + self.host_ema * (extra - h)
         self._t_step = now
         # the index holds the context up to the root: a chain guesses what follows it
         self._chain_n, self._chain = lookup(self.index, self.n_chain)

@@ -14,8 +14,10 @@ from edgemtp.runtimes.torch_backend import TorchBackend
 
 from conftest import story_prompts
 
-STEEP = LatencyCurve((1, 2, 60), (1e-3, 3e-3, 1e-1))    # no draft can pay for its block
-FLAT = LatencyCurve((1, 60), (1e-3, 1.05e-3))             # wide blocks are almost free
+# curves slower than the real tiny model, so the host time auto measures (step time minus
+# the curve) is zero and the curve alone decides
+STEEP = LatencyCurve((1, 2, 60), (1e-2, 3e-2, 1.0))      # no draft can pay for its block
+FLAT = LatencyCurve((1, 60), (1e-2, 1.05e-2))            # wide blocks are almost free
 
 
 class RecordingBackend:
@@ -65,7 +67,7 @@ def test_auto_uses_prompt_lookup_when_a_short_chain_pays(setup):
     """t(2) barely above t(1): a one-token lookup chain pays, a probing tree (T >= 4) does
     not, and the output is still exactly greedy."""
     backend, prompts, refs = setup
-    curve = LatencyCurve((1, 2, 4, 60), (1e-3, 1.01e-3, 5e-3, 1e-1))
+    curve = LatencyCurve((1, 2, 4, 60), (1e-2, 1.01e-2, 5e-2, 1.0))
     config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=96, latency=curve)
     results, sizes = _run(backend, prompts, config, memory={})
     assert [r.token_ids for r in results] == refs
