@@ -70,6 +70,7 @@ def run_bench(model, tasks: dict[str, list[str]], drafters: list[str], budgets: 
     from tqdm import tqdm
 
     plan = methods(drafters, budgets)
+    hf = _reference_model(model) if hf_reference else None
     tasks, skipped = _fitting(model, tasks, max_new_tokens)
     total = sum(len(p) for p in tasks.values()) * ((len(plan) + 1) * repeats + int(hf_reference))
     bar = tqdm(total=total, desc="bench", unit="gen", file=sys.stderr)
@@ -93,7 +94,7 @@ def run_bench(model, tasks: dict[str, list[str]], drafters: list[str], budgets: 
             rows.append({"task": task, "method": name, "bc": bc, **res["summary"],
                          "lossless": not bad})
         if hf_reference:
-            ref = _hf_prompt_lookup(model, prompts, max_new_tokens, bar)
+            ref = _hf_prompt_lookup(model, hf, prompts, max_new_tokens, bar)
             if ref is not None:
                 bad = [i for i, (a, b) in enumerate(zip(ref["outputs"], greedy["outputs"]))
                        if a != b]
@@ -146,10 +147,28 @@ def _measure(model, prompts: list[str], config: GenerationConfig, bar, repeats: 
         tokens_per_second=round(statistics.median(rates), 2), lossless=True))
 
 
-def _hf_prompt_lookup(model, prompts: list[str], max_new_tokens: int, bar) -> dict | None:
-    """``transformers`` prompt lookup decoding on the same model folder (torch backend only:
-    a package has no PyTorch weights)."""
+def _reference_model(model):
+    """The ``transformers`` model behind the backend: its own for the torch backend, else the
+    Hugging Face folder a package was exported from (the manifest's ``source``), if it is
+    still there and PyTorch is installed; None otherwise."""
     hf = getattr(model.backend, "hf", None)
+    if hf is not None:
+        return hf
+    package = getattr(model.backend, "package", None)
+    source = getattr(package, "manifest", {}).get("source") if package is not None else None
+    if not source or not (Path(source) / "config.json").is_file():
+        return None
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ModuleNotFoundError:
+        return None
+    return AutoModelForCausalLM.from_pretrained(source).eval()
+
+
+def _hf_prompt_lookup(model, hf, prompts: list[str], max_new_tokens: int, bar) -> dict | None:
+    """``transformers`` prompt lookup decoding on ``hf`` (the same model; for a package, the
+    folder it was exported from), greedy, ``prompt_lookup_num_tokens=10``."""
     if hf is None or model.tokenizer is None:
         bar.update(len(prompts))
         return None
