@@ -220,10 +220,16 @@ class JacobiWindow:
         self.cells = rng.choice(np.asarray(prompt, dtype=np.int64), size=self.cells.shape)
         self.pool = NgramPool(self.pool.size)
 
-    def place(self, plan: LookaheadPlan, ids: np.ndarray, root: int) -> None:
-        """Write the window's cells (the root excluded) into a block's ids."""
-        self.cells[0, 0] = root
+    def block(self, tree_parents: tuple[int, ...], tree_tokens) -> tuple[LookaheadPlan,
+                                                                          np.ndarray]:
+        """The plan of a tree (node 0 the root) with this window after it, and the block's
+        ids: the tree's tokens, then the window's cells."""
+        plan = lookahead_plan(tree_parents, self.levels, self.width)
+        ids = np.empty(plan.bc, dtype=np.int64)
+        ids[:plan.n_nodes] = tree_tokens
+        self.cells[0, 0] = ids[0]
         ids[plan.grid.ravel()[1:]] = self.cells.ravel()[1:]
+        return plan, ids
 
     def advance(self, plan: LookaheadPlan, argmax: np.ndarray) -> None:
         """After a step: pool every column's n-gram, then move the window up a level (the
@@ -265,10 +271,8 @@ class LookaheadDrafter:
 
     def propose(self, root: int) -> tuple[LookaheadPlan, np.ndarray]:
         parents, tokens = guess_trie(root, reversed(self.pool.get(root)))  # newest first
-        plan = self._plan = lookahead_plan(parents, self.jacobi.levels, self.jacobi.width)
-        ids = np.empty(plan.bc, dtype=np.int64)
-        ids[:plan.n_nodes] = tokens
-        self.jacobi.place(plan, ids, root)
+        plan, ids = self.jacobi.block(parents, tokens)
+        self._plan = plan
         return plan, ids
 
     def mask_embeds(self) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from .backend import Backend, StepOut
 from .config import GenerationConfig
 from .embeddings import MaskEmbeddings
-from .lookahead import JacobiWindow, LookaheadPlan, lookahead_plan
+from .lookahead import JacobiWindow, LookaheadPlan
 from .plans import Plan
 
 MAX_NGRAM = 3          # longest context suffix matched against earlier context (PLD's default)
@@ -546,10 +546,8 @@ class HybridDrafter:
         if self.jacobi is None:
             self._plan = tree_plan(parents)
             return self._plan, tokens
-        plan = self._plan = lookahead_plan(parents, self.jacobi.levels, self.jacobi.width)
-        ids = np.empty(plan.bc, dtype=np.int64)
-        ids[:plan.n_nodes] = tokens
-        self.jacobi.place(plan, ids, root)
+        plan, ids = self.jacobi.block(parents, tokens)
+        self._plan = plan
         return plan, ids
 
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
