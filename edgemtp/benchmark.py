@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .config import GenerationConfig
+from .drafters import get as drafter_spec
 from .errors import ConfigError
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
@@ -48,13 +49,13 @@ def prompt_sets(names: list[str], per_set: int) -> dict[str, list[str]]:
 
 
 def methods(drafters: list[str], budgets: list[int]) -> list[tuple[str, int, dict]]:
-    """(drafter, BC, generation options); probing uses k = 1 below BC 60 and a k = 2 dynamic
-    tree at 60 (the paper's choice), the others their own BC accounting."""
+    """(drafter, BC, generation options): drafters that carry mask tokens use k = 1 at every
+    budget, the others their own BC accounting."""
     out = []
     for d in drafters:
         for bc in budgets:
             opts = dict(drafter=d, bc=bc)
-            if d in ("probe", "hybrid"):
+            if drafter_spec(d).uses_masks:
                 opts["mask_tokens"] = 1
             out.append((d, bc, opts))
     return out

@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from .config import DRAFTERS, MASK_INITS, TREES, GenerationConfig
+from . import drafters
+from .config import MASK_INITS, TREES, GenerationConfig
 from .errors import EdgeMTPError
 
 EXIT_USAGE = 2
@@ -67,7 +68,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prune", action="store_true", help="keep candidates equal to their parent")
     g.add_argument("--no-calibrate", action="store_true",
                    help="dynamic tree by raw cumulative probability (the paper's Algorithm 1)")
-    g.add_argument("--drafter", choices=DRAFTERS, default="probe")
+    g.add_argument("--drafter", choices=drafters.names(), default="probe",
+                   help="who proposes the tree: " + "; ".join(
+                       f"{n}: {s.summary}" for n, s in drafters.REGISTRY.items()))
     g.add_argument("--lade", type=_int_list, default=None, metavar="L,W,G",
                    help="lookahead decoding's n-gram size, window and guess set (with "
                         "--drafter lade; default: the paper's for BC 10/30/60)")
@@ -169,16 +172,15 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     from .benchmark import markdown, plots, prompt_sets, run_bench
-    from .config import DRAFTERS as known
-
-    drafters = [d for d in a.drafters.split(",") if d]
-    unknown = [d for d in drafters if d not in known or d == "none"]
+    known = drafters.names(speculative=True)
+    chosen = [d for d in a.drafters.split(",") if d]
+    unknown = [d for d in chosen if d not in known]
     if unknown:
         raise EdgeMTPError(f"unknown drafter(s) {', '.join(unknown)}; choose from "
-                           f"{', '.join(d for d in known if d != 'none')}")
+                           f"{', '.join(known)}")
     tasks = prompt_sets([s for s in a.sets.split(",") if s], a.per_set)
     model = _load(a)
-    result = run_bench(model, tasks, drafters, list(a.bc), a.max_new_tokens,
+    result = run_bench(model, tasks, chosen, list(a.bc), a.max_new_tokens,
                        hf_reference=not a.no_hf_reference, repeats=a.repeats)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,10 +6,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from . import drafters
+from .budgets import check_bc
 from .errors import ConfigError
 from .latency import LatencyCurve
 
-DRAFTERS = ("probe", "auto", "pld", "stand", "lade", "hybrid", "none")
 TREES = ("static", "dynamic")
 MASK_INITS = ("mean", "sample", "last-k", "vector")
 
@@ -24,7 +25,10 @@ class GenerationConfig:
 
     ``lookahead`` is lookahead decoding's ``(L, W, G)`` (``drafter="lade"``); by default the
     paper's for BC 10 / 30 / 60 and the same proportions otherwise
-    (:func:`edgemtp.lookahead.lade_shape`).
+    (:func:`edgemtp.budgets.lade_shape`).
+
+    ``drafter`` names an entry of :data:`edgemtp.drafters.REGISTRY`, whose budget rule is
+    checked here, before any model is loaded.
 
     ``temperature == 0`` means greedy decoding; ``> 0`` samples losslessly from the model's
     processed distribution (temperature, then top-k, then top-p, as ``transformers`` does).
@@ -60,13 +64,11 @@ class GenerationConfig:
             object.__setattr__(self, "stop", (self.stop,))
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        _check(isinstance(self.bc, int) and self.bc >= 1,
-               f"block complexity (bc) must be an integer >= 1, got {self.bc!r}")
+        check_bc(self.bc)
         _check(isinstance(self.mask_tokens, int) and self.mask_tokens >= 1,
                f"mask_tokens must be an integer >= 1, got {self.mask_tokens!r}")
         _check(self.tree in TREES, f"tree must be one of {', '.join(TREES)}, got {self.tree!r}")
-        _check(self.drafter in DRAFTERS,
-               f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        spec = drafters.get(self.drafter)
         _check(self.mask_init in MASK_INITS,
                f"mask_init must be one of {', '.join(MASK_INITS)}, got {self.mask_init!r}")
         _check((self.mask_init == "vector") == (self.mask_vector is not None),
@@ -89,20 +91,11 @@ class GenerationConfig:
         _check(self.latency is None or isinstance(self.latency, LatencyCurve),
                "latency must be a LatencyCurve (see edgemtp profile)")
         if self.lookahead is not None:
-            _check(self.drafter == "lade", "lookahead (L, W, G) only applies to drafter='lade'")
+            _check("lookahead" in spec.options,
+                   "lookahead (L, W, G) only applies to drafter='lade'")
             _check(len(self.lookahead) == 3 and all(isinstance(v, int) for v in self.lookahead),
                    f"lookahead needs three integers (L, W, G), got {list(self.lookahead)}")
-        if self.drafter == "lade":
-            from .lookahead import lade_shape
-
-            lade_shape(self.bc, self.lookahead)
-        if self.drafter == "probe":  # fail before any model is loaded
-            from .plans import nodes_for_budget, static_plan
-
-            if self.tree == "static":
-                static_plan(self.bc, self.mask_tokens, self.branching)
-            else:
-                nodes_for_budget(self.bc, self.mask_tokens)
+        spec.budget(self)  # the drafter's budget rule: fail before any model is loaded
 
     @property
     def do_sample(self) -> bool:

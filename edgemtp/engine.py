@@ -14,7 +14,7 @@ import numpy as np
 
 from .backend import Backend
 from .config import GenerationConfig
-from .drafters import Drafter, make_drafter
+from .drafters import Drafter, get as drafter_spec, make_drafter
 from .errors import ConfigError
 from .metrics import Stats
 from .plans import Plan
@@ -83,7 +83,7 @@ class Generation:
         self.stopper = Stopper(config, backend.eos_token_ids,
                                backend.max_context - self.prompt.size, decode)
         k = self.drafter.mask_tokens
-        self.stats = Stats(bc=config.bc if config.drafter != "none" else 1, mask_tokens=k,
+        self.stats = Stats(bc=drafter_spec(config.drafter).budget(config), mask_tokens=k,
                            prompt_tokens=self.prompt.size)
         self._blocks: dict[int, tuple] = {}  # id(plan) -> plan, N, ids, positions, mask rows
         self._reports_run = hasattr(backend, "last_run_s")

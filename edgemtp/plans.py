@@ -21,6 +21,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from .budgets import default_branching, dynamic_table_size, nodes_for_budget
 from .errors import BudgetError, ConfigError
 
 
@@ -56,6 +57,7 @@ class Plan:
     tree_mask: np.ndarray = field(init=False, repr=False, compare=False)
     positions: np.ndarray = field(init=False, repr=False, compare=False)
     children: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    counts: tuple[int, ...] = field(init=False, repr=False, compare=False)  # nodes per depth
 
     def __post_init__(self) -> None:
         parents = tuple(int(p) for p in self.parents)
@@ -76,6 +78,7 @@ class Plan:
             kids[p].append(i)
         object.__setattr__(self, "depth", _frozen(depth))
         object.__setattr__(self, "children", tuple(tuple(c) for c in kids))
+        object.__setattr__(self, "counts", tuple(int(c) for c in np.bincount(depth)[1:]))
         object.__setattr__(self, "tree_mask", _frozen(self._build_mask()))
         object.__setattr__(self, "positions", _frozen(self._build_positions()))
 
@@ -113,11 +116,6 @@ class Plan:
     def bc(self) -> int:
         """Block complexity, paper eq. 5: ``(k + 1) * N``."""
         return (self.k + 1) * self.n_nodes
-
-    @property
-    def counts(self) -> tuple[int, ...]:
-        """Nodes per depth, root excluded."""
-        return tuple(int(c) for c in np.bincount(self.depth)[1:])
 
     def mask_row(self, node: int, j: int) -> int:
         """Block row of mask ``j`` (1-based) of ``node``."""
@@ -171,39 +169,6 @@ class Plan:
         return "\n".join(line.rstrip() for line in lines)
 
 
-# -- budgets ------------------------------------------------------------------------------
-
-
-def nodes_for_budget(bc: int, k: int) -> int:
-    """Largest node count ``N`` with ``(k + 1) * N <= bc``; at least a root and one draft node."""
-    if k < 1:
-        raise ConfigError(f"probing needs at least 1 mask token per node, got k={k}")
-    n = bc // (k + 1)
-    if n < 2:
-        raise BudgetError(
-            f"block complexity {bc} is too small for k={k} mask tokens: a probing plan needs at "
-            f"least {2 * (k + 1)} positions (root + 1 draft node, each with {k} mask tokens)")
-    return n
-
-
-def default_branching(bc: int, k: int) -> tuple[int, ...]:
-    """Static branching ``[K1, ..., Kk]`` used when a static k >= 2 plan is asked without one.
-
-    Deeper depths get ~20 % of the draft nodes between them, the paper's shapes for k = 2:
-
-    >>> default_branching(30, 2), default_branching(60, 2), default_branching(60, 3)
-    ((7, 2), (15, 4), (11, 2, 1))
-    """
-    m = nodes_for_budget(bc, k) - 1
-    if m < k:
-        raise BudgetError(f"block complexity {bc} holds {m} draft nodes, fewer than the {k} "
-                          f"depths a static k={k} plan needs; use k={m} or a larger budget")
-    deep = max(k - 1, round(0.2 * m))
-    per, extra = divmod(deep, k - 1) if k > 1 else (0, 0)
-    tail = [per + (1 if d < extra else 0) for d in range(k - 1)] if k > 1 else []
-    return (m - sum(tail), *tail)
-
-
 @lru_cache(maxsize=256)
 def static_plan(bc: int, k: int, branching: tuple[int, ...] | None = None) -> Plan:
     """The static plan a budget allows: ``[N-1]`` for k = 1, ``branching`` (or the default
@@ -245,6 +210,7 @@ class DynamicPlans:
     table: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        dynamic_table_size(self.bc, self.k)  # refuses a table too large to compile
         n = nodes_for_budget(self.bc, self.k)
         table = {shape: Plan.top1(shape, self.k) for shape in dynamic_shapes(n - 1, self.k)}
         object.__setattr__(self, "table", table)
@@ -254,7 +220,8 @@ class DynamicPlans:
         return nodes_for_budget(self.bc, self.k)
 
     def __getitem__(self, counts: tuple[int, ...]) -> Plan:
-        return self.table[counts + (0,) * (self.k - len(counts))]
+        plan = self.table.get(counts)  # a step passes all k counts: no padding on the hot path
+        return plan if plan is not None else self.table[counts + (0,) * (self.k - len(counts))]
 
     def __len__(self) -> int:
         return len(self.table)

@@ -67,7 +67,7 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
                 repeats: int = 2) -> dict:
     from tqdm import tqdm
 
-    from .policy import measure_latency
+    from .latency import measure_latency
 
     if budget < 1:
         raise ConfigError(f"budget must be >= 1, got {budget}")

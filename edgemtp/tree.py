@@ -7,7 +7,6 @@ fully given by its node count per depth and its plan comes from a precompiled ta
 
 from __future__ import annotations
 
-from functools import lru_cache
 from math import inf
 
 import numpy as np
@@ -16,11 +15,6 @@ from .plans import DynamicPlans, Plan
 
 # The functions below run once per decode step on arrays of a few dozen entries, where a
 # numpy call's fixed cost dominates: they use plain Python lists where that measured faster.
-
-
-@lru_cache(maxsize=256)
-def _counts(plan: Plan) -> tuple[int, ...]:
-    return plan.counts
 
 
 def prune(ids: np.ndarray, logprobs: np.ndarray, parent: int, n: int, enabled: bool = True):
@@ -42,7 +36,7 @@ def static_tree(plan: Plan, root: int, cand_ids: np.ndarray, cand_lp: np.ndarray
     cand_ids / cand_lp: [k, K] top-K of the accepted node's mask rows, best first.
     """
     tokens, parent = [root], root
-    for j, count in enumerate(_counts(plan)):
+    for j, count in enumerate(plan.counts):
         row = cand_ids[j].tolist()  # prune() on lists
         ids = [t for t in row if t != parent][:count] if prune_parent else row[:count]
         tokens.extend(ids)

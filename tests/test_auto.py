@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from edgemtp import ConfigError, GenerationConfig
 from edgemtp.engine import Generation
 from edgemtp.latency import LatencyCurve
-from edgemtp.policy import measure_latency
+from edgemtp.latency import measure_latency
 from edgemtp.runtimes.torch_backend import TorchBackend
 
 from conftest import story_prompts

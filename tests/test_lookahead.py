@@ -15,8 +15,8 @@ from edgemtp import GenerationConfig
 from edgemtp.backend import StepOut
 from edgemtp.engine import Generation
 from edgemtp.errors import BudgetError, ConfigError
-from edgemtp.lookahead import (LADE_CONFIGS, LookaheadDrafter, LookaheadPlan, guess_trie,
-                               lade_shape, lookahead_plan)
+from edgemtp.budgets import LADE_CONFIGS, lade_shape
+from edgemtp.drafters.lookahead import LookaheadDrafter, LookaheadPlan, guess_trie, lookahead_plan
 from edgemtp.plans import Plan
 from edgemtp.runtimes.torch_backend import TorchBackend
 

@@ -11,8 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from edgemtp import GenerationConfig
 from edgemtp.engine import Generation
-from edgemtp.lookahead import LookaheadPlan
-from edgemtp.ngram import PromptLookupDrafter, hybrid_window
+from edgemtp.drafters.lookahead import LookaheadPlan
+from edgemtp.budgets import hybrid_window
+from edgemtp.drafters.prompt_lookup import PromptLookupDrafter
 from edgemtp.runtimes.torch_backend import TorchBackend
 
 from conftest import family_configs, story_prompts

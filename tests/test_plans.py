@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgemtp.errors import BudgetError, ConfigError
-from edgemtp.plans import (DynamicPlans, Plan, default_branching, dynamic_plans, dynamic_shapes,
-                           nodes_for_budget, static_plan)
+from edgemtp.budgets import default_branching, nodes_for_budget
+from edgemtp.plans import DynamicPlans, Plan, dynamic_plans, dynamic_shapes, static_plan
 
 FAST = settings(max_examples=150, deadline=None)
 

@@ -1,64 +1,20 @@
-"""Drafters: who proposes the next tree. Every drafter fits the same small interface, so the
-decode loop and the lossless verifier never change when a drafter does.
-"""
+"""Mask-token probing (paper §3): the accepted node's mask tokens propose the next tree."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backend import Backend, StepOut
-from .config import GenerationConfig
-from .embeddings import MaskEmbeddings
-from .errors import ConfigError
-from .lookahead import LookaheadDrafter
-from .ngram import HybridDrafter, PromptLookupDrafter, StandDrafter
-from .plans import DynamicPlans, Plan, dynamic_plans, nodes_for_budget, static_plan
-from .tree import RankCalibration, dynamic_tree, ranked_tree, static_tree
+from ..backend import Backend, StepOut
+from ..budgets import nodes_for_budget
+from ..embeddings import MaskEmbeddings
+from ..errors import ConfigError
+from ..plans import DynamicPlans, Plan, dynamic_plans, static_plan
+from ..tree import RankCalibration, dynamic_tree, ranked_tree, static_tree
 
-ROOT_ONLY = Plan.root_only()
-
-
-class Drafter(Protocol):
-    mask_tokens: int  # mask slots per node the block carries (0: the drafter uses none)
-    topk: int         # candidates per block row the drafter reads from a step
-
-    def start(self, prompt_ids: np.ndarray) -> None: ...
-
-    def propose(self, root: int) -> tuple[Plan, np.ndarray]:
-        """The plan of the next step and its node tokens [N], root first."""
-        ...
-
-    def mask_embeds(self) -> np.ndarray | None: ...
-
-    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
-                path_rows: np.ndarray) -> None:
-        """Learn from a step: the accepted node's mask rows, the tokens just committed
-        (accepted nodes + bonus) and the block rows of the root and accepted nodes (whose
-        outputs are the model's own distributions at committed positions; for prefill, the
-        prompt's rows)."""
-        ...
-
-
-class NoDrafter:
-    """Plain autoregressive decoding, the BE = 1.0 reference: one position per step."""
-
-    mask_tokens = 0
-    topk = 0
-
-    def start(self, prompt_ids: np.ndarray) -> None:
-        pass
-
-    def propose(self, root: int) -> tuple[Plan, np.ndarray]:
-        return ROOT_ONLY, np.array([root], dtype=np.int64)
-
-    def mask_embeds(self) -> None:
-        return None
-
-    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
-                path_rows: np.ndarray) -> None:
-        pass
+if TYPE_CHECKING:
+    from ..config import GenerationConfig
 
 
 class ProbeDrafter:
@@ -119,27 +75,3 @@ class ProbeDrafter:
             self._pools = None
         self._cand = out.topk_ids[mask_rows], out.topk_logprobs[mask_rows]
         self.embeds.update(new_tokens)
-
-
-def make_drafter(backend: Backend, config: GenerationConfig, memory: dict | None = None
-                 ) -> Drafter:
-    """The drafter a config asks for; ``memory`` is state a drafter may keep across
-    generations of one loaded model (never anything that changes the output tokens)."""
-    return DRAFTERS[config.drafter](backend, config, memory)
-
-
-def _auto(backend: Backend, config: GenerationConfig, memory: dict | None) -> Drafter:
-    from .policy import AutoDrafter  # noqa: PLC0415  (policy imports this module's neighbours)
-
-    return AutoDrafter(backend, config, memory)
-
-
-DRAFTERS = {
-    "probe": ProbeDrafter,
-    "auto": _auto,
-    "pld": PromptLookupDrafter,
-    "stand": StandDrafter,
-    "lade": LookaheadDrafter,
-    "hybrid": HybridDrafter,
-    "none": lambda backend, config, memory: NoDrafter(),
-}

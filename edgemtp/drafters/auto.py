@@ -20,50 +20,29 @@ than a story's).
 Where speculation cannot pay (a mid-size model on a 2-core CPU) it decodes plainly, so it
 is never much slower than plain decoding.
 """
-
 from __future__ import annotations
 
 import time
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backend import Backend, StepOut
-from .config import GenerationConfig
-from .embeddings import MaskEmbeddings
-from .errors import ConfigError
-from .latency import LatencyCurve
-from .plans import Plan
-from .ngram import MAX_DEPTH, MAX_NGRAM, NgramIndex, chain_plan, lookup
-from .tree import prune, static_tree
+from ..backend import Backend, StepOut
+from ..budgets import chain_length, probe_draft_nodes
+from ..embeddings import MaskEmbeddings
+from ..errors import ConfigError
+from ..latency import measure_latency
+from ..plans import Plan
+from ..tree import prune, static_tree
+from .ngram_index import MAX_NGRAM, NgramIndex, chain_plan
+from .prompt_lookup import lookup
+
+if TYPE_CHECKING:
+    from ..config import GenerationConfig
 
 PLAIN = Plan.root_only()
 MASK_ONLY = Plan((-1,), 1)  # root + its mask: one token, and candidates for the next step
-
-
-def measure_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7,
-                    topk: int = 0) -> LatencyCurve:
-    """Median forward latency per block size over a causal block after ``context`` cached
-    tokens (clipped to the cache). Leaves the cache empty."""
-    backend.reset()
-    p = max(1, min(context, backend.max_context - max(sizes) - 1))
-    ids = np.arange(p, dtype=np.int64) % backend.vocab_size
-    backend.forward(ids, np.arange(p), np.tril(np.ones((p, p), dtype=bool)), None)
-    backend.commit(np.arange(p))
-    masks = np.zeros((1, backend.hidden_size), dtype=np.float32)
-    out = []
-    for t in sizes:
-        block = np.tril(np.ones((t, t), dtype=bool))
-        runs = []
-        for _ in range(repeats + 1):  # the first run warms up allocations
-            t0 = time.perf_counter()
-            backend.forward(np.arange(t) % backend.vocab_size, p + np.arange(t), block, masks,
-                            topk=topk)
-            runs.append(time.perf_counter() - t0)
-        out.append(float(np.median(runs[1:])))
-    backend.reset()
-    # a bigger block never costs less: smooth timing noise into a non-decreasing curve
-    return LatencyCurve(tuple(sizes), tuple(np.maximum.accumulate(out).tolist()))
 
 
 @lru_cache(maxsize=16)
@@ -84,7 +63,7 @@ class AutoDrafter:
     def __init__(self, backend: Backend, config: GenerationConfig,
                  memory: dict | None = None) -> None:
         memory = {} if memory is None else memory
-        m_max = config.bc // 2 - 1  # k = 1: BC = 2 * (1 + m)
+        m_max = probe_draft_nodes(config.bc)  # k = 1: BC = 2 * (1 + m)
         self.plans = _probe_plans(m_max)
         if backend.vocab_size < m_max + 2:
             raise ConfigError(f"a plan of {m_max + 1} nodes needs a vocabulary of at least "
@@ -116,7 +95,7 @@ class AutoDrafter:
                                      vector=None if config.mask_vector is None
                                      else np.asarray(config.mask_vector), seed=config.seed)
         self._cand: tuple[np.ndarray, np.ndarray] | None = None
-        self.n_chain = max(0, min(config.bc - 1, MAX_DEPTH))
+        self.n_chain = chain_length(config.bc)
         # per matched n-gram length n (row n - 1): chains tried / right up to depth d
         self.chain_hits = memory.setdefault(("auto-chain", self.n_chain), {
             "hits": np.zeros((MAX_NGRAM, self.n_chain)),

@@ -24,50 +24,21 @@ the reference implementation's warm-up steps, so every step has the same lookahe
 The verification branch merges guesses that share a prefix into one trie, so a step may
 use fewer than ``(L - 1)(W + G)`` positions, never more.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backend import Backend, StepOut
-from .config import GenerationConfig
-from .errors import BudgetError, ConfigError
-from .plans import Plan
+from ..backend import Backend, StepOut
+from ..budgets import lade_shape
+from ..errors import ConfigError
+from ..plans import Plan
 
-# the paper's configurations (App. F): BC -> (L, W, G)
-LADE_CONFIGS = {10: (3, 4, 1), 30: (4, 5, 5), 60: (5, 8, 7)}
-
-
-def lade_shape(bc: int, given: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
-    """``(L, W, G)`` for a budget: the one given (checked against the budget), the paper's
-    for BC 10 / 30 / 60, else the largest of the same proportions that fits.
-
-    >>> lade_shape(30), lade_shape(60), lade_shape(20), lade_shape(6)
-    ((4, 5, 5), (5, 8, 7), (3, 6, 4), (3, 2, 1))
-    """
-    if given is not None:
-        n, w, g = (int(v) for v in given)
-        if n < 2 or w < 1 or g < 0:
-            raise ConfigError(f"lookahead (L, W, G) needs L >= 2, W >= 1 and G >= 0, "
-                              f"got {list(given)}")
-        if (n - 1) * (w + g) > bc:
-            raise BudgetError(f"lookahead L={n}, W={w}, G={g} needs BC (L-1)(W+G) = "
-                              f"{(n - 1) * (w + g)}, above the budget {bc}")
-        return n, w, g
-    if bc in LADE_CONFIGS:
-        return LADE_CONFIGS[bc]
-    n = 5 if bc >= 60 else 4 if bc >= 30 else 3
-    while n > 2 and bc // (n - 1) < 3:
-        n -= 1
-    per = bc // (n - 1)
-    if per < 3:
-        raise BudgetError(f"lookahead decoding needs a block complexity of at least 3 "
-                          f"(L=2, W=2, G=1), got {bc}")
-    g = max(1, min(per - 2, round(0.45 * per)))
-    return n, per - g, g
+if TYPE_CHECKING:
+    from ..config import GenerationConfig
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,315 @@
+"""The hybrid drafter: mask-token probing fused with n-gram lookup and a Jacobi window in one
+tree under one BC budget (the paper's App. C direction)."""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..backend import Backend, StepOut
+from ..budgets import MAX_DEPTH, hybrid_tree_budget, hybrid_window
+from ..embeddings import MaskEmbeddings
+from ..plans import Plan
+from .lookahead import JacobiWindow, LookaheadPlan
+from .ngram_index import (MAX_NGRAM, P_EDGES, GrownTree, ContextModel, Lookup, grow, layout,
+                          tree_plan)
+
+if TYPE_CHECKING:
+    from ..config import GenerationConfig
+
+HYBRID_TOPK = 20       # candidates per block row for the hybrid (stored and mask proposals)
+MASK_GAIN = 0.35       # prior: tokens a node's masks add to the next step if the path ends there
+HYBRID_POOL = 7        # continuations kept per key in the hybrid's Jacobi pool
+
+
+class HitRates:
+    """Online hit rates of draft candidates per bucket, kept across generations.
+
+    The true token under every node of the accepted path is known after verification, so
+    each step tells whether each candidate there was right. A lookup candidate's bucket is
+    its matched n-gram length and probability bin (a 1-gram match at p = 0.9 is right far
+    less often than a 3-gram one); the token that literally followed the match (PLD's
+    guess: what an induction head copies) by n and whether the model's own guess agreed; a
+    mask candidate's by its rank (on small models mask probabilities say little, ranks
+    more); a Jacobi candidate's (an n-gram from the lookahead window's trajectories) by its
+    index in the n-gram's continuation. ``rate = (hits + w * prior) / (seen + w)``.
+
+    >>> h = HitRates(max_ngram=3, ranks=2)
+    >>> b = h.lookup_bucket(3, 0.95)
+    >>> round(float(h.rates()[b]), 3)          # the prior: the bin's middle
+    0.95
+    >>> h.record([b] * 4, [False] * 4); round(float(h.rates()[b]), 3)
+    0.475
+
+    ``gain`` is the running mean of the tokens a step accepted through mask-only
+    candidates when the previous path ended at a node carrying masks: what masks on a node
+    are worth, in the same unit as a draft node's chance of acceptance.
+    """
+
+    def __init__(self, max_ngram: int, ranks: int, jacobi: int = 0,
+                 weight: float = 4.0) -> None:
+        edges = (0.0, *P_EDGES, 1.0)
+        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+        # buckets: [lookup: n x bin | literal: n x (agrees, not) | mask: rank | jacobi: index]
+        self.n_bins, self.weight = len(mids), weight
+        self.first_literal = len(mids) * max_ngram
+        self.first_mask = self.first_literal + 2 * max_ngram
+        self.first_jacobi = self.first_mask + ranks
+        self.prior = np.array(mids * max_ngram + [0.5, 0.2] * max_ngram
+                              + [0.5 / (r + 2) for r in range(ranks)]
+                              + [0.3 if i == 0 else 0.5 for i in range(jacobi)])
+        self.hits = np.zeros_like(self.prior)
+        self.seen = np.zeros_like(self.prior)
+        self.gain_sum, self.gain_n = MASK_GAIN * 20.0, 20.0
+
+    def lookup_bucket(self, n: int, p: float) -> int:
+        return (n - 1) * self.n_bins + bisect_right(P_EDGES, p)
+
+    def lookup_buckets(self, lk: Lookup) -> list[int]:
+        base = (lk.n - 1) * self.n_bins
+        return [base + b for b in lk.bins]
+
+    def literal_bucket(self, n: int, agrees: bool) -> int:
+        return self.first_literal + 2 * (n - 1) + (0 if agrees else 1)
+
+    def mask_bucket(self, rank: int) -> int:
+        return self.first_mask + rank
+
+    def jacobi_bucket(self, index: int) -> int:
+        return self.first_jacobi + index
+
+    def rates(self) -> np.ndarray:
+        return (self.hits + self.weight * self.prior) / (self.seen + self.weight)
+
+    def record(self, buckets: list[int], hits: list[bool]) -> None:
+        np.add.at(self.seen, buckets, 1.0)
+        np.add.at(self.hits, buckets, np.asarray(hits, dtype=np.float64))
+
+    @property
+    def gain(self) -> float:
+        return self.gain_sum / self.gain_n
+
+    def record_gain(self, tokens: float) -> None:
+        self.gain_sum += tokens
+        self.gain_n += 1.0
+
+
+class HybridDrafter:
+    """Mask-token probing fused with n-gram lookup in one tree under one BC budget (the
+    paper's App. C direction).
+
+    A node's children come from :class:`ContextModel` (as STAND) and, under the root (and
+    along the top-1 chain for ``k >= 2``), from the masks the last accepted node carried
+    (as probing). Every candidate is scored by the online hit rate of its kind
+    (:class:`HitRates`; ``calibrate=False``: its raw probability); a token both sources
+    propose scores ``1 - (1 - a)(1 - b)``. The tree grows best-first by cumulative score, so
+    probe candidates fill the root's children, lookup chains run deep, and a probe
+    candidate gets a lookup continuation of its own.
+
+    Masks go only where they pay. A mask token is a leaf whose id is a mask slot: it
+    attends to its node's path and itself at position ``depth + 1``, exactly the mask rule
+    of :class:`~edgemtp.plans.Plan`, so ``k`` masks on a node cost ``k`` positions and the
+    plan stays a plain tree (``BC`` = positions <= the budget). :func:`place_masks` splits
+    the budget between draft nodes and masks by the tokens each is expected to add.
+
+    From BC 10 up, part of the budget also runs a Jacobi lookahead window (LADE's lookahead
+    branch, :class:`~edgemtp.drafters.lookahead.JacobiWindow`; ``budgets.HYBRID_WINDOWS``) next to the tree:
+    the n-grams of its trajectories are a third candidate source, keyed by a node's token
+    and followed along their continuation (the paper's App. C: fuse LADE's n-grams with
+    probing). ``BC`` = tree positions + window cells <= the budget.
+    """
+
+    topk = HYBRID_TOPK
+
+    def __init__(self, backend: Backend, config: GenerationConfig, memory: dict | None = None,
+                 max_ngram: int = MAX_NGRAM, depth: int = MAX_DEPTH) -> None:
+        self.k = self.mask_tokens = config.mask_tokens
+        self.bc, self.depth, self.max_ngram = config.bc, depth, max_ngram
+        self.vocab, self.prune, self.calibrate = backend.vocab_size, config.prune, config.calibrate
+        vector = None if config.mask_vector is None else np.asarray(config.mask_vector)
+        stats = backend.embedding_stats() if config.mask_init == "sample" else None
+        self.embeds = MaskEmbeddings(self.k, config.mask_init, config.ema, backend.embed,
+                                     stats=stats, vector=vector, seed=config.seed)
+        # kept in the caller's memory, if any, so it keeps learning across generations
+        window = hybrid_window(config.bc)  # (levels, width) or None
+        self.jacobi = None if window is None else JacobiWindow(*window, pool_size=HYBRID_POOL,
+                                                               seed=config.seed)
+        self.tree_bc = hybrid_tree_budget(config.bc)
+        key = ("hybrid-hit-rates", config.bc, self.k, config.prune, config.calibrate)
+        fresh = HitRates(max_ngram, self.topk, jacobi=0 if window is None else window[0])
+        self.rates = fresh if memory is None else memory.setdefault(key, fresh)
+        self.context = ContextModel(self.topk, max_ngram)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cand: tuple[list, list] | None = None  # per mask j: its top-K ids, probs
+        self._tree: GrownTree | None = None
+        self._asked: dict[int, tuple] = {}  # node -> what proposed its children
+        self._masks_of: dict[int, np.ndarray] = {}
+        self._offers: dict[int, list] = {}  # node -> Jacobi (n-gram, index) it offers
+        self._plan: Plan | None = None
+
+    def start(self, prompt_ids: np.ndarray) -> None:
+        self.context = ContextModel(self.topk, self.max_ngram)
+        self.context.extend(prompt_ids)
+        self.embeds.start(prompt_ids)
+        if self.jacobi is not None:
+            self.jacobi.start(prompt_ids)
+        self._reset()
+
+    def mask_embeds(self) -> np.ndarray:
+        return self.embeds.value
+
+    def propose(self, root: int) -> tuple[Plan, np.ndarray]:
+        tree = GrownTree(root, tuple(self.context.tokens[-self.max_ngram:]), self.max_ngram)
+        rates = self.rates.rates().tolist() if self.calibrate else None
+        chain = [0]  # the top-1 chain: mask j's candidates hang under its depth-j node
+        self._asked = {}
+
+        def children(t: GrownTree, node: int) -> list[tuple[int, float]]:
+            d = t.depths[node]
+            if node and d == len(chain) and t.parents[node] == chain[-1]:
+                chain.append(node)
+            j = d if d < len(chain) and chain[d] == node else None
+            return self._children(t, node, j, rates)
+
+        self._offers = {}
+        self._tree = grow(tree, children, self.tree_bc, self.depth)
+        parents, tokens, self._masks_of = place_masks(self._tree, self.tree_bc, self.k,
+                                                     self.vocab, self.rates.gain)
+        if self.jacobi is None:
+            self._plan = tree_plan(parents)
+            return self._plan, tokens
+        plan, ids = self.jacobi.block(parents, tokens)
+        self._plan = plan
+        return plan, ids
+
+    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
+                path_rows: np.ndarray) -> None:
+        if self._tree is not None:  # a step: our masks are leaves of our own tree
+            self._learn(new_tokens)
+            mask_rows = self._masks_of.get(int(path_rows[-1]), mask_rows[:0])
+            if isinstance(self._plan, LookaheadPlan):
+                self.jacobi.advance(self._plan, out.argmax)
+        self._cand = None
+        if len(mask_rows):
+            self._cand = (out.topk_ids[mask_rows].tolist(),
+                          np.exp(out.topk_logprobs[mask_rows]).tolist())
+        self.context.extend(new_tokens, out.topk_ids[path_rows], out.topk_logprobs[path_rows])
+        self.embeds.update(new_tokens)
+
+    def _children(self, tree: GrownTree, node: int, j: int | None,
+                  rates: list[float] | None) -> list[tuple[int, float]]:
+        """``(token, score)`` under ``node``."""
+        h, lk = self.rates, self.context.next_tokens(tree.tails[node])
+        masks = self._mask_guesses(j, tree.tokens[node])
+        jac = self._jacobi_guesses(tree, node)
+        self._asked[node] = lk, masks, jac
+        if rates is None:
+            score = dict(lk.guesses)
+        else:
+            score = {t: rates[b] for (t, _), b in zip(lk.guesses, h.lookup_buckets(lk))}
+            if lk.literal >= 0:  # mostly the same evidence as the guesses: no noisy-or
+                b = h.literal_bucket(lk.n, lk.literal == lk.guesses[0][0])
+                score[lk.literal] = max(score.get(lk.literal, 0.0), rates[b])
+        for rank, (t, p) in enumerate(masks):
+            q = p if rates is None else rates[h.mask_bucket(rank)]
+            score[t] = 1.0 - (1.0 - score.get(t, 0.0)) * (1.0 - q)
+        for t, b in jac:
+            q = h.prior[b] if rates is None else rates[b]
+            score[t] = 1.0 - (1.0 - score.get(t, 0.0)) * (1.0 - q)
+        total = sum(score.values())
+        if total > 0.99:  # siblings are exclusive events: keep their sum a probability
+            return [(t, s * 0.99 / total) for t, s in score.items()]
+        return list(score.items())
+
+    def _jacobi_guesses(self, tree: GrownTree, node: int) -> list[tuple[int, int]]:
+        """``(token, bucket)`` the Jacobi pool proposes under ``node``: the next token of
+        every n-gram continuation the node's parent offered and the node's token matched,
+        and the first token of every continuation keyed by the node's token (one bucket per
+        token: the lowest index offering it)."""
+        if self.jacobi is None:
+            return []
+        tok, parent = tree.tokens[node], tree.parents[node]
+        offers = [(c, i + 1) for c, i in self._offers.get(parent, ())
+                  if c[i] == tok and i + 1 < len(c)]
+        offers.extend((c, 0) for c in self.jacobi.pool.get(tok))
+        self._offers[node] = offers
+        best: dict[int, int] = {}
+        for c, i in offers:
+            if c[i] not in best or i < best[c[i]]:
+                best[c[i]] = i
+        return [(t, self.rates.jacobi_bucket(i)) for t, i in best.items()]
+
+    def _mask_guesses(self, j: int | None, parent: int) -> list[tuple[int, float]]:
+        """Mask ``j``'s candidates under the chain node of depth ``j``, best first."""
+        if j is None or self._cand is None or j >= len(self._cand[0]):
+            return []
+        pairs = zip(self._cand[0][j], self._cand[1][j])
+        # §3.6: a mask echoes its node's own next token, which is the parent here
+        return [(t, p) for t, p in pairs if not (self.prune and t == parent)]
+
+    def _learn(self, truth: list[int]) -> None:
+        """Hit or miss for every candidate under the true path (known to its end)."""
+        h, tree, node = self.rates, self._tree, 0
+        buckets: list[int] = []
+        hits: list[bool] = []
+        mask_only = False
+        for t in truth:
+            if node not in self._asked:
+                break
+            lk, masks, jac = self._asked[node]
+            for tok, b in jac:
+                buckets.append(b)
+                hits.append(tok == t)
+            for (tok, _), b in zip(lk.guesses, h.lookup_buckets(lk)):
+                buckets.append(b)
+                hits.append(tok == t)
+            if lk.literal >= 0:
+                buckets.append(h.literal_bucket(lk.n, lk.literal == lk.guesses[0][0]))
+                hits.append(lk.literal == t)
+            for rank, (tok, _) in enumerate(masks):
+                buckets.append(h.mask_bucket(rank))
+                hits.append(tok == t)
+            if node == 0:
+                mask_only = (t != lk.literal and all(g != t for g, _ in lk.guesses)
+                             and all(g != t for g, _ in jac) and any(m == t for m, _ in masks))
+            node = tree.child.get((node, t))
+            if node is None:
+                break
+        if self.calibrate:
+            self.rates.record(buckets, hits)
+        if self._cand is not None:  # this step's root had mask candidates
+            self.rates.record_gain(len(truth) - 1 if mask_only else 0.0)
+
+
+def place_masks(tree: GrownTree, bc: int, k: int, vocab: int, gain: float
+                ) -> tuple[tuple[int, ...], np.ndarray, dict[int, np.ndarray]]:
+    """Split the budget between the first ``r`` grown nodes and ``m`` nodes carrying ``k``
+    masks each (``r + m * k <= bc``), maximising the expected accepted nodes plus ``gain``
+    times the chance the accepted path ends at a masked node; lay the tree out
+    (:func:`layout`).
+
+    >>> t = GrownTree(5, (5,), 3)
+    >>> _ = t.add(6, 0, 0.5); _ = t.add(7, 1, 0.05)    # 5 -> 6 (p 0.5) -> 7 (p 0.05)
+    >>> place_masks(t, bc=3, k=1, vocab=100, gain=0.4)   # a root mask is worth more than 7
+    ((-1, 0, 0), array([  5,   6, 100]), {0: array([2])})
+    """
+    s, par = np.asarray(tree.scores), np.asarray(tree.parents)
+    best, choice, worse = -np.inf, (min(len(s), bc), []), 0
+    # grown scores never increase, so each mask displaces a node worth at least the last
+    # one's: the value rises then falls, and a few worse splits in a row end the search
+    for m in range((bc - 1) // k + 1 if k else 1):
+        r = min(len(s), bc - m * k)
+        below = np.bincount(par[1:r], weights=s[1:r], minlength=r)
+        end = np.maximum(s[:r] - below, 0.0)  # P(the accepted path ends at this node)
+        top = np.argsort(-end, kind="stable")[:m]
+        value = s[1:r].sum() + gain * end[top].sum()
+        if value > best:
+            best, choice, worse = value, (r, sorted(top.tolist())), 0
+        elif (worse := worse + 1) >= 4:
+            break
+    r, masked = choice
+    return layout(tree, r, masked, k, vocab)

@@ -1,0 +1,261 @@
+"""The shared n-gram machinery of the lookup drafters: an index of where every n-gram of the
+committed context ends, the model's own stored distributions at committed positions, and a
+best-first tree grower laid out in a plan's order.
+
+A tree without mask tokens costs one position per node, so a lookup tree of ``N`` nodes has
+``BC = N``; every tree here is a plain tree (``Plan(parents, 0)``, compiled once per shape).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from bisect import bisect_right
+from functools import lru_cache
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from ..plans import Plan
+
+MAX_NGRAM = 3          # longest context suffix matched against earlier context (PLD's default)
+STAND_OCCURRENCES = 4  # most recent matches whose stored distributions are mixed
+MIN_SCORE = 1e-3       # a candidate whose cumulative score is below this never gets a node
+P_EDGES = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # probability bins of lookup candidates
+
+
+@lru_cache(maxsize=1024)
+def tree_plan(parents: tuple[int, ...], k: int = 0) -> Plan:
+    """The compiled plan of a tree shape, cached: a shape seen before costs no mask build.
+
+    >>> tree_plan((-1, 0, 1)) is tree_plan((-1, 0, 1))
+    True
+    """
+    return Plan(parents, k)
+
+
+def chain_plan(n_draft: int) -> Plan:
+    """A chain of ``n_draft`` nodes under the root, no masks: ``BC = n_draft + 1``.
+
+    >>> chain_plan(2).parents, chain_plan(2).bc
+    ((-1, 0, 1), 3)
+    """
+    return tree_plan((-1, *range(n_draft)))
+
+
+# -- the committed context --------------------------------------------------------------------
+
+
+class NgramIndex:
+    """Where every n-gram (``n = 1..max_n``) of a growing token sequence ends.
+
+    Only occurrences followed by a token are indexed, so the sequence's own suffix never
+    matches itself.
+
+    >>> ix = NgramIndex(2)
+    >>> ix.extend([5, 6, 7, 5, 6])
+    >>> ix.match([5, 6])              # "5 6" ends at position 1 (followed by 7)
+    (2, [1])
+    >>> ix.match([9, 7])              # no "9 7": back off to "7", which ends at 2
+    (1, [2])
+    """
+
+    def __init__(self, max_n: int = MAX_NGRAM) -> None:
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            p = len(self.tokens) - 1  # the position that just got a follower
+            self.tokens.append(int(t))
+            for n in range(1, min(self.max_n, p + 1) + 1):
+                self.ends.setdefault(tuple(self.tokens[p - n + 1:p + 1]), []).append(p)
+
+    def match(self, suffix) -> tuple[int, list[int]]:
+        """The longest ``n`` whose last ``n`` tokens of ``suffix`` occurred before, and the
+        end positions of those occurrences (oldest first); ``(0, [])`` when none did."""
+        for n in range(min(self.max_n, len(suffix)), 0, -1):
+            ends = self.ends.get(tuple(suffix[-n:]))
+            if ends:
+                return n, ends
+        return 0, []
+
+
+class StoredDistributions:
+    """The model's own top-K next-token distributions at committed positions (STAND's
+    "stored logits"), as probabilities, in arrays that grow by doubling.
+
+    ``ids[p]`` / ``probs[p]``: the model's top-K after the context up to position ``p``.
+
+    >>> d = StoredDistributions(2)
+    >>> d.append(np.array([[4, 5], [4, 6]]), np.log([[0.5, 0.5], [1.0, 1e-9]]))
+    >>> [(t, round(p, 2)) for t, p in d.mixture([0, 1])]
+    [(4, 0.75), (5, 0.25), (6, 0.0)]
+    """
+
+    def __init__(self, k: int) -> None:
+        self.k, self.size = k, 0
+        self.ids = np.zeros((256, k), dtype=np.int64)
+        self.probs = np.zeros((256, k), dtype=np.float32)
+
+    def append(self, ids: np.ndarray, logprobs: np.ndarray) -> None:
+        # ids / logprobs: [n, >= K], the top-K of n newly committed positions
+        n = len(ids)
+        if self.size + n > len(self.ids):
+            cap = max(2 * len(self.ids), self.size + n)
+            self.ids = np.resize(self.ids, (cap, self.k))
+            self.probs = np.resize(self.probs, (cap, self.k))
+        self.ids[self.size:self.size + n] = ids[:, :self.k]
+        self.probs[self.size:self.size + n] = np.exp(logprobs[:, :self.k])
+        self.size += n
+
+    def mixture(self, positions: list[int]) -> list[tuple[int, float]]:
+        """The average distribution over these positions, as ``(token, probability)``."""
+        out: dict[int, float] = {}
+        w = 1.0 / len(positions)
+        for t, q in zip(self.ids[positions].ravel().tolist(),
+                        self.probs[positions].ravel().tolist()):
+            out[t] = out.get(t, 0.0) + w * q
+        return list(out.items())
+
+
+class Lookup(NamedTuple):
+    """What the committed context says about the token after a suffix."""
+
+    n: int                            # matched n-gram length (0: no match)
+    guesses: list[tuple[int, float]]  # the model's own (token, p) after the matches, best first
+    bins: list[int]                   # each guess's probability bin (edges P_EDGES)
+    literal: int                      # the token after the most recent match (-1: none)
+
+
+NO_MATCH = Lookup(0, [], [], -1)
+
+
+class ContextModel:
+    """An n-gram model of the committed context built from the model's own distributions:
+    the guesses after a suffix are the distributions the model gave after the most recent
+    earlier occurrences of the suffix's longest matched n-gram.
+
+    >>> cm = ContextModel(topk=2)
+    >>> cm.extend([1, 2, 3, 1], np.array([[2, 3], [3, 1], [1, 2]]),
+    ...           np.log([[.85, .15], [.9, .1], [.8, .2]]))
+    >>> lk = cm.next_tokens((3, 1))   # "3 1" is new; after "1" the model said 2 | 3, 2 came
+    >>> lk.n, [(t, round(p, 2)) for t, p in lk.guesses], lk.bins, lk.literal
+    (1, [(2, 0.85), (3, 0.15)], [6, 2], 2)
+    """
+
+    def __init__(self, topk: int, max_n: int = MAX_NGRAM) -> None:
+        self.index = NgramIndex(max_n)
+        self.dists = StoredDistributions(topk)
+        self._memo: dict[tuple, Lookup] = {}
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.index.tokens
+
+    def extend(self, tokens, ids: np.ndarray | None = None,
+               logprobs: np.ndarray | None = None) -> None:
+        """Commit tokens, with the model's top-K at the positions that just became known
+        (all but the newest token's)."""
+        if ids is not None:
+            self.dists.append(ids, logprobs)
+        self.index.extend(tokens)
+        assert self.dists.size in (0, len(self.index.tokens) - 1)
+
+    def next_tokens(self, tail: tuple[int, ...]) -> Lookup:
+        n, ends = self.index.match(tail)
+        if not ends:
+            return NO_MATCH
+        key = (tail[-n:], len(ends))  # stored distributions never change: memoise
+        hit = self._memo.get(key)
+        if hit is None:
+            guesses = sorted(self.dists.mixture(ends[-STAND_OCCURRENCES:]), key=lambda g: -g[1])
+            hit = self._memo[key] = Lookup(n, guesses, [bisect_right(P_EDGES, p)
+                                                        for _, p in guesses],
+                                           self.index.tokens[ends[-1] + 1])
+        return hit
+
+
+# -- growing a tree best-first ------------------------------------------------------------------
+
+
+class GrownTree:
+    """Draft nodes in the order they were grown: best first, parents before children."""
+
+    def __init__(self, root: int, tail: tuple[int, ...], n: int) -> None:
+        self.tokens, self.parents, self.depths = [root], [-1], [0]
+        self.scores, self.tails, self.n = [1.0], [tail], n
+        self.child: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, parent: int, score: float) -> int:
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.scores.append(score)
+        self.tails.append((self.tails[parent] + (token,))[-self.n:])
+        self.child[(parent, token)] = node
+        return node
+
+
+Children = Callable[[GrownTree, int], list[tuple[int, float]]]
+
+
+def grow(tree: GrownTree, children: Children, max_nodes: int, max_depth: int) -> GrownTree:
+    """Algorithm 1 for any candidate source: rank candidates by cumulative score
+    (``score(parent) * p``) and add the best until ``max_nodes``; ``children(tree, node)``
+    proposes ``(token, p)`` under a node just added (called in the order nodes are added).
+
+    >>> kids = {0: [(7, 0.6), (8, 0.4)], 1: [(9, 0.5)]}
+    >>> t = grow(GrownTree(5, (5,), 3), lambda t, v: kids.get(v, []), 3, 10)
+    >>> t.tokens, t.parents, t.scores         # 9 scores 0.3 < 0.4: it waits for node 4
+    ([5, 7, 8], [-1, 0, 0], [1.0, 0.6, 0.4])
+    """
+    heap: list[tuple[float, int, int, int]] = []
+    order = itertools.count()  # ties: the earlier candidate first
+
+    def expand(node: int) -> None:
+        if tree.depths[node] < max_depth:
+            base = tree.scores[node]
+            for t, p in children(tree, node):
+                s = base * p
+                if s >= MIN_SCORE:
+                    heapq.heappush(heap, (-s, next(order), node, t))
+
+    expand(0)
+    while heap and len(tree) < max_nodes:
+        neg, _, parent, token = heapq.heappop(heap)
+        expand(tree.add(token, parent, -neg))
+    return tree
+
+
+def layout(tree: GrownTree, r: int, masked: list[int] = (), k: int = 0, vocab: int = 0
+           ) -> tuple[tuple[int, ...], np.ndarray, dict[int, np.ndarray]]:
+    """The first ``r`` grown nodes, plus ``k`` mask leaves (ids ``vocab + j``) under each
+    ``masked`` node, in a plan's order: depth order, best first within a depth, masks after
+    the draft nodes of their depth. Returns parents, tokens and each masked node's mask rows.
+
+    >>> t = GrownTree(7, (7,), 3)
+    >>> _ = t.add(8, 0, 0.5); _ = t.add(9, 1, 0.4); _ = t.add(6, 0, 0.3)
+    >>> layout(t, 4)[:2]                  # 9 (depth 2) moves after 6 (depth 1)
+    ((-1, 0, 0, 1), array([7, 8, 6, 9]))
+    >>> layout(t, 2, masked=[0, 1], k=1, vocab=100)
+    ((-1, 0, 0, 1), array([  7,   8, 100, 100]), {0: array([2]), 1: array([3])})
+    """
+    toks, pars = list(tree.tokens[:r]), list(tree.parents[:r])
+    keys = [(d, 0, -s) for d, s in zip(tree.depths[:r], tree.scores[:r])]
+    for v in masked:
+        for j in range(k):
+            toks.append(vocab + j)
+            pars.append(v if j == 0 else len(toks) - 2)
+            keys.append((tree.depths[v] + 1 + j, 1, v))
+    order = sorted(range(len(toks)), key=keys.__getitem__)
+    new = {old: i for i, old in enumerate(order)}
+    parents = tuple(-1 if pars[o] < 0 else new[pars[o]] for o in order)
+    masks_of = {new[v]: np.array([new[r + i * k + j] for j in range(k)], dtype=np.int64)
+                for i, v in enumerate(masked)}
+    return parents, np.array([toks[o] for o in order], dtype=np.int64), masks_of

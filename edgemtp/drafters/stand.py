@@ -1,0 +1,55 @@
+"""STAND (Song et al. 2025; paper App. F) as a drafter: lookup trees from the model's own
+stored distributions."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..backend import Backend, StepOut
+from ..budgets import MAX_DEPTH
+from ..plans import Plan
+from .ngram_index import MAX_NGRAM, ContextModel, GrownTree, grow, layout, tree_plan
+
+if TYPE_CHECKING:
+    from ..config import GenerationConfig
+
+STAND_TOPK = 10        # stored candidates per committed position
+
+
+class StandDrafter:
+    """STAND (Song et al. 2025; paper App. F): a token tree from the model's own stored
+    distributions. A node's children are the model's guesses after the most recent earlier
+    occurrences of the node's context suffix (its path included; :class:`ContextModel`);
+    the tree grows best-first by cumulative probability to at most ``bc`` nodes and depth 10
+    (no masks: ``BC = N``). At a small budget it is a chain, as PLD's, drawn from what the
+    model itself predicted after each match rather than from the text that followed it.
+    """
+
+    mask_tokens = 0
+    topk = STAND_TOPK
+
+    def __init__(self, backend: Backend, config: GenerationConfig, memory: dict | None = None,
+                 max_ngram: int = MAX_NGRAM, depth: int = MAX_DEPTH) -> None:
+        self.max_nodes, self.depth, self.max_ngram = config.bc, depth, max_ngram
+        self.context = ContextModel(self.topk, max_ngram)
+
+    def start(self, prompt_ids: np.ndarray) -> None:
+        self.context = ContextModel(self.topk, self.max_ngram)
+        self.context.extend(prompt_ids)
+
+    def propose(self, root: int) -> tuple[Plan, np.ndarray]:
+        cm = self.context
+        tree = GrownTree(root, tuple(cm.tokens[-self.max_ngram:]), self.max_ngram)
+        grow(tree, lambda t, node: cm.next_tokens(t.tails[node]).guesses, self.max_nodes,
+             self.depth)
+        parents, tokens, _ = layout(tree, len(tree))
+        return tree_plan(parents), tokens
+
+    def mask_embeds(self) -> None:
+        return None
+
+    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
+                path_rows: np.ndarray) -> None:
+        self.context.extend(new_tokens, out.topk_ids[path_rows], out.topk_logprobs[path_rows])
