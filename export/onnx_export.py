@@ -23,7 +23,8 @@ import numpy as np
 
 from edgemtp import __version__
 from edgemtp.errors import BudgetError, ConfigError, EdgeMTPError
-from edgemtp.plans import nodes_for_budget, static_plan
+from edgemtp.budgets import nodes_for_budget
+from edgemtp.plans import static_plan
 from edgemtp.runtimes.package import (CACHE_LAYOUT, COMMIT, EMBEDDINGS, FORMAT_VERSION, GRAPH,
                                       MANIFEST, graph_inputs, graph_outputs, plan_arrays,
                                       plan_entry)
