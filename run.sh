@@ -9,11 +9,15 @@ set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.venv
 if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.edgemtp-installed" ] || [ pyproject.toml -nt "$VENV/.edgemtp-installed" ]; then
+  echo "run.sh: setting up $VENV (first run: PyTorch CPU, then edgemtp and its extras; 1-3 minutes)" >&2
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
+  echo "run.sh: [1/2] torch==2.13.0 (CPU build)" >&2
   "$VENV/bin/pip" install -q "torch==2.13.0"
+  echo "run.sh: [2/2] edgemtp[export,bench,dev]" >&2
   "$VENV/bin/pip" install -q -e ".[export,bench,dev]"
   touch "$VENV/.edgemtp-installed"
+  echo "run.sh: done; 'source $VENV/bin/activate' puts the edgemtp command on your PATH" >&2
 fi
 case "${1:-demo}" in
   test)  shift; exec "$VENV/bin/python" -m pytest -q "$@" ;;

@@ -175,22 +175,23 @@ def latency_curve(package: Path, sizes, cache_len: int, repeats: int, threads: i
                   seed: int = 0) -> dict:
     from edgemtp.runtimes.onnxrt_backend import OrtBackend
 
-    b = OrtBackend(package, threads=threads)
-    if cache_len + max(sizes) > b.max_context:
+    backend = OrtBackend(package, threads=threads)
+    b = backend.session()
+    if cache_len + max(sizes) > backend.max_context:
         raise SystemExit(f"--cache-len {cache_len} + T {max(sizes)} exceeds the package's "
-                         f"max context {b.max_context}")
+                         f"max context {backend.max_context}")
     rng = np.random.default_rng(seed)
-    prompt = rng.integers(3, b.vocab_size, cache_len)
+    prompt = rng.integers(3, backend.vocab_size, cache_len)
     b.forward(prompt, np.arange(cache_len), np.tril(np.ones((cache_len, cache_len), bool)), None)
     b.commit(np.arange(cache_len))                       # P rows in the cache, kept fixed
-    embeds = b.embed(prompt).mean(0, keepdims=True)
+    embeds = backend.embed(prompt).mean(0, keepdims=True)
     blocks = {}
     for t in sizes:
         plan = plan_for(t)
-        ids = np.concatenate([rng.integers(3, b.vocab_size, plan.n_nodes),
-                              np.full(plan.n_nodes * plan.k, b.vocab_size)])
+        ids = np.concatenate([rng.integers(3, backend.vocab_size, plan.n_nodes),
+                              np.full(plan.n_nodes * plan.k, backend.vocab_size)])
         blocks[t] = (ids, plan.positions + cache_len, plan.tree_mask,
-                     embeds if plan.k else None, min(plan.n_nodes, b.topk) if plan.k else 0)
+                     embeds if plan.k else None, min(plan.n_nodes, backend.topk) if plan.k else 0)
     run = {t: [] for t in sizes}
     wall = {t: [] for t in sizes}
     for t in sizes:  # warm-up

@@ -9,44 +9,94 @@
 from __future__ import annotations
 
 import os
+import re
+import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .backend import Backend, backend_class
+from .backend import Backend, Session, backend_class
 from .config import GenerationConfig
 from .engine import Generation, GenerationResult
 from .errors import ConfigError, ModelLoadError
 from .tokenizer import TextStream, Tokenizer
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # name or org/name
+
+
 def check_model_path(path: str) -> None:
-    """Fail fast, before any heavy import, on a local path that is not there."""
-    p = Path(path)
-    looks_local = p.exists() or os.sep in path or path.startswith(".")
-    if looks_local and not p.is_dir():
+    """Fail fast, before any heavy import, on a model that cannot be there: a local path
+    that does not exist, or a hub id (``name`` or ``org/name``) with no local folder of
+    that name while the hub cannot be reached or has no such model (one request, not the
+    retries a hub download makes)."""
+    p = Path(path).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ModelLoadError(f"model path {path!r} is a file; expected a model folder "
+                                 f"(Hugging Face or an edgemtp package)")
+        return
+    if not HUB_ID.match(path) or path.startswith("."):
         raise ModelLoadError(f"model folder {path!r} does not exist")
+    _check_hub(path)
+
+
+def _check_hub(repo: str) -> None:
+    try:
+        from huggingface_hub import model_info
+        from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+    except ModuleNotFoundError:
+        raise ModelLoadError(f"model folder {repo!r} does not exist (and without the "
+                             f"huggingface_hub package it cannot be fetched as a hub id)") from None
+    try:
+        model_info(repo, timeout=10)
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"{repo!r} is neither a local folder nor a model on the Hugging "
+                             f"Face hub") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise ModelLoadError(f"{repo!r} is not a local folder, and the Hugging Face hub "
+                             f"cannot be reached to fetch it ({type(e).__name__}); give a "
+                             f"local model folder") from None
 
 
 class Model:
-    """A loaded model (a backend with its KV cache) and its tokenizer."""
+    """A loaded model (a backend: the weights, once) and its tokenizer.
+
+    Every generation runs on its own session (KV cache). Finished generations hand their
+    session back to a pool, so generating one after another allocates one cache; generations
+    in progress at the same time (interleaved, or on threads) each get one of their own and
+    produce exactly the tokens they would alone.
+    """
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None = None) -> None:
         self.backend, self.tokenizer = backend, tokenizer
         self.memory: dict = {}  # drafter state learned across generations (calibration)
+        self._idle: list[Session] = []
+        self._lock = threading.Lock()
+
+    def _take_session(self) -> Session:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self.backend.session()
+
+    def _give_back(self, session: Session) -> None:
+        with self._lock:
+            self._idle.append(session)
 
     @classmethod
-    def load(cls, path: str, backend: str = "auto", device: str = "cpu", dtype: str = "fp32",
+    def load(cls, path: str, backend: str = "auto", device: str = "cpu", dtype: str | None = None,
              max_context: int | None = None, trust_remote_code: bool = False,
              threads: int | None = None) -> "Model":
         """``backend="auto"``: onnxruntime for a package written by ``edgemtp export`` (a
         folder with ``edgemtp.json``), torch for a Hugging Face folder. A package carries its
-        own tokenizer files (a package exported without one loads with no tokenizer)."""
+        own tokenizer files (a package exported without one loads with no tokenizer).
+        ``dtype=None``: the model's own (fp32 for a Hugging Face folder)."""
         check_model_path(path)
         if backend == "auto":
             backend = "onnxruntime" if (Path(path) / "edgemtp.json").is_file() else "torch"
         impl = backend_class(backend)(path, device=device, dtype=dtype, max_context=max_context,
                                       trust_remote_code=trust_remote_code, threads=threads)
-        if not getattr(impl, "has_tokenizer", True):
+        if not impl.has_tokenizer:
             return cls(impl, None)
         return cls(impl, Tokenizer(path, trust_remote_code=trust_remote_code))
 
@@ -54,6 +104,11 @@ class Model:
         if isinstance(prompt, str):
             if not prompt:
                 raise ConfigError("the prompt is empty; give some text")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # lone surrogates: bytes that were not UTF-8
+                raise ConfigError(f"the prompt is not valid UTF-8 text (an undecodable byte "
+                                  f"at character {e.start}); give UTF-8 text") from None
             if self.tokenizer is None:
                 raise ConfigError("this model has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt)
@@ -65,7 +120,13 @@ class Model:
         config = (config or GenerationConfig()).with_(**options) if options else (
             config or GenerationConfig())
         decode = self.tokenizer.decode if self.tokenizer else None
-        return Generation(self.backend, config, self.encode(prompt), decode, self.memory)
+        ids, session = self.encode(prompt), self._take_session()
+        try:
+            return Generation(self.backend, config, ids, decode, self.memory, session=session,
+                              on_done=self._give_back)
+        except BaseException:
+            self._give_back(session)
+            raise
 
     def generate(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
                  **options) -> GenerationResult:

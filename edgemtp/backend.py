@@ -1,7 +1,8 @@
 """The small interface every backend implements, and the registry that finds them.
 
-The decode loop, drafters and verifier never know which backend runs. A backend owns its
-KV cache, preallocated to ``max_context`` rows, and keeps it on its device.
+The decode loop, drafters and verifier never know which backend runs. A backend holds the
+weights once; each generation runs on a :class:`Session` that owns a KV cache preallocated to
+``max_context`` rows on the backend's device.
 """
 
 from __future__ import annotations
@@ -17,32 +18,39 @@ from .errors import BackendUnavailableError, ConfigError
 
 @dataclass
 class StepOut:
-    """What one forward pass returns to the host, O(T * K) unless full logits are asked.
+    """What one forward pass returns to the host, O(T * K) unless more is asked.
 
     argmax: [T] int64, the model's greedy next token at every block row.
     topk_ids / topk_logprobs: [T, K] for drafting (K = 0 gives empty arrays).
     logits: [T, V] float32, only when the step asked for them (sampling).
+    hidden: [T, d] float32, the last hidden state of every row (after the final norm, what the
+    LM head reads), only when the step asked for it (learned heads).
     """
 
     argmax: np.ndarray
     topk_ids: np.ndarray
     topk_logprobs: np.ndarray
     logits: np.ndarray | None = None
+    hidden: np.ndarray | None = None
 
 
-class Backend(Protocol):
-    name: str
-    vocab_size: int
-    hidden_size: int
-    max_context: int
-    eos_token_ids: tuple[int, ...]
-    cache_len: int  # committed rows in the KV cache (P)
+class Session(Protocol):
+    """One generation's state on a backend: its KV cache, preallocated to the backend's
+    ``max_context`` rows on the backend's device, and the last block's new K/V. Sessions of
+    one backend share its weights and never each other's cache, so generations in progress
+    at the same time cannot change each other's tokens."""
+
+    cache_len: int  # committed rows in this session's KV cache (P)
+    last_run_s: float | None  # seconds the last forward spent in the runtime's own run
+                              # call (None: the backend does not tell it apart)
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
-                mask_embeds: np.ndarray | None, topk: int = 0,
-                full_logits: bool = False) -> StepOut:
-        """Run one block. ``input_ids >= vocab_size`` select rows of ``mask_embeds``;
-        ``tree_mask`` [T, T] covers the block only (the cache is visible to every row)."""
+                mask_embeds: np.ndarray | None, topk: int = 0, full_logits: bool = False,
+                hidden: bool = False) -> StepOut:
+        """Run one block after the cached rows. ``input_ids >= vocab_size`` select rows of
+        ``mask_embeds``; ``tree_mask`` [T, T] covers the block only (the cache is visible to
+        every row). ``hidden`` asks for the rows' last hidden states; a backend that cannot
+        give them raises :class:`~edgemtp.errors.ConfigError` (see ``supports_hidden``)."""
         ...
 
     def commit(self, rows: np.ndarray) -> None:
@@ -50,7 +58,30 @@ class Backend(Protocol):
         ...
 
     def reset(self) -> None:
-        """Empty the cache (the buffer stays allocated)."""
+        """Empty the cache (the buffer stays allocated, ready for the next generation)."""
+        ...
+
+
+class Backend(Protocol):
+    """A loaded model: its weights, once, on one device. Generations run on sessions
+    (:meth:`session`), each with its own KV cache.
+
+    Backends are constructed as ``Backend(path, *, device="cpu", dtype=None,
+    max_context=None, threads=None, trust_remote_code=False)``; ``dtype=None`` is the model's
+    own (a package's export dtype), and every option is checked by :func:`check_options`.
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    has_tokenizer: bool    # the path holds tokenizer files (a package may ship none)
+    source: str | None     # the Hugging Face folder the weights came from, if still there
+    supports_hidden: bool  # sessions can return last hidden states (StepOut.hidden)
+
+    def session(self) -> Session:
+        """A new session with an empty, preallocated KV cache."""
         ...
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
@@ -60,6 +91,30 @@ class Backend(Protocol):
     def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
         """Per-dimension mean and std [d] of the embedding table."""
         ...
+
+
+DTYPES = ("fp32", "fp16", "bf16")
+
+
+def check_options(device, dtype, max_context, threads) -> None:
+    """The load options every backend takes, checked before anything is loaded.
+
+    >>> check_options("cpu", None, None, 2)
+    >>> check_options("cpu", None, None, -1)
+    Traceback (most recent call last):
+    ...
+    edgemtp.errors.ConfigError: threads must be an integer >= 1, got -1
+    """
+    if not isinstance(device, str) or not device:
+        raise ConfigError(f"device must be a name like cpu or cuda, got {device!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if max_context is not None and (isinstance(max_context, bool)
+                                    or not isinstance(max_context, int) or max_context < 2):
+        raise ConfigError(f"max context must be an integer >= 2 tokens, got {max_context!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
 
 
 # name -> "module:Class"; imported only when asked, so the core never pulls torch in.

@@ -14,6 +14,7 @@ from .errors import BudgetError, ConfigError
 
 MAX_BC = 1024            # no plan, window or chain is ever wider than this
 MAX_PLAN_TABLE = 4096    # dynamic plans one budget may precompile (k >= 2 grows combinatorially)
+MAX_TABLE_BYTES = 256 << 20  # and the bytes of their [T, T] masks together
 MAX_DEPTH = 10           # lookup trees and chains are at most 10 deep (paper App. F)
 # the paper's lookahead configurations (App. F): BC -> (L, W, G)
 LADE_CONFIGS = {10: (3, 4, 1), 30: (4, 5, 5), 60: (5, 8, 7)}
@@ -36,13 +37,6 @@ def check_bc(bc, what: str = "block complexity (bc)") -> int:
                           f"positions (a decode step that wide is slower than plain decoding "
                           f"on every device edgemtp targets)")
     return bc
-
-
-def check_context(bc: int, max_context: int) -> None:
-    """A block must fit the model's KV cache next to at least one committed token."""
-    if bc >= max_context:
-        raise BudgetError(f"block complexity {bc} does not fit the model's context of "
-                          f"{max_context} tokens; use a budget below {max_context}")
 
 
 # -- mask-token probing -------------------------------------------------------------------------
@@ -93,10 +87,13 @@ def dynamic_table_size(bc: int, k: int) -> int:
     """
     m = nodes_for_budget(bc, k) - 1
     size = sum(comb(m - 1, d - 1) for d in range(1, k + 1))
-    if size > MAX_PLAN_TABLE:
+    t = (m + 1) * (k + 1)
+    if size > MAX_PLAN_TABLE or size * t * t > MAX_TABLE_BYTES:
         raise BudgetError(f"a dynamic tree with k={k} mask tokens at block complexity {bc} has "
-                          f"{size} shapes to precompile, above the limit of {MAX_PLAN_TABLE}; "
-                          f"use fewer mask tokens, a smaller budget or --tree static")
+                          f"{size} shapes of {t} positions to precompile "
+                          f"({size * t * t / 2**20:.0f} MiB of masks), above the limit of "
+                          f"{MAX_PLAN_TABLE} shapes and {MAX_TABLE_BYTES >> 20} MiB; use fewer "
+                          f"mask tokens, a smaller budget or --tree static")
     return size
 
 

@@ -16,11 +16,13 @@ from .config import MASK_INITS, TREES, GenerationConfig
 from .errors import EdgeMTPError
 
 EXIT_USAGE = 2
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "stories260K"
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error in one line instead of usage + message."""
+    """argparse that reports a usage error in one line instead of usage + message, and keeps
+    its subcommands' parsers by name."""
+
+    commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
@@ -46,7 +48,9 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True,
                         "package, torch for a Hugging Face folder)")
     p.add_argument("--device", default="cpu",
                    help="cpu or cuda; onnxruntime also tensorrt (default: cpu)")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
+    p.add_argument("--dtype", default=None, choices=("fp32", "fp16", "bf16"),
+                   help="weights dtype (default: the model's own; a package's is fixed at "
+                        "export)")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads")
@@ -148,9 +152,14 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from edgemtp.runtimes.package import describe, load_package
+    # load what generate loads (graph session, embeddings, tokenizer), so a package that
+    # generate would refuse is refused here, with the same message
+    from edgemtp.runtimes.package import describe
 
-    print(describe(load_package(a.package)))
+    from .api import Model
+
+    model = Model.load(a.package, backend="onnxruntime", threads=1)
+    print(describe(model.backend.package))
     return 0
 
 
@@ -208,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="edgemtp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    g = sub.add_parser("generate", help="generate text from a model with mask-token probing")
+    parser.commands = {}
+    g = parser.commands["generate"] = sub.add_parser(
+        "generate", help="generate text from a model with mask-token probing")
     _add_model_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--stream", action="store_true",
@@ -288,9 +299,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         from .profile import read_profile
 
         rec = read_profile(args.profile)[0]
-        gen = parser._subparsers._group_actions[0].choices["generate"]
-        gen.set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
-                         mask_tokens=int(rec["mask_tokens"]))
+        parser.commands["generate"].set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
+                                                 mask_tokens=int(rec["mask_tokens"]))
         args = parser.parse_args(argv)
     return args
 

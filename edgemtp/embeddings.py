@@ -64,6 +64,7 @@ class MaskEmbeddings:
                                   f"size {d} (or k*d = {self.k * d})")
             v = np.broadcast_to(vec.reshape(-1, d), (self.k, d))
         self._value = np.array(v, dtype=np.float32, copy=True)  # ours to update in place
+        self._scratch = np.empty_like(self._value)
         self._pending = []
 
     def update(self, token_ids) -> None:
@@ -75,11 +76,14 @@ class MaskEmbeddings:
     def _fold(self) -> None:
         e = self.embed(np.asarray(self._pending, dtype=np.int64))
         n, lam = len(e), self.ema
-        if n <= 4:  # the usual step: a few tokens, cheaper one by one
+        if n <= 4:  # the usual step: a few tokens, cheaper one by one, in place
+            v, step = self._value, self._scratch
             for row in e:
-                self._value += lam * (row.astype(np.float32) - self._value)
+                np.subtract(row, v, out=step)
+                step *= lam
+                v += step
         else:  # after plain steps: m_n = (1-l)^n m + sum_i l (1-l)^(n-i) e_i in one go
             w = lam * (1.0 - lam) ** np.arange(n - 1, -1, -1)
             folded = (1.0 - lam) ** n * self._value + (w @ e.astype(np.float64))[None, :]
-            self._value = folded.astype(np.float32)
+            self._value[...] = folded
         self._pending = []

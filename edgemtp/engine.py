@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from .backend import Backend
+from .backend import Backend, Session
 from .config import GenerationConfig
 from .drafters import Drafter, get as drafter_spec, make_drafter
 from .errors import ConfigError
@@ -27,13 +27,15 @@ BLOCK_CACHE = 256  # per-plan step buffers a generation keeps (oldest out first)
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # generated ids only, the stopping token included
-    stop_reason: str      # eos | stop_string | max_new_tokens | max_context
+    stop_reason: str      # eos | stop_string | max_new_tokens | max_context | closed
     stats: Stats
     text: str = ""
 
 
 class Stopper:
-    """Decides after every single token, so a stop can land mid-way through an accepted path."""
+    """Decides after every single token, so a stop can land mid-way through an accepted path.
+    Stop strings are checked with one decode per step; only a step whose text holds one is
+    walked token by token to find where it ends."""
 
     def __init__(self, config: GenerationConfig, eos_ids: tuple[int, ...], room: int,
                  decode: Decode | None) -> None:
@@ -48,26 +50,47 @@ class Stopper:
         self.tokens: list[int] = []
         self.reason: str | None = None
 
-    def push(self, token: int) -> bool:
-        """Append one token; True when generation ends with it."""
-        self.tokens.append(token)
-        if token in self.eos:
-            self.reason = "eos"
-        elif self.stop and any(s in self.decode(self.tokens[-self.window:]) for s in self.stop):
-            self.reason = "stop_string"
-        elif len(self.tokens) >= self.max_new:
-            self.reason = "max_new_tokens"
-        elif len(self.tokens) >= self.room:
-            self.reason = "max_context"
-        return self.reason is not None
+    def push(self, tokens: list[int]) -> int:
+        """Append the tokens one forward committed, up to the one generation ends with (if
+        any); returns how many were kept. Per token, EOS wins over a stop string, which wins
+        over ``max_new_tokens`` and then a full cache."""
+        start, end, reason = len(self.tokens), len(tokens), None
+        for i, tok in enumerate(tokens):
+            n = start + i + 1
+            reason = ("eos" if tok in self.eos else "max_new_tokens" if n >= self.max_new
+                      else "max_context" if n >= self.room else None)
+            if reason:
+                end = i + 1
+                break
+        self.tokens.extend(tokens[:end])
+        if self.stop and self._holds_stop(start + 1 - self.window, start + end):
+            for i in range(end - (reason == "eos")):  # the first token whose text ends one
+                if self._holds_stop(start + i + 1 - self.window, start + i + 1):
+                    end, reason = i + 1, "stop_string"
+                    del self.tokens[start + end:]
+                    break
+        self.reason = reason
+        return end
+
+    def _holds_stop(self, first: int, stop: int) -> bool:
+        text = self.decode(self.tokens[max(first, 0):stop])
+        return any(s in text for s in self.stop)
 
 
 class Generation:
     """One generation in progress. Iterate to run it; each item is the list of tokens one
-    forward pass committed (the first comes from prefill)."""
+    forward pass committed (the first comes from prefill).
+
+    It runs on its own :class:`~edgemtp.backend.Session` (a fresh one from the backend unless
+    one is given), so generations in progress at the same time never share a KV cache.
+    ``on_done(session)`` is called once, when the generation ends or is closed, so a caller
+    can hand the session to the next generation.
+    """
 
     def __init__(self, backend: Backend, config: GenerationConfig, prompt_ids,
-                 decode: Decode | None = None, memory: dict | None = None) -> None:
+                 decode: Decode | None = None, memory: dict | None = None,
+                 session: Session | None = None,
+                 on_done: Callable[[Session], None] | None = None) -> None:
         self.backend, self.config = backend, config
         self.prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if self.prompt.size == 0:
@@ -78,16 +101,17 @@ class Generation:
         if self.prompt.size >= backend.max_context:
             raise ConfigError(f"the prompt has {self.prompt.size} tokens; the max context is "
                               f"{backend.max_context}, which leaves no room to generate")
+        width = drafter_spec(config.drafter).budget(config)
         self.drafter: Drafter = make_drafter(backend, config, memory)
         self.verifier = Verifier(config)
         self.stopper = Stopper(config, backend.eos_token_ids,
                                backend.max_context - self.prompt.size, decode)
-        k = self.drafter.mask_tokens
-        self.stats = Stats(bc=drafter_spec(config.drafter).budget(config), mask_tokens=k,
+        self.stats = Stats(bc=width, mask_tokens=self.drafter.mask_tokens,
                            prompt_tokens=self.prompt.size)
         self._blocks: dict[int, tuple] = {}  # id(plan) -> plan, N, ids, positions, mask rows
-        self._reports_run = hasattr(backend, "last_run_s")
         self._root: int | None = None
+        self.session = session if session is not None else backend.session()
+        self._on_done = on_done
 
     # -- iteration --------------------------------------------------------------------------
 
@@ -96,8 +120,28 @@ class Generation:
 
     def __next__(self) -> list[int]:
         if self.stopper.reason is not None:
+            self.close()
             raise StopIteration
-        return self._prefill() if self._root is None else self._step()
+        try:
+            new = self._prefill() if self._root is None else self._step()
+        except BaseException:
+            self.close()  # the session's cache is mid-step: never hand it on as it is
+            raise
+        if self.done:
+            self.close()
+        return new
+
+    def close(self) -> None:
+        """Give the session back (once); a closed generation that has not finished stops
+        with reason ``closed``."""
+        session, self.session = self.session, None
+        if session is None:
+            return
+        if self.stopper.reason is None:
+            self.stopper.reason = "closed"
+        session.reset()
+        if self._on_done is not None:
+            self._on_done(session)
 
     def run(self) -> GenerationResult:
         for _ in self:
@@ -118,10 +162,10 @@ class Generation:
     def _prefill(self) -> list[int]:
         # block: [prompt, m_1..m_k], causal; mask j sits at position t - 1 + j
         t0 = perf_counter()
-        b, k, t = self.backend, self.drafter.mask_tokens, self.prompt.size
-        self.backend.reset()
+        b, k, t = self.session, self.drafter.mask_tokens, self.prompt.size
+        b.reset()
         self.drafter.start(self.prompt)
-        ids = np.concatenate([self.prompt, b.vocab_size + np.arange(k)])
+        ids = np.concatenate([self.prompt, self.backend.vocab_size + np.arange(k)])
         causal = np.tril(np.ones((t + k, t + k), dtype=bool))
         out = b.forward(ids, np.arange(t + k), causal, self.drafter.mask_embeds(),
                         topk=self.drafter.topk, full_logits=self.verifier.sample)
@@ -136,7 +180,7 @@ class Generation:
         return new
 
     def _step(self) -> list[int]:
-        st, b = self.stats, self.backend
+        st, b = self.stats, self.session
         t0 = perf_counter()
         plan, tokens = self.drafter.propose(self._root)                              # propose
         ids, positions, mask_rows = self._block(plan, tokens, b.cache_len)
@@ -158,8 +202,8 @@ class Generation:
         st.forward_calls += 1
         st.accept_lengths.append(len(accepted))
         st.time_draft += (t1 - t0) + (perf_counter() - t4)
-        if self._reports_run:  # the runtime's run alone; the backend's binding is overhead
-            run = b.last_run_s
+        run = b.last_run_s
+        if run is not None:  # the runtime's run alone; the backend's binding is overhead
             st.time_forward += run
             st.time_bind += t2 - t1 - run
         else:
@@ -169,11 +213,7 @@ class Generation:
         return new
 
     def _emit(self, tokens: list[int]) -> list[int]:
-        new = []
-        for tok in tokens:
-            new.append(tok)
-            if self.stopper.push(tok):
-                break
+        new = tokens[:self.stopper.push(tokens)]
         self.stats.new_tokens += len(new)
         return new
 

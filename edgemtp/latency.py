@@ -54,12 +54,12 @@ class LatencyCurve:
 def measure_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7,
                     topk: int = 0) -> LatencyCurve:
     """Median forward latency per block size over a causal block after ``context`` cached
-    tokens (clipped to the cache). Leaves the cache empty."""
-    backend.reset()
+    tokens (clipped to the cache), on a session of its own."""
+    session = backend.session()
     p = max(1, min(context, backend.max_context - max(sizes) - 1))
     ids = np.arange(p, dtype=np.int64) % backend.vocab_size
-    backend.forward(ids, np.arange(p), np.tril(np.ones((p, p), dtype=bool)), None)
-    backend.commit(np.arange(p))
+    session.forward(ids, np.arange(p), np.tril(np.ones((p, p), dtype=bool)), None)
+    session.commit(np.arange(p))
     masks = np.zeros((1, backend.hidden_size), dtype=np.float32)
     out = []
     for t in sizes:
@@ -67,10 +67,9 @@ def measure_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7
         runs = []
         for _ in range(repeats + 1):  # the first run warms up allocations
             t0 = time.perf_counter()
-            backend.forward(np.arange(t) % backend.vocab_size, p + np.arange(t), block, masks,
+            session.forward(np.arange(t) % backend.vocab_size, p + np.arange(t), block, masks,
                             topk=topk)
             runs.append(time.perf_counter() - t0)
         out.append(float(np.median(runs[1:])))
-    backend.reset()
     # a bigger block never costs less: smooth timing noise into a non-decreasing curve
     return LatencyCurve(tuple(sizes), tuple(np.maximum.accumulate(out).tolist()))

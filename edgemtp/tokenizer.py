@@ -1,43 +1,110 @@
-"""Tokenizer access: exactly ``AutoTokenizer.from_pretrained(PATH)(TEXT).input_ids``, plus an
-incremental detokenizer for streaming."""
+"""Tokenizer access, giving exactly ``AutoTokenizer.from_pretrained(PATH)(TEXT).input_ids``,
+plus an incremental detokenizer for streaming.
+
+A folder with a ``tokenizer.json`` (every package ``edgemtp export`` writes, and Hugging Face
+folders with a fast tokenizer) is read with the ``tokenizers`` library alone, so a device
+that runs packages never imports transformers or torch; other folders fall back to
+``transformers``.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from .errors import BackendUnavailableError, ModelLoadError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+# transformers' clean_up_tokenization, applied when a tokenizer's config asks for it
+_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+            (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 class Tokenizer:
     def __init__(self, path: str, trust_remote_code: bool = False) -> None:
-        try:
-            from transformers import AutoTokenizer
-        except ModuleNotFoundError:
-            raise BackendUnavailableError(
-                "tokenizing text needs the 'transformers' package (pip install "
-                "'edgemtp[tokenizer]'); or pass token ids instead of text") from None
-        try:
-            self.hf = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {first}") from None
+        root = Path(path)
+        if root.is_dir() and not any((root / f).is_file() for f in TOKENIZER_FILES):
+            raise ModelLoadError(f"{path!r} has no tokenizer files; expected tokenizer.json "
+                                 f"(or tokenizer.model with tokenizer_config.json)")
+        self._fast = None
+        if (root / "tokenizer.json").is_file():
+            self._fast = _load_fast(root)
+        if self._fast is None:
+            self._hf = _load_transformers(path, trust_remote_code)
+        else:
+            cfg = _read_json(root / "tokenizer_config.json")
+            self._cleanup = bool(cfg.get("clean_up_tokenization_spaces", False))
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf(text).input_ids)
+        if self._fast is None:
+            return list(self._hf(text).input_ids)
+        return self._fast.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+        if self._fast is None:
+            return self._hf.decode(ids, skip_special_tokens=True)
+        text = self._fast.decode(ids, skip_special_tokens=True)
+        if self._cleanup:
+            for a, b in _CLEANUP:
+                text = text.replace(a, b)
+        return text
+
+
+def _load_fast(root: Path):
+    try:
+        from tokenizers import Tokenizer as FastTokenizer
+    except ModuleNotFoundError:
+        return None
+    try:
+        return FastTokenizer.from_file(str(root / "tokenizer.json"))
+    except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot read {str(root / 'tokenizer.json')!r}: {first}") from None
+
+
+def _load_transformers(path: str, trust_remote_code: bool):
+    try:
+        from transformers import AutoTokenizer
+    except ModuleNotFoundError:
+        raise BackendUnavailableError(
+            "tokenizing text needs the 'tokenizers' package for a tokenizer.json, or "
+            "'transformers' (pip install 'edgemtp[tokenizer]'); or pass token ids instead of "
+            "text") from None
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {first}") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {str(path)!r}: {e}") from None
+    return data if isinstance(data, dict) else {}
 
 
 class TextStream:
-    """Turns committed token ids into printable text deltas, holding back an incomplete
-    multi-byte character until its last byte arrives."""
+    """Turns committed token ids into printable text deltas, decoding only a short window
+    each push (not the whole output), and holding back an incomplete multi-byte character
+    until its last byte arrives.
+
+    The window starts at the ids the last delta came from (``prefix``), so a tokenizer that
+    drops a leading space at the start of a decode still shows it: the delta is the window's
+    text minus the text of its already-shown part (the incremental detokenizer of vLLM and
+    text-generation-inference).
+    """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tok, self.ids, self.shown = tokenizer, [], 0
+        self.tok, self.ids = tokenizer, []
+        self.prefix = self.read = 0  # ids[prefix:read] decoded last time; ids[read:] are new
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
+        shown = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if len(text) <= len(shown) or text.endswith("\ufffd"):
             return ""
-        delta, self.shown = text[self.shown:], len(text)
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(shown):]

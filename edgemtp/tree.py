@@ -64,13 +64,13 @@ def dynamic_tree(plans: DynamicPlans, root: int, cand_ids: np.ndarray, cand_lp: 
 
 
 def ranked_tree(plans: DynamicPlans, root: int, cand_ids: np.ndarray, cand_lp: np.ndarray,
-                prune_parent: bool = True, bias: np.ndarray | None = None
+                prune_parent: bool = True, bias=None
                 ) -> tuple[Plan, np.ndarray, list[list[int]], list[list[float]]]:
     """:func:`dynamic_tree`, plus each depth's pruned ranking (ids, log-probs, as lists)
     under the top-1 of the depth above, as :meth:`RankCalibration.record` takes them."""
     m, k = plans.n_nodes - 1, plans.k
     id_rows, lp_rows = cand_ids.tolist(), cand_lp.tolist()
-    bias_rows = None if bias is None else bias.tolist()
+    bias_rows = bias if bias is None or isinstance(bias, list) else bias.tolist()
     parent, base, cap = root, 0.0, inf
     pools_ids, pools_lp, scores, monotone = [], [], [], True
     for j in range(k):
@@ -141,6 +141,7 @@ class RankCalibration:
     def __init__(self, k: int, width: int) -> None:
         self.hits = np.zeros((k, width))
         self.mass = np.zeros((k, width))
+        self._rows = [[0.0] * width for _ in range(k)]  # the bias, as the tree reads it
 
     def record(self, pools_ids: list[np.ndarray], pools_lp: list[np.ndarray],
                truth: list[int]) -> None:
@@ -154,10 +155,14 @@ class RankCalibration:
                 ranked = ranked.tolist()
             if true in ranked:
                 self.hits[j, ranked.index(true)] += 1.0
+            # only the rows a step touched change: the rest of the bias stays as it was
+            self._rows[j] = np.log((self.hits[j] + 1.0) / (self.mass[j] + 1.0)).tolist()
             if ranked[0] != true:  # deeper candidates hang under this top-1: not tried
                 return
 
-    def bias(self) -> np.ndarray:
-        return np.log((self.hits + 1.0) / (self.mass + 1.0))
+    def bias(self) -> list[list[float]]:
+        """``log((hits + 1) / (mass + 1))`` per depth and rank, kept up to date by
+        :meth:`record` (rows of plain floats: the tree reads them as lists)."""
+        return self._rows
 
 

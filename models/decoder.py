@@ -39,6 +39,13 @@ class TreeDecoder(nn.Module):
         return torch.where(is_mask.unsqueeze(-1), mask_embeds.to(tok.dtype)[slot], tok)
 
     def forward(self, input_ids, position_ids, tree_mask, mask_embeds, past_keys, past_values):
+        hidden, new_keys, new_values = self.body(input_ids, position_ids, tree_mask, mask_embeds,
+                                                 past_keys, past_values)
+        return self.lm_head(hidden), new_keys, new_values
+
+    def body(self, input_ids, position_ids, tree_mask, mask_embeds, past_keys, past_values):
+        """The decoder without its LM head: the last hidden states ``[1, T, d]`` (after the
+        final norm, what the LM head reads) and the block's new K/V per layer."""
         x = self.embed(input_ids, mask_embeds)
         cos, sin = self.model.rotary_emb(x, position_ids)
         past_len = past_keys[0].shape[1]
@@ -52,8 +59,7 @@ class TreeDecoder(nn.Module):
             new_values.append(v)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = self.lm_head(self.model.norm(x))
-        return logits, new_keys, new_values
+        return self.model.norm(x), new_keys, new_values
 
     def _attention(self, layer, x, cos, sin, mask, past_k, past_v):
         # x: [1, T, d]; past_k/v: [1, P, H_kv, D] -> attention over [P + T] keys

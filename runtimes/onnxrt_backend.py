@@ -1,12 +1,16 @@
 """ONNX Runtime backend: runs a package written by ``edgemtp export`` on CPU, CUDA or the
 TensorRT execution provider, behind the same interface as the PyTorch reference backend.
 
-Every tensor crosses the session boundary through one IOBinding:
+The :class:`OrtBackend` holds the package's ``InferenceSession`` (the weights) once; each
+:class:`OrtSession` (one generation) owns a KV cache and its own IOBinding, through which
+every tensor crosses the session boundary:
 
 - the KV cache is preallocated from the manifest, ``[L, max_context, H_kv, D]`` for K and V
-  (sequence-major), and each layer's past is bound as the zero-copy prefix ``cache[i, :P]``;
+  (sequence-major), and each layer's past is bound, without a host-side copy, as the prefix
+  ``cache[i, :P]`` (the graph's attention then concatenates past and new K/V itself);
 - the block's new K/V land in a preallocated buffer; a commit copies only accepted rows;
-- the host reads back ``argmax`` and ``top-K`` (O(T * K)); ``logits`` only when sampling.
+- the host reads back ``argmax`` and ``top-K`` (O(T * K)); ``logits`` only when sampling,
+  the last hidden states only when asked and the package exports them.
 
 On CPU the cache is a numpy array. On CUDA / TensorRT it is an ``OrtValue`` on the device and
 a commit runs the package's tiny ``kv_commit.onnx`` gather with its outputs bound straight
@@ -20,7 +24,7 @@ from time import perf_counter
 
 import numpy as np
 
-from edgemtp.backend import StepOut
+from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
 from edgemtp.runtimes.package import COMMIT, FIXED_INPUTS, kv_names, load_package
 
@@ -61,27 +65,13 @@ def _bind(io, name: str, arr: np.ndarray, output: bool = False) -> None:
 
 class Binder:
     """Binds buffers by pointer to one IOBinding: ``input(name, dtype, shape, ptr)`` and
-    ``output(...)``. Goes straight to onnxruntime's C++ binding with a device object built
-    once where that is reachable: the public ``IOBinding.bind_*`` wrappers build a fresh
-    ``OrtDevice`` and re-check pinning on every call (about 2 us against 0.7 us a bind on
-    onnxruntime 1.31), and every decode step rebinds the 2 x layers past K/V."""
+    ``output(...)``, on one device (onnxruntime's public ``IOBinding.bind_input/output``)."""
 
-    def __init__(self, ort, io, device: str) -> None:
-        self.io = io
-        raw = getattr(io, "_iobinding", None)
-        try:
-            c_dev = ort.OrtDevice.make(device, 0)._get_c_device()
-        except AttributeError:  # an onnxruntime without these internals: the public path
-            raw = None
-        if raw is not None:
-            raw_in, raw_out = raw.bind_input, raw.bind_output
-            self.input = lambda name, dtype, shape, ptr: raw_in(name, c_dev, dtype, shape, ptr)
-            self.output = lambda name, dtype, shape, ptr: raw_out(name, c_dev, dtype, shape, ptr)
-        else:
-            self.input = lambda name, dtype, shape, ptr: io.bind_input(name, device, 0, dtype,
-                                                                       shape, ptr)
-            self.output = lambda name, dtype, shape, ptr: io.bind_output(name, device, 0, dtype,
-                                                                         shape, ptr)
+    def __init__(self, io, device: str) -> None:
+        self.input = lambda name, dtype, shape, ptr: io.bind_input(name, device, 0, dtype,
+                                                                   shape, ptr)
+        self.output = lambda name, dtype, shape, ptr: io.bind_output(name, device, 0, dtype,
+                                                                     shape, ptr)
 
 
 class KVCache:
@@ -159,7 +149,7 @@ class DeviceKV(KVCache):
     def __init__(self, ort, commit_session, device: str, *dims) -> None:
         self.ort, self.session, self.device = ort, commit_session, device
         self.io = commit_session.io_binding()
-        self.bind = Binder(ort, self.io, device)
+        self.bind = Binder(self.io, device)
         super().__init__(*dims)
 
     def _alloc(self, rows: int):
@@ -188,55 +178,56 @@ class DeviceKV(KVCache):
 
 
 class OrtBackend:
-    """A package on ONNX Runtime. ``dtype`` and ``trust_remote_code`` are accepted for
-    interface parity and ignored: a package's dtype is fixed at export and it runs no model
-    code. ``device_cache`` forces the device-resident cache path (default: off on CPU)."""
+    """A package on ONNX Runtime: the graph's ``InferenceSession`` (the weights) once, shared
+    by every :meth:`session`. ``dtype`` must be the package's own (or None): a package's
+    dtype is fixed at export. ``trust_remote_code`` is accepted for interface parity: a
+    package runs no model code. ``device_cache`` forces the device-resident cache path
+    (default: off on CPU)."""
 
     name = "onnxruntime"
 
     def __init__(self, package_dir, device: str = "cpu", threads: int | None = None,
                  max_context: int | None = None, dtype: str | None = None,
                  trust_remote_code: bool = False, device_cache: bool | None = None) -> None:
-        ort = _ort()
+        check_options(device, dtype, max_context, threads)
+        ort = self.ort = _ort()
         self.package = pkg = load_package(package_dir)
         m = pkg.manifest
+        if dtype is not None and dtype != m["dtype"]:
+            raise ConfigError(f"the package {str(pkg.root)!r} holds {m['dtype']} weights; "
+                              f"--dtype {dtype} would need a re-export (edgemtp export "
+                              f"--dtype {dtype})")
         self.vocab_size, self.hidden_size = m["vocab_size"], m["hidden_size"]
         self.eos_token_ids = tuple(int(e) for e in m["eos_token_ids"])
         self.topk = m["topk"]
         self.has_tokenizer = bool(m.get("tokenizer", True))
+        source = m.get("source")
+        self.source = source if source and (Path(source) / "config.json").is_file() else None
         self.max_context = self._context(m["max_context"], max_context)
-        self.session = self._session(ort, device, threads)
+        self.device = device
+        self.graph = self._session(ort, device, threads)
         self._check_graph()
-        layers, dims = m["num_layers"], (m["num_kv_heads"], m["head_dim"])
+        self.supports_hidden = "hidden_states" in m["graph"]["outputs"]
+        self.commit_graph = None
         if device_cache if device_cache is not None else device != "cpu":
-            commit = self._session(ort, device, threads, pkg.root / COMMIT, graph="commit")
-            self.kv = DeviceKV(ort, commit, DEVICES[device][1], layers, self.max_context, *dims,
-                               pkg.np_dtype)
-        else:
-            self.kv = HostKV(layers, self.max_context, *dims, pkg.np_dtype)
+            self.commit_graph = self._session(ort, device, threads, pkg.root / COMMIT,
+                                              graph="commit")
         # a plain ndarray over the memory map: indexing a np.memmap costs a subclass wrap
         self._table = np.asarray(np.load(pkg.root / m["embeddings"]["file"], mmap_mode="r"))
         self._stats = (np.asarray(m["embeddings"]["mu"], dtype=np.float32),
                        np.asarray(m["embeddings"]["sigma"], dtype=np.float32))
-        self._no_masks = np.zeros((1, self.hidden_size), dtype=np.float32)
-        self._io = self.session.io_binding()
-        self._host = Binder(ort, self._io, "cpu")           # fixed inputs, outputs
-        self._kv_bind = Binder(ort, self._io, self.kv.device)
-        # the fixed inputs are copied into buffers of ours, bound while their shapes hold
-        # (see _feed); device providers copy a host input when it is bound, so there they
-        # are bound every step
-        self._rebind_inputs = device != "cpu"
-        self._ids = self._pos = np.zeros(0, dtype=np.int64)
-        self._mask, self._mask_t, self._big_mask = np.zeros(0, dtype=np.bool_), None, None
-        self._embeds_t = np.zeros((0, 0), dtype=np.float32)
-        self._fed_t = -1  # the block size the inputs are bound for
-        self._views, self._views_for = None, None
-        self.last_run_s = 0.0  # seconds the last forward spent in InferenceSession's run
-        self._argmax = np.zeros((1, 0), dtype=np.int64)
-        self._top_ids = np.zeros((1, 0, self.topk), dtype=np.int64)
-        self._top_lp = np.zeros((1, 0, self.topk), dtype=np.float32)
-        self._outputs_for: tuple[int, bool] | None = None  # (T, top-K) the outputs are bound for
-        self.cache_len = 0
+
+    def session(self) -> "OrtSession":
+        return OrtSession(self)
+
+    def embed(self, token_ids) -> np.ndarray:
+        ids = token_ids if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int64 \
+            else np.asarray(token_ids, dtype=np.int64)
+        rows = self._table[ids]  # fancy indexing: a fresh array, the caller's to keep
+        return rows if rows.dtype == np.float32 else rows.astype(np.float32)
+
+    def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._stats
 
     # -- loading ----------------------------------------------------------------------------
 
@@ -305,8 +296,8 @@ class OrtBackend:
         # the manifest describes the graph the package ships; disagreement means a mixed-up
         # package, which would otherwise fail later with a shape error mid-generation
         m = self.package.manifest
-        inputs = {i.name: i.shape for i in self.session.get_inputs()}
-        outputs = {o.name: o.shape for o in self.session.get_outputs()}
+        inputs = {i.name: i.shape for i in self.graph.get_inputs()}
+        outputs = {o.name: o.shape for o in self.graph.get_outputs()}
         want_in, want_out = m["graph"]["inputs"], m["graph"]["outputs"]
         if list(inputs) != want_in or list(outputs) != want_out:
             missing = [n for n in want_in + want_out if n not in inputs and n not in outputs]
@@ -315,38 +306,79 @@ class OrtBackend:
                                  f"missing {missing[:3]}, unexpected {extra[:3]}")
         expect = {"mask_embeds": [None, m["hidden_size"]],
                   "past_key_0": [1, None, m["num_kv_heads"], m["head_dim"]],
-                  "topk_ids": [1, None, m["topk"]]}
+                  "topk_ids": [1, None, m["topk"]], "logits": [1, None, m["vocab_size"]]}
         for name, dims in expect.items():
             got = inputs.get(name, outputs.get(name))
             if any(w is not None and g != w for g, w in zip(got, dims)):
                 raise ModelLoadError(f"model.onnx does not match the manifest: {name} has shape "
                                      f"{got}, the manifest implies {dims}")
 
-    # -- Backend interface ------------------------------------------------------------------
+
+class OrtSession:
+    """One generation on an :class:`OrtBackend`: its KV cache (host or device memory), its
+    own IOBinding and the input/output buffers bound to it."""
+
+    def __init__(self, backend: OrtBackend) -> None:
+        self.backend = b = backend
+        m, ort = b.package.manifest, b.ort
+        layers, dims = m["num_layers"], (m["num_kv_heads"], m["head_dim"])
+        if b.commit_graph is not None:
+            self.kv = DeviceKV(ort, b.commit_graph, DEVICES[b.device][1], layers, b.max_context,
+                               *dims, b.package.np_dtype)
+        else:
+            self.kv = HostKV(layers, b.max_context, *dims, b.package.np_dtype)
+        self._io = b.graph.io_binding()
+        self._host = Binder(self._io, "cpu")           # fixed inputs, outputs
+        self._kv_bind = Binder(self._io, self.kv.device)
+        self._no_masks = np.zeros((1, b.hidden_size), dtype=np.float32)
+        # the fixed inputs are copied into buffers of ours, bound while their shapes hold
+        # (see _feed); device providers copy a host input when it is bound, so there they
+        # are bound every step
+        self._rebind_inputs = b.device != "cpu"
+        self._ids = self._pos = np.zeros(0, dtype=np.int64)
+        self._mask, self._mask_t, self._big_mask = np.zeros(0, dtype=np.bool_), None, None
+        self._embeds_t = np.zeros((0, 0), dtype=np.float32)
+        self._fed_t = -1  # the block size the inputs are bound for
+        self._views, self._views_for = None, None
+        self.last_run_s = 0.0  # seconds the last forward spent in InferenceSession's run
+        self._argmax = np.zeros((1, 0), dtype=np.int64)
+        self._top_ids = np.zeros((1, 0, b.topk), dtype=np.int64)
+        self._top_lp = np.zeros((1, 0, b.topk), dtype=np.float32)
+        self._logits = np.zeros((1, 0, b.vocab_size), dtype=np.float32)
+        self._hidden = np.zeros((1, 0, b.hidden_size), dtype=np.float32)
+        # (T, top-K, logits, hidden) the outputs are bound for
+        self._outputs_for: tuple[int, bool, bool, bool] | None = None
+        self.cache_len = 0
+
+    # -- Session interface ------------------------------------------------------------------
 
     def forward(self, input_ids, position_ids, tree_mask, mask_embeds, topk: int = 0,
-                full_logits: bool = False) -> StepOut:
+                full_logits: bool = False, hidden: bool = False) -> StepOut:
         # input_ids, position_ids: [T]; tree_mask: [T, T] bool; mask_embeds: [k, d] or None
-        t = len(input_ids)
-        if topk > self.topk:
+        t, b = len(input_ids), self.backend
+        if topk > b.topk:
             raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
-                              f"top-{self.topk}; re-export with a larger --bc")
+                              f"top-{b.topk}; re-export with a larger --bc")
+        if hidden and not b.supports_hidden:
+            raise ConfigError(f"the package {str(b.package.root)!r} does not export the last "
+                              f"hidden states; re-export it with them to run learned heads")
         self._feed(t, input_ids, position_ids, tree_mask, mask_embeds)
         self.kv.bind_past(self._kv_bind, self.cache_len)
-        logits = np.empty((1, t, self.vocab_size), dtype=np.float32) if full_logits else None
-        if (t, topk > 0) != self._outputs_for or full_logits:
-            self._bind_outputs(t, topk > 0, logits)
+        if (t, topk > 0, full_logits, hidden) != self._outputs_for:
+            self._bind_outputs(t, topk > 0, full_logits, hidden)
         if (t, topk) != self._views_for:  # this block's rows of the output buffers
             self._views = (self._argmax[0, :t], self._top_ids[0, :t, :topk],
                            self._top_lp[0, :t, :topk])
             self._views_for = (t, topk)
         t0 = perf_counter()
-        self.session.run_with_iobinding(self._io)
+        b.graph.run_with_iobinding(self._io)
         self.last_run_s = perf_counter() - t0
         argmax, top_ids, top_lp = self._views  # copies: the buffers are reused next step
+        # logits and hidden states are views, valid until this session's next forward
         return StepOut(argmax=argmax.copy(), topk_ids=top_ids.copy(),
                        topk_logprobs=top_lp.copy(),
-                       logits=None if logits is None else logits[0])
+                       logits=self._logits[0, :t] if full_logits else None,
+                       hidden=self._hidden[0, :t] if hidden else None)
 
     def _feed(self, t: int, input_ids, position_ids, tree_mask, mask_embeds) -> None:
         # The four fixed inputs are copied into buffers of ours that stay bound while their
@@ -387,43 +419,40 @@ class OrtBackend:
         else:
             self._embeds_t[...] = embeds
 
-    def _bind_outputs(self, t: int, with_topk: bool, logits: np.ndarray | None) -> None:
+    def _bind_outputs(self, t: int, with_topk: bool, logits: bool, hidden: bool) -> None:
         # the steps of one plan share T, so outputs stay bound to the same buffers between
         # them; buffers grow on demand and [1, :t] of a [1, cap, ...] buffer is contiguous
+        b = self.backend
         self._io.clear_binding_outputs()
         self.kv.bind_present(self._kv_bind, t)
         if self._argmax.shape[1] < t:
             cap = max(t, 64)
             self._argmax = np.zeros((1, cap), dtype=np.int64)
-            self._top_ids = np.zeros((1, cap, self.topk), dtype=np.int64)
-            self._top_lp = np.zeros((1, cap, self.topk), dtype=np.float32)
+            self._top_ids = np.zeros((1, cap, b.topk), dtype=np.int64)
+            self._top_lp = np.zeros((1, cap, b.topk), dtype=np.float32)
             self._views_for = None
         out = self._host.output
         out("argmax", _INT64, [1, t], self._argmax.ctypes.data)
         if with_topk:
-            out("topk_ids", _INT64, [1, t, self.topk], self._top_ids.ctypes.data)
-            out("topk_logprobs", _FLOAT32, [1, t, self.topk], self._top_lp.ctypes.data)
-        if logits is not None:
-            out("logits", _FLOAT32, list(logits.shape), logits.ctypes.data)
-        # a fresh logits array is bound per step: force a rebind next time
-        self._outputs_for = None if logits is not None else (t, with_topk)
+            out("topk_ids", _INT64, [1, t, b.topk], self._top_ids.ctypes.data)
+            out("topk_logprobs", _FLOAT32, [1, t, b.topk], self._top_lp.ctypes.data)
+        if logits:
+            if self._logits.shape[1] < t:  # one [T, V] buffer, grown, never per step
+                self._logits = np.zeros((1, t, b.vocab_size), dtype=np.float32)
+            out("logits", _FLOAT32, [1, t, b.vocab_size], self._logits.ctypes.data)
+        if hidden:
+            if self._hidden.shape[1] < t:
+                self._hidden = np.zeros((1, t, b.hidden_size), dtype=np.float32)
+            out("hidden_states", _FLOAT32, [1, t, b.hidden_size], self._hidden.ctypes.data)
+        self._outputs_for = (t, with_topk, logits, hidden)
 
     def commit(self, rows) -> None:
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-        if self.cache_len + len(rows) > self.max_context:
+        if self.cache_len + len(rows) > self.backend.max_context:
             raise ConfigError(f"committing {len(rows)} rows overruns the KV cache "
-                              f"({self.cache_len} of {self.max_context} rows used)")
+                              f"({self.cache_len} of {self.backend.max_context} rows used)")
         self.kv.commit(rows, self.cache_len)
         self.cache_len += len(rows)
 
     def reset(self) -> None:
         self.cache_len = 0
-
-    def embed(self, token_ids) -> np.ndarray:
-        ids = token_ids if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int64 \
-            else np.asarray(token_ids, dtype=np.int64)
-        rows = self._table[ids]  # fancy indexing: a fresh array, the caller's to keep
-        return rows if rows.dtype == np.float32 else rows.astype(np.float32)
-
-    def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._stats

@@ -41,6 +41,19 @@ def stories_path() -> str:
     return str(STORIES)
 
 
+@pytest.fixture(scope="session")
+def stories_pkg(tmp_path_factory):
+    """stories260K exported once per test session (max context 256): the package every
+    onnxruntime test reads (copy it before changing it)."""
+    pytest.importorskip("onnx")
+    from edgemtp.export.onnx_export import export_package
+
+    assert STORIES.is_dir(), f"missing shared model {STORIES}"
+    out = tmp_path_factory.mktemp("ort") / "stories"
+    export_package(str(STORIES), out, max_context=256, progress=False)
+    return out
+
+
 def pytest_configure(config):
     # the shared test models are tiny: one intra-op thread is fastest and keeps several test
     # processes (and CI's 2 cores) from oversubscribing

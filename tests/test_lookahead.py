@@ -149,20 +149,19 @@ def test_every_row_equals_plain_decoding_of_its_chain(stories, bc):
     config = GenerationConfig(drafter="lade", bc=bc)
     drafter = LookaheadDrafter(backend, config)
     drafter.start(np.array(prompt))
-    t = len(prompt)
-    backend.reset()
-    out = backend.forward(np.array(prompt), np.arange(t), np.tril(np.ones((t, t), bool)), None)
-    backend.commit(np.arange(t))
+    t, session, plain = len(prompt), backend.session(), backend.session()
+    out = session.forward(np.array(prompt), np.arange(t), np.tril(np.ones((t, t), bool)), None)
+    session.commit(np.arange(t))
     root = int(out.argmax[-1])
     plan, ids = drafter.propose(root)
     assert plan.n_nodes > 1  # the prompt's n-grams give the root guesses to verify
-    step = backend.forward(ids, plan.positions + t, plan.tree_mask, None, full_logits=True)
+    step = session.forward(ids, plan.positions + t, plan.tree_mask, None, full_logits=True)
     for row in range(plan.bc):
         chain = sorted(np.flatnonzero(plan.tree_mask[row]), key=lambda c: plan.positions[c])
         seq = np.array(prompt + ids[chain].tolist())
-        backend.reset()
-        ref = backend.forward(seq, np.arange(len(seq)), np.tril(np.ones((len(seq),) * 2, bool)),
-                              None, full_logits=True)
+        plain.reset()
+        ref = plain.forward(seq, np.arange(len(seq)), np.tril(np.ones((len(seq),) * 2, bool)),
+                            None, full_logits=True)
         np.testing.assert_allclose(step.logits[row], ref.logits[-1], atol=1e-4, rtol=0,
                                    err_msg=f"row {row}")
 

@@ -56,14 +56,6 @@ def run(backend, prompts, **options) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def stories_pkg(tmp_path_factory):
-    assert STORIES.is_dir(), f"missing shared model {STORIES}"
-    out = tmp_path_factory.mktemp("ort") / "stories"
-    export_package(str(STORIES), out, max_context=256, progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
 def stories_case(stories_pkg):
     tok = transformers.AutoTokenizer.from_pretrained(STORIES)
     prompts = [tok(p).input_ids for p in story_prompts(24)]
@@ -124,14 +116,14 @@ def test_step_outputs_match_torch_backend(stories_pkg):
     ids = np.array([1, 403, 407, 261, 512, 513])             # prompt + two mask slots
     mask = np.tril(np.ones((6, 6), dtype=bool))
     embeds = ort_b.embed(np.array([1, 403, 407, 261])).mean(0, keepdims=True).repeat(2, 0)
-    outs = [b.forward(ids, np.arange(6), mask, embeds, topk=5, full_logits=True)
+    outs = [b.session().forward(ids, np.arange(6), mask, embeds, topk=5, full_logits=True)
             for b in (ort_b, torch_b)]
     np.testing.assert_array_equal(outs[0].argmax, outs[1].argmax)
     np.testing.assert_array_equal(outs[0].topk_ids[:4], outs[1].topk_ids[:4])
     np.testing.assert_allclose(outs[0].topk_logprobs, outs[1].topk_logprobs, atol=2e-3)
     np.testing.assert_allclose(outs[0].logits, outs[1].logits, atol=2e-3)
     assert outs[0].topk_ids.shape == (6, 5) and outs[0].logits.shape == (6, 512)
-    lean = ort_b.forward(ids, np.arange(6), mask, embeds)     # no top-K, no logits asked
+    lean = ort_b.session().forward(ids, np.arange(6), mask, embeds)  # no top-K, no logits asked
     assert lean.logits is None and lean.topk_ids.shape == (6, 0)
     np.testing.assert_array_equal(lean.argmax, outs[0].argmax)
     np.testing.assert_allclose(ort_b.embed([5, 7]), torch_b.embed([5, 7]), atol=0)
@@ -154,7 +146,7 @@ def test_sampling_matches_torch_backend(stories_case):
 
 
 def test_commit_copies_only_accepted_rows(stories_pkg):
-    b = OrtBackend(stories_pkg)
+    b = OrtBackend(stories_pkg).session()
     b.forward(np.array([1, 403, 407]), np.arange(3), np.tril(np.ones((3, 3), bool)), None)
     b.commit(np.array([0, 1, 2]))
     assert b.cache_len == 3
@@ -176,11 +168,12 @@ def test_inputs_bound_once_still_reach_the_graph(stories_pkg):
     rng = np.random.default_rng(0)
     mask = np.tril(np.ones((6, 6), dtype=bool))
     embeds = rng.standard_normal((2, 64)).astype(np.float32)
-    reused = OrtBackend(stories_pkg, threads=1)
+    backend = OrtBackend(stories_pkg, threads=1)
+    reused = backend.session()
 
     def check(ids, pos, m, e, topk=5):
         got = reused.forward(ids, pos, m, e, topk=topk)
-        want = OrtBackend(stories_pkg, threads=1).forward(
+        want = backend.session().forward(
             ids.copy(), pos.copy(), m.copy(), None if e is None else e.copy(), topk=topk)
         np.testing.assert_array_equal(got.argmax, want.argmax)
         np.testing.assert_array_equal(got.topk_ids, want.topk_ids)
@@ -208,7 +201,7 @@ def test_stats_split_the_runtime_run_from_binding(stories_case):
 
 
 def test_topk_wider_than_exported_is_refused(stories_pkg):
-    b = OrtBackend(stories_pkg)
+    b = OrtBackend(stories_pkg).session()
     with pytest.raises(ConfigError, match="exports top-31"):
         b.forward(np.array([1]), np.array([0]), np.ones((1, 1), bool), None, topk=32)
 
@@ -228,7 +221,7 @@ def test_missing_execution_provider_is_one_clear_line(stories_pkg):
 
 def test_max_context_option_shrinks_the_cache(stories_pkg):
     b = OrtBackend(stories_pkg, max_context=32)
-    assert b.max_context == 32 and b.kv.k.shape[1] == 32
+    assert b.max_context == 32 and b.session().kv.k.shape[1] == 32
     assert OrtBackend(stories_pkg, max_context=10_000).max_context == 256
     with pytest.raises(ConfigError, match="the max context is 32"):
         Generation(b, GenerationConfig(), list(range(1, 40)))
@@ -245,7 +238,7 @@ def test_fp16_package_is_lossless_on_its_own_backend(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(STORIES)
     prompts = [tok(p).input_ids for p in story_prompts(4)]
     b = OrtBackend(out, threads=1)
-    assert b.kv.k.dtype == np.float16
+    assert b.session().kv.k.dtype == np.float16
     greedy = run(b, prompts, drafter="none")
     assert run(b, prompts, bc=30) == greedy
     assert run(b, prompts, bc=30, mask_tokens=2) == greedy
