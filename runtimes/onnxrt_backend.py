@@ -65,13 +65,33 @@ def _bind(io, name: str, arr: np.ndarray, output: bool = False) -> None:
 
 class Binder:
     """Binds buffers by pointer to one IOBinding: ``input(name, dtype, shape, ptr)`` and
-    ``output(...)``, on one device (onnxruntime's public ``IOBinding.bind_input/output``)."""
+    ``output(...)``, on one device.
 
-    def __init__(self, io, device: str) -> None:
-        self.input = lambda name, dtype, shape, ptr: io.bind_input(name, device, 0, dtype,
-                                                                   shape, ptr)
-        self.output = lambda name, dtype, shape, ptr: io.bind_output(name, device, 0, dtype,
-                                                                     shape, ptr)
+    Every decode step rebinds the 2 x layers past K/V (P grows), so a bind's cost is host
+    overhead per step. The public ``IOBinding.bind_input/output`` build a fresh device object
+    and re-check the element type on every call: 11.3 us a bind here, against 7.0 us for
+    onnxruntime's own C++ binding with a device built once (a 5-layer model: +43 us a step,
+    +80 % of greedy decoding's host time; ``bench/bench_host.py``). So this class takes the
+    C++ binding where the installed onnxruntime exposes it and the public methods otherwise;
+    ``tests/test_onnx_backend.py`` checks both give the same outputs.
+    """
+
+    def __init__(self, ort, io, device: str, public: bool = False) -> None:
+        raw = None if public else getattr(io, "_iobinding", None)
+        if raw is not None:
+            try:
+                c_dev = ort.OrtDevice.make(device, 0)._get_c_device()
+            except AttributeError:  # an onnxruntime without these internals
+                raw = None
+        if raw is not None:
+            raw_in, raw_out = raw.bind_input, raw.bind_output
+            self.input = lambda name, dtype, shape, ptr: raw_in(name, c_dev, dtype, shape, ptr)
+            self.output = lambda name, dtype, shape, ptr: raw_out(name, c_dev, dtype, shape, ptr)
+        else:
+            self.input = lambda name, dtype, shape, ptr: io.bind_input(name, device, 0, dtype,
+                                                                       shape, ptr)
+            self.output = lambda name, dtype, shape, ptr: io.bind_output(name, device, 0, dtype,
+                                                                         shape, ptr)
 
 
 class KVCache:
@@ -149,7 +169,7 @@ class DeviceKV(KVCache):
     def __init__(self, ort, commit_session, device: str, *dims) -> None:
         self.ort, self.session, self.device = ort, commit_session, device
         self.io = commit_session.io_binding()
-        self.bind = Binder(self.io, device)
+        self.bind = Binder(ort, self.io, device)
         super().__init__(*dims)
 
     def _alloc(self, rows: int):
@@ -188,8 +208,10 @@ class OrtBackend:
 
     def __init__(self, package_dir, device: str = "cpu", threads: int | None = None,
                  max_context: int | None = None, dtype: str | None = None,
-                 trust_remote_code: bool = False, device_cache: bool | None = None) -> None:
+                 trust_remote_code: bool = False, device_cache: bool | None = None,
+                 public_binding: bool = False) -> None:
         check_options(device, dtype, max_context, threads)
+        self.public_binding = public_binding  # onnxruntime's public bind methods only
         ort = self.ort = _ort()
         self.package = pkg = load_package(package_dir)
         m = pkg.manifest
@@ -328,8 +350,9 @@ class OrtSession:
         else:
             self.kv = HostKV(layers, b.max_context, *dims, b.package.np_dtype)
         self._io = b.graph.io_binding()
-        self._host = Binder(self._io, "cpu")           # fixed inputs, outputs
-        self._kv_bind = Binder(self._io, self.kv.device)
+        public = b.public_binding
+        self._host = Binder(ort, self._io, "cpu", public)           # fixed inputs, outputs
+        self._kv_bind = Binder(ort, self._io, self.kv.device, public)
         self._no_masks = np.zeros((1, b.hidden_size), dtype=np.float32)
         # the fixed inputs are copied into buffers of ours, bound while their shapes hold
         # (see _feed); device providers copy a host input when it is bound, so there they

@@ -98,6 +98,15 @@ def test_device_cache_path_matches_host_cache(stories_case, stories_pkg):
     assert run(on_device, prompts[:2], drafter="none") == want[:2]
 
 
+def test_public_binding_path_gives_the_same_tokens(stories_case, stories_pkg):
+    # the backend binds through onnxruntime's C++ binding where it can (faster per step);
+    # the public IOBinding methods must give exactly the same generations
+    _, prompts, want = stories_case
+    public = OrtBackend(stories_pkg, threads=1, public_binding=True)
+    assert run(public, prompts[:3], bc=30, mask_tokens=2) == want[:3]
+    assert run(public, prompts[:2], drafter="hybrid", bc=30) == want[:2]
+
+
 def test_model_load_picks_onnxruntime_and_package_tokenizer(stories_pkg, stories_case):
     _, prompts, want = stories_case
     model = Model.load(str(stories_pkg))
