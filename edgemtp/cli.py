@@ -87,7 +87,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 def _config(a: argparse.Namespace) -> GenerationConfig:
     latency = None
     if getattr(a, "profile", None):
-        from .profile import read_profile
+        from edgemtp.tools.profile import read_profile
 
         latency = read_profile(a.profile)[1]
     return GenerationConfig(
@@ -155,7 +155,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from .profile import load_prompts, plot, run_profile, table
+    from edgemtp.tools.profile import load_prompts, plot, run_profile, table
 
     prompts = load_prompts(a.prompts_file, a.prompts)
     model = _load(a)
@@ -171,7 +171,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from .benchmark import markdown, plots, prompt_sets, run_bench
+    from edgemtp.tools.benchmark import markdown, plots, prompt_sets, run_bench
     known = drafters.names(speculative=True)
     chosen = [d for d in a.drafters.split(",") if d]
     unknown = [d for d in chosen if d not in known]
@@ -199,7 +199,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from edgemtp.tools.demo import run_demo
 
     return run_demo(a)
 
@@ -285,7 +285,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if getattr(args, "profile", None) and args.command == "generate":
         # the profile's recommendation becomes the defaults; flags on the command line win
-        from .profile import read_profile
+        from edgemtp.tools.profile import read_profile
 
         rec = read_profile(args.profile)[0]
         gen = parser._subparsers._group_actions[0].choices["generate"]

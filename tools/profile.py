@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from .config import GenerationConfig
-from .errors import ConfigError
-from .latency import LatencyCurve
+from edgemtp.config import GenerationConfig
+from edgemtp.errors import ConfigError
+from edgemtp.latency import LatencyCurve
 
 FORMAT = 1
 BC_GRID = (4, 6, 8, 10, 14, 20, 30, 40, 60, 90, 120)
@@ -67,7 +67,7 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
                 repeats: int = 2) -> dict:
     from tqdm import tqdm
 
-    from .latency import measure_latency
+    from edgemtp.latency import measure_latency
 
     if budget < 1:
         raise ConfigError(f"budget must be >= 1, got {budget}")

@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from .config import GenerationConfig
-from .errors import EdgeMTPError
+from edgemtp.config import GenerationConfig
+from edgemtp.errors import EdgeMTPError
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 FALLBACK_PROMPTS = ["Once upon a time, there was a little girl named", "The cat sat on the"]
@@ -39,7 +39,7 @@ def story_prompts(n: int) -> list[str]:
 
 
 def run_demo(a) -> int:
-    from .api import Model
+    from edgemtp.api import Model
 
     model_path = a.model or str((SHARED / "models" / "stories260K").resolve())
     if a.model is None and not Path(model_path).is_dir():

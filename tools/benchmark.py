@@ -16,9 +16,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from .config import GenerationConfig
-from .drafters import get as drafter_spec
-from .errors import ConfigError
+from edgemtp.config import GenerationConfig
+from edgemtp.drafters import get as drafter_spec
+from edgemtp.errors import ConfigError
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 
