@@ -2,113 +2,172 @@
 
 Every method runs in the same runtime on the same backend and prompts; every output is
 checked against plain greedy decoding (a difference is a failure, reported and counted in the
-exit code). ``transformers``' own prompt lookup (``generate(prompt_lookup_num_tokens=...)``)
-runs as an outside reference for speed and output. Writes JSON, a Markdown table and PNG
-plots (BE per task and method, like the paper's Figures 4-5; tokens/s vs BC).
+exit code). ``transformers``' own prompt lookup (``generate(prompt_lookup_num_tokens=10)``)
+runs as an outside reference for speed and output when the backend names the Hugging Face
+folder its weights came from (``backend.source``). Writes JSON, a Markdown table and PNG plots
+(BE per task and method, like the paper's Figures 4-5; tokens/s vs BC) to ``out/bench/`` by
+default.
+
+Each finished (task, method, BC) row is also appended to ``<stem>.rows.jsonl`` at once
+(:class:`~edgemtp.tools.rowlog.RowLog`): after a Ctrl-C, the same command measures only the
+rows still missing; ``--fresh`` measures everything again.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
+from edgemtp import drafters
+from edgemtp.budgets import check_bc
 from edgemtp.config import GenerationConfig
-from edgemtp.drafters import get as drafter_spec
 from edgemtp.errors import ConfigError
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
+from . import at_least_one, check_fits, quiet_transformers
+from .measure import measure
+from .prompts import prompt_sets
+from .rowlog import RowLog
+
+GREEDY = "greedy"
+HF_METHOD = "transformers prompt lookup"
+HF_DRAFT = 10  # prompt_lookup_num_tokens: a chain of 10 drafts after the root is BC 11
 
 
-def prompt_sets(names: list[str], per_set: int) -> dict[str, list[str]]:
-    """``{task: prompts}``: ``stories`` (the shared story prompts) and ``spec_bench`` (the
-    Spec-Bench questions, first turn, ``per_set`` per category)."""
-    out: dict[str, list[str]] = {}
-    for name in names:
-        if name == "stories":
-            from .demo import story_prompts
+def command(a, load) -> int:
+    """``edgemtp bench``: check every option, load the model with ``load(a)``, measure (or
+    reuse) the rows, write the results. Returns the exit code."""
+    greedy = GenerationConfig(drafter="none", max_new_tokens=a.max_new_tokens)
+    plan = methods(check_drafters(a.drafters), [check_bc(bc, "--bc") for bc in a.bc], greedy)
+    at_least_one(per_set=a.per_set, repeats=a.repeats)
+    tasks = prompt_sets([s for s in a.sets.split(",") if s], a.per_set)
+    quiet_transformers(a.model)
+    model = load(a)
+    check_fits(a.bc, model.backend.max_context)
+    out, name = Path(a.out), Path(a.model).name
+    stem = f"bench_{name}_{model.backend.name}"
+    log = RowLog(out / f"{stem}.rows.jsonl", fresh=a.fresh, settings=dict(
+        model=str(Path(a.model).resolve()) if Path(a.model).exists() else a.model,
+        backend=model.backend.name, device=a.device, dtype=a.dtype, threads=a.threads,
+        max_new_tokens=a.max_new_tokens, repeats=a.repeats))
+    if log.kept:
+        print(f"bench: {log.path} holds {log.kept} rows measured with these settings; they "
+              f"are reused (--fresh measures them again)", file=sys.stderr)
+    try:
+        result = run_bench(model, tasks, greedy, plan, log, hf_reference=not a.no_hf_reference,
+                           repeats=a.repeats, device=a.device)
+    except KeyboardInterrupt:
+        print(f"edgemtp: interrupted; {log.kept} measured rows are kept in {log.path}; run the "
+              f"same command again to measure only the rest", file=sys.stderr)
+        return 130
+    finally:
+        log.close()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    text = markdown(result, f"edgemtp bench: {name} on {model.backend.name}")
+    (out / f"{stem}.md").write_text(text)
+    pngs = plots(result, out, stem)
+    print(text)
+    print(f"wrote {out / stem}.json, .md, " + ", ".join(p.name for p in pngs), file=sys.stderr)
+    if result["failures"]:
+        print(f"edgemtp: error: {len(result['failures'])} outputs differ from greedy decoding",
+              file=sys.stderr)
+        return 1
+    return 0
 
-            out["stories"] = story_prompts(per_set)
-        elif name == "spec_bench":
-            path = SHARED / "data" / "spec_bench" / "question.jsonl"
-            if not path.is_file():
-                raise ConfigError(f"Spec-Bench questions not found at {path}")
-            by_cat: dict[str, list[str]] = defaultdict(list)
-            with open(path) as f:
-                for line in f:
-                    row = json.loads(line)
-                    if len(by_cat[row["category"]]) < per_set:
-                        by_cat[row["category"]].append(row["turns"][0])
-            out.update(by_cat)
-        else:
-            raise ConfigError(f"unknown prompt set {name!r}; expected stories or spec_bench")
-    return out
+
+def check_drafters(text: str) -> list[str]:
+    """The drafters of ``--drafters`` (comma-separated), each a speculative one: greedy always
+    runs, as the reference."""
+    known = drafters.names(speculative=True)
+    chosen = [d for d in text.split(",") if d]
+    if not chosen or any(d not in known for d in chosen):
+        raise ConfigError(f"--drafters must be a comma-separated list of {', '.join(known)}, "
+                          f"got {text!r}")
+    return chosen
 
 
-def methods(drafters: list[str], budgets: list[int]) -> list[tuple[str, int, dict]]:
-    """(drafter, BC, generation options): drafters that carry mask tokens use k = 1 at every
-    budget, the others their own BC accounting."""
+def methods(names: list[str], budgets: list[int], greedy: GenerationConfig
+            ) -> list[tuple[str, int, GenerationConfig | str]]:
+    """(drafter, BC, config) for every drafter and budget; the config is the reason instead
+    when the drafter cannot use the budget (a skipped row). Drafters that carry mask tokens use
+    k = 1 at every budget, the others their own BC accounting. Refuses a plan where no drafter
+    can run at all, before any model is loaded."""
     out = []
-    for d in drafters:
+    for name in names:
         for bc in budgets:
-            opts = dict(drafter=d, bc=bc)
-            if drafter_spec(d).uses_masks:
-                opts["mask_tokens"] = 1
-            out.append((d, bc, opts))
+            opts = dict(mask_tokens=1) if drafters.get(name).uses_masks else {}
+            try:
+                out.append((name, bc, greedy.with_(drafter=name, bc=bc, **opts)))
+            except ConfigError as e:
+                out.append((name, bc, str(e)))
+    if all(isinstance(config, str) for _, _, config in out):
+        raise ConfigError("no drafter can run at these budgets: " + "; ".join(
+            f"{name} at BC {bc}: {reason}" for name, bc, reason in out))
     return out
 
 
-def run_bench(model, tasks: dict[str, list[str]], drafters: list[str], budgets: list[int],
-              max_new_tokens: int, hf_reference: bool = True, repeats: int = 1) -> dict:
-    """Tokens/s of a method on a task is the median over ``repeats`` runs of its prompts
-    (run back to back, so the first, cold one does not count when ``repeats >= 3``); every
-    run's outputs are checked against greedy's."""
-    if repeats < 1:
-        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+def run_bench(model, tasks: dict[str, list[str]], greedy: GenerationConfig, plan: list,
+              log: RowLog, hf_reference: bool = True, repeats: int = 1,
+              device: str = "cpu") -> dict:
+    """Greedy (``greedy``), every (drafter, BC, config) of ``plan`` (:func:`methods`), then the
+    ``transformers`` reference, on every task; a row already in ``log`` is reused, the others
+    are measured and added to it as soon as they finish.
+
+    Tokens/s of a method on a task is the median over ``repeats`` runs of its prompts (run back
+    to back, so the first, cold one does not count when ``repeats >= 3``; the reference runs
+    once); every run's outputs are checked against greedy's."""
     from tqdm import tqdm
 
-    plan = methods(drafters, budgets)
-    hf = _reference_model(model) if hf_reference else None
-    tasks, skipped = _fitting(model, tasks, max_new_tokens)
-    total = sum(len(p) for p in tasks.values()) * ((len(plan) + 1) * repeats + int(hf_reference))
-    bar = tqdm(total=total, desc="bench", unit="gen", file=sys.stderr)
-    rows, failures = [], []
-    for task, prompts in tasks.items():
-        greedy = _measure(model, prompts, GenerationConfig(drafter="none",
-                                                           max_new_tokens=max_new_tokens), bar,
-                          repeats)
-        rows.append(dict(task=task, method="greedy", bc=1, **greedy["summary"]))
-        for name, bc, opts in plan:
-            try:
-                config = GenerationConfig(max_new_tokens=max_new_tokens, **opts)
-            except ConfigError as e:  # a budget this drafter cannot use
-                rows.append(dict(task=task, method=name, bc=bc, skipped=str(e)))
-                bar.update(len(prompts))
+    at_least_one(repeats=repeats)
+    tasks, skipped = _fitting(model, tasks, greedy.max_new_tokens)
+    source = reference_source(model) if hf_reference else None
+    extra = [(HF_METHOD, HF_DRAFT + 1, greedy)] if source else []
+    jobs = [(task, prompts, name, bc, config) for task, prompts in tasks.items()
+            for name, bc, config in [(GREEDY, 1, greedy), *plan, *extra]]
+    todo = sum(len(p) * (1 if name == HF_METHOD else repeats) for task, p, name, bc, c in jobs
+               if not isinstance(c, str) and log.get(task, name, bc, p) is None)
+    hf = functools.cache(lambda: _reference_model(source, device))
+    rows, failures, greedy_outputs, reused = [], [], {}, 0
+    with tqdm(total=todo, desc="bench", unit="gen", file=sys.stderr) as bar:
+        for task, prompts, name, bc, config in jobs:
+            if isinstance(config, str):
+                rows.append(dict(task=task, method=name, bc=bc, skipped=config))
                 continue
-            res = _measure(model, prompts, config, bar, repeats)
-            bad = sorted({i for outputs in res["runs"] for i, (a, b)
-                          in enumerate(zip(outputs, greedy["outputs"])) if a != b})
-            failures += [dict(task=task, method=name, bc=bc, prompt=i) for i in bad]
-            rows.append({"task": task, "method": name, "bc": bc, **res["summary"],
-                         "lossless": not bad})
-        if hf_reference:
-            ref = _hf_prompt_lookup(model, hf, prompts, max_new_tokens, bar)
-            if ref is not None:
-                bad = [i for i, (a, b) in enumerate(zip(ref["outputs"], greedy["outputs"]))
-                       if a != b]
-                rows.append({"task": task, "method": "transformers prompt lookup", "bc": 11,
-                             **ref["summary"], "lossless": not bad})
-    bar.close()
+            record = log.get(task, name, bc, prompts)
+            reused += int(record is not None)
+            if record is None:
+                runs, summary = (_hf_prompt_lookup(model, hf(), prompts, config, bar)
+                                 if name == HF_METHOD else
+                                 _measure(model, prompts, config, bar, repeats))
+                record = _record(summary, runs, greedy_outputs.get(task))
+                log.add(task, name, bc, prompts, record)
+            greedy_outputs.setdefault(task, record.get("outputs"))  # greedy runs first
+            failures += [dict(task=task, method=name, bc=bc, prompt=i) for i in record["differ"]]
+            rows.append({"task": task, "method": name, "bc": bc, **record["summary"],
+                         "lossless": not record["differ"]})
     for row in rows:
-        base = next(r for r in rows if r["task"] == row["task"] and r["method"] == "greedy")
+        base = next(r for r in rows if r["task"] == row["task"] and r["method"] == GREEDY)
         if "tokens_per_second" in row:
             row["speedup"] = round(row["tokens_per_second"] / base["tokens_per_second"], 3)
-    return dict(rows=rows, failures=failures, max_new_tokens=max_new_tokens, repeats=repeats,
-                backend=model.backend.name, date=time.strftime("%Y-%m-%d"),
-                prompts={t: len(p) for t, p in tasks.items()}, skipped_prompts=skipped)
+    return dict(rows=rows, failures=failures, max_new_tokens=greedy.max_new_tokens,
+                repeats=repeats, backend=model.backend.name, date=time.strftime("%Y-%m-%d"),
+                prompts={t: len(p) for t, p in tasks.items()}, skipped_prompts=skipped,
+                reference_source=source, reused_rows=reused)
+
+
+def _record(summary: dict, runs: list[list[list[int]]], greedy: list[list[int]] | None
+            ) -> dict:
+    """A measured row as the log keeps it: greedy's keeps its outputs (the reference of the
+    task's other rows), the others the prompts where any run's output differs from it."""
+    if greedy is None:
+        return dict(summary=summary, differ=[], outputs=runs[0])
+    return dict(summary=summary, differ=sorted({i for outputs in runs for i, (a, b)
+                                                in enumerate(zip(outputs, greedy)) if a != b}))
 
 
 def _fitting(model, tasks: dict[str, list[str]], max_new_tokens: int):
@@ -127,67 +186,53 @@ def _fitting(model, tasks: dict[str, list[str]], max_new_tokens: int):
     return kept, skipped
 
 
-def _measure(model, prompts: list[str], config: GenerationConfig, bar, repeats: int = 1
-             ) -> dict:
-    runs, rates, counts = [], [], []
-    for _ in range(repeats):
-        outputs, tokens, calls, t0 = [], 0, 0, time.perf_counter()
-        for p in prompts:
-            r = model.generate(p, config)
-            outputs.append(r.token_ids)
-            tokens, calls = tokens + r.stats.new_tokens, calls + r.stats.forward_calls
-            bar.update()
-        rates.append(tokens / (time.perf_counter() - t0))
-        runs.append(outputs)
-        counts.append((tokens, calls))
-    # BE from the first run: later ones would have learned (calibration, hit rates) on the
-    # very prompts they are scored on
-    tokens, calls = counts[0]
-    return dict(outputs=runs[0], runs=runs, summary=dict(
-        tokens=tokens, forward_calls=calls, block_efficiency=round(tokens / calls, 4),
-        tokens_per_second=round(statistics.median(rates), 2), lossless=True))
+def _measure(model, prompts: list[str], config: GenerationConfig, bar, repeats: int):
+    """Every run's outputs, and the summary: BE from the first run, tokens/s the median."""
+    m = measure(model, prompts, config, bar, repeats)
+    return [[r.token_ids for r in run] for run in m.results], dict(
+        tokens=m.tokens, forward_calls=m.forward_calls,
+        block_efficiency=round(m.tokens / m.forward_calls, 4),
+        tokens_per_second=round(statistics.median(m.rates), 2))
 
 
-def _reference_model(model):
-    """The ``transformers`` model behind the backend: its own for the torch backend, else the
-    Hugging Face folder a package was exported from (the manifest's ``source``), if it is
-    still there and PyTorch is installed; None otherwise."""
-    hf = getattr(model.backend, "hf", None)
-    if hf is not None:
-        return hf
-    package = getattr(model.backend, "package", None)
-    source = getattr(package, "manifest", {}).get("source") if package is not None else None
-    if not source or not (Path(source) / "config.json").is_file():
+def reference_source(model) -> str | None:
+    """The Hugging Face folder the backend's weights came from (``backend.source``), when
+    the model has a tokenizer and ``transformers`` and PyTorch are installed here; else None
+    (no outside reference)."""
+    source = getattr(model.backend, "source", None)
+    if not source or model.tokenizer is None:
         return None
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-    except ModuleNotFoundError:
+    if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):
         return None
-    return AutoModelForCausalLM.from_pretrained(source).eval()
+    return source
 
 
-def _hf_prompt_lookup(model, hf, prompts: list[str], max_new_tokens: int, bar) -> dict | None:
-    """``transformers`` prompt lookup decoding on ``hf`` (the same model; for a package, the
-    folder it was exported from), greedy, ``prompt_lookup_num_tokens=10``."""
-    if hf is None or model.tokenizer is None:
-        bar.update(len(prompts))
-        return None
+def _reference_model(source: str, device: str):
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    on_gpu = device in ("cuda", "tensorrt")  # the reference runs where the backend runs
+    return AutoModelForCausalLM.from_pretrained(source).to("cuda" if on_gpu else "cpu").eval()
+
+
+def _hf_prompt_lookup(model, hf, prompts: list[str], config: GenerationConfig, bar):
+    """``transformers`` prompt lookup decoding on ``hf`` (the Hugging Face model the backend's
+    weights came from), greedy, ``prompt_lookup_num_tokens=10``, one run: ``([outputs],
+    summary)`` like :func:`_measure`."""
     import torch
 
     outputs, tokens, t0 = [], 0, time.perf_counter()
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([model.tokenizer.encode(p)], device=hf.device)
-            out = hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                              prompt_lookup_num_tokens=10)
+            out = hf.generate(ids, max_new_tokens=config.max_new_tokens, do_sample=False,
+                              prompt_lookup_num_tokens=HF_DRAFT)
             new = out[0, ids.shape[1]:].tolist()
             outputs.append(new)
             tokens += len(new)
             bar.update()
-    return dict(outputs=outputs, summary=dict(
-        tokens=tokens, forward_calls=None, block_efficiency=None,
-        tokens_per_second=round(tokens / (time.perf_counter() - t0), 2), lossless=True))
+    return [outputs], dict(tokens=tokens, forward_calls=None, block_efficiency=None,
+                           tokens_per_second=round(tokens / (time.perf_counter() - t0), 2))
 
 
 def markdown(result: dict, title: str) -> str:
@@ -196,8 +241,9 @@ def markdown(result: dict, title: str) -> str:
     keys = list(dict.fromkeys((r["method"], r["bc"]) for r in rows))
     out = [f"# {title}", "", f"{result['max_new_tokens']} new tokens per prompt, backend "
            f"{result['backend']}, {result['date']}. Cells: BE (tokens per forward call, prefill "
-           "included) / tokens per second (median of the repeats). Every output is checked against "
-           "greedy decoding.",
+           f"included) / tokens per second (median of {result['repeats']} runs"
+           f"{'; the transformers reference: one run' if result.get('reference_source') else ''})"
+           ". Every output is checked against greedy decoding.",
            "", "| method | BC | " + " | ".join(tasks) + " | mean BE | lossless |",
            "|---|---:|" + "---:|" * len(tasks) + "---:|:---:|"]
     for method, bc in keys:
@@ -222,6 +268,9 @@ def markdown(result: dict, title: str) -> str:
     if skipped:
         out += ["Skipped (prompt + new tokens longer than the model's context): "
                 + ", ".join(f"{t} {n}" for t, n in skipped.items()) + "."]
+    if result.get("reused_rows"):
+        out += [f"{result['reused_rows']} rows are reused from an earlier run with the same "
+                "settings (the row log)."]
     if result["failures"]:
         out += ["", f"**{len(result['failures'])} outputs differ from greedy decoding.**"]
     return "\n".join(out) + "\n"
