@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_probe import ROOT, SHARED, load_prompts
+from bench_probe import ROOT, SHARED
 from edgemtp import Model
 from edgemtp.export.onnx_export import export_package
+from edgemtp.tools.prompts import story_prompts
 
 STORIES_FIXED = [("greedy", dict(drafter="none")), ("pld BC=10", dict(drafter="pld", bc=10)),
                  ("probe k=1 BC=10", dict(drafter="probe", bc=10)),
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         pkg = export_package(str(SHARED / "models" / "stories260K"), tmp / "stories", force=True,
                              progress=False).out
         model = Model.load(str(pkg), threads=a.threads)
-        report["stories260K"] = measure(model, load_prompts(a.prompts),
+        report["stories260K"] = measure(model, story_prompts(a.prompts),
                                         STORIES_FIXED + [AUTO], 128, a.repeats)
         big = export_package(random_llama(tmp / "llama"), tmp / "llama_pkg", force=True,
                              bc=(10, 30, 60), mask_tokens=(1,), progress=False).out

@@ -34,10 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_probe import ROOT, SHARED, load_prompts  # the issue-2 bench's helpers
+from bench_probe import ROOT, SHARED  # the issue-2 bench's paths
 
 from edgemtp import GenerationConfig, Model
 from edgemtp.plans import Plan, dynamic_plans, static_plan
+from edgemtp.tools.prompts import story_prompts
 
 STORIES = (SHARED / "models" / "stories260K").resolve()
 SIZES = (1, 2, 4, 10, 30, 60)
@@ -486,7 +487,7 @@ def main(argv=None) -> int:
         export_package(str(STORIES), stories, max_context=512, force=True, progress=False)
         stories_export_s = time.perf_counter() - t0
         log(f"decoding {a.prompts} prompts x {a.new_tokens} tokens, {a.repeats} repeats")
-        decode = decode_bench(stories, load_prompts(a.prompts), a.new_tokens, a.repeats,
+        decode = decode_bench(stories, story_prompts(a.prompts), a.new_tokens, a.repeats,
                               a.threads)
         latency = {"stories260K": dict(
             export=None, export_s=stories_export_s,

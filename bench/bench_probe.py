@@ -15,11 +15,14 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from tqdm import tqdm
 
 from edgemtp import GenerationConfig, Model
+from edgemtp.tools.measure import measure
+from edgemtp.tools.prompts import story_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT / ".." / "shared"
@@ -56,40 +59,25 @@ PLANS = [
 ]
 
 
-def load_prompts(n: int) -> list[str]:
-    with open(SHARED / "data" / "stories_prompts.jsonl") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()][:n]
-
-
 def run(model: Model, prompts: list[str], new_tokens: int, repeats: int) -> list[dict]:
     rows, reference = [], None
-    bar = tqdm(total=len(PLANS) * len(prompts) * repeats, desc="bench", unit="gen", file=sys.stderr)
-    for label, opts, proto in PLANS:
-        config = GenerationConfig(max_new_tokens=new_tokens, **opts)
-        speeds, outputs, calls, tokens, hist, overhead = [], [], 0, 0, {}, []
-        for rep in range(repeats):
-            t0, rep_tokens = time.perf_counter(), 0
-            for p in prompts:
-                r = model.generate(p, config)
-                bar.update()
-                rep_tokens += r.stats.new_tokens
-                overhead.append(r.stats.host_overhead)
-                if rep == 0:
-                    outputs.append(r.token_ids)
-                    calls += r.stats.forward_calls
-                    tokens += r.stats.new_tokens
-                    for k, v in r.stats.accept_histogram().items():
-                        hist[k] = hist.get(k, 0) + v
-            speeds.append(rep_tokens / (time.perf_counter() - t0))
-        reference = reference or outputs
-        rows.append(dict(
-            method=label, options=opts, tokens=tokens, forward_calls=calls,
-            block_efficiency=tokens / calls, prototype_be=proto,
-            tokens_per_second=statistics.median(speeds),
-            host_overhead=statistics.median(overhead),
-            accept_histogram=dict(sorted(hist.items())),
-            lossless=all(a == b for a, b in zip(outputs, reference))))
-    bar.close()
+    with tqdm(total=len(PLANS) * len(prompts) * repeats, desc="bench", unit="gen",
+              file=sys.stderr) as bar:  # closed before a Ctrl-C message
+        for label, opts, proto in PLANS:
+            m = measure(model, prompts, GenerationConfig(max_new_tokens=new_tokens, **opts), bar,
+                        repeats)
+            hist = Counter()
+            for r in m.results[0]:
+                hist.update(r.stats.accept_histogram())
+            reference = reference or m.outputs
+            rows.append(dict(
+                method=label, options=opts, tokens=m.tokens, forward_calls=m.forward_calls,
+                block_efficiency=m.tokens / m.forward_calls, prototype_be=proto,
+                tokens_per_second=statistics.median(m.rates),
+                host_overhead=statistics.median(r.stats.host_overhead for run in m.results
+                                                for r in run),
+                accept_histogram=dict(sorted(hist.items())),
+                lossless=all(a == b for a, b in zip(m.outputs, reference))))
     base = rows[0]["tokens_per_second"]
     for row in rows:
         row["speedup_vs_greedy"] = row["tokens_per_second"] / base
@@ -127,7 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
     model = Model.load(a.model, backend=a.backend, device=a.device, threads=a.threads)
-    prompts = load_prompts(a.prompts)
+    prompts = story_prompts(a.prompts)
     rows = run(model, prompts, a.new_tokens, a.repeats)
     meta = dict(model=a.model, model_name=Path(a.model).name, backend=a.backend,
                 device=a.device, prompts=len(prompts), new_tokens=a.new_tokens,
@@ -145,4 +133,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # results are written once every plan has run: nothing to keep
+        print("bench_probe: interrupted; nothing was written", file=sys.stderr)
+        sys.exit(130)

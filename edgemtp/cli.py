@@ -91,7 +91,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 def _config(a: argparse.Namespace) -> GenerationConfig:
     latency = None
     if getattr(a, "profile", None):
-        from .profile import read_profile
+        from edgemtp.tools.profile import read_profile
 
         latency = read_profile(a.profile)[1]
     return GenerationConfig(
@@ -164,53 +164,21 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from .profile import load_prompts, plot, run_profile, table
+    from edgemtp.tools.profile import command
 
-    prompts = load_prompts(a.prompts_file, a.prompts)
-    model = _load(a)
-    profile = run_profile(model, a.budget, prompts, a.max_new_tokens, repeats=a.repeats)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.json").write_text(json.dumps(profile, indent=1))
-    plot(profile, out / "profile.png")
-    print(table(profile))
-    print(f"wrote {out / 'profile.json'} (use: edgemtp generate --profile {out / 'profile.json'}) "
-          f"and {out / 'profile.png'}")
-    return 0
+    return command(a, _load)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from .benchmark import markdown, plots, prompt_sets, run_bench
-    known = drafters.names(speculative=True)
-    chosen = [d for d in a.drafters.split(",") if d]
-    unknown = [d for d in chosen if d not in known]
-    if unknown:
-        raise EdgeMTPError(f"unknown drafter(s) {', '.join(unknown)}; choose from "
-                           f"{', '.join(known)}")
-    tasks = prompt_sets([s for s in a.sets.split(",") if s], a.per_set)
-    model = _load(a)
-    result = run_bench(model, tasks, chosen, list(a.bc), a.max_new_tokens,
-                       hf_reference=not a.no_hf_reference, repeats=a.repeats)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_{Path(a.model).name}_{model.backend.name}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    text = markdown(result, f"edgemtp bench: {Path(a.model).name} on {model.backend.name}")
-    (out / f"{stem}.md").write_text(text)
-    pngs = plots(result, out, stem)
-    print(text)
-    print(f"wrote {out / stem}.json, .md, " + ", ".join(p.name for p in pngs), file=sys.stderr)
-    if result["failures"]:
-        print(f"edgemtp: error: {len(result['failures'])} outputs differ from greedy decoding",
-              file=sys.stderr)
-        return 1
-    return 0
+    from edgemtp.tools.benchmark import command
+
+    return command(a, _load)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from edgemtp.tools.demo import command
 
-    return run_demo(a)
+    return command(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,8 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", default=None,
                    help="JSONL with 'prompt' or 'turns' (default: the shared story prompts)")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default="profile", help="folder for profile.json/png")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed runs per plan; tokens/s is the best of them (default: 2)")
+    p.add_argument("--out", default="out/profile",
+                   help="folder for profile.json/png (default: out/profile)")
     _add_model_args(p, positional=True)
     p.set_defaults(func=cmd_profile)
 
@@ -274,7 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3,
                    help="timed runs per method and task; tokens/s is their median (default: 3)")
-    b.add_argument("--out", default="bench/results")
+    b.add_argument("--out", default="out/bench",
+                   help="folder for the results and the row log (default: out/bench; the "
+                        "checked-in results: bench/results)")
+    b.add_argument("--fresh", action="store_true",
+                   help="measure every row again instead of reusing the row log's")
     b.add_argument("--no-hf-reference", action="store_true",
                    help="skip transformers' prompt lookup reference run")
     b.set_defaults(func=cmd_bench)
@@ -296,7 +270,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if getattr(args, "profile", None) and args.command == "generate":
         # the profile's recommendation becomes the defaults; flags on the command line win
-        from .profile import read_profile
+        from edgemtp.tools.profile import read_profile
 
         rec = read_profile(args.profile)[0]
         parser.commands["generate"].set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),

@@ -17,7 +17,7 @@ import pytest
 
 import edgemtp
 
-SUBPACKAGES = ("edgemtp.export", "edgemtp.runtimes", "edgemtp.models")
+SUBPACKAGES = ("edgemtp.export", "edgemtp.runtimes", "edgemtp.models", "edgemtp.tools")
 
 
 def _module_names() -> list[str]:

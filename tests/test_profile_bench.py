@@ -1,9 +1,13 @@
-"""edgemtp profile and edgemtp bench, through the real CLI in subprocesses."""
+"""edgemtp profile and edgemtp bench (``edgemtp.tools``), through the real CLI in subprocesses:
+what they write, how bad input ends, and a bench resumed after Ctrl-C."""
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,17 +22,21 @@ def cli(*args, check=True):
     return proc
 
 
+def key(options: dict) -> tuple:
+    return options["drafter"], options.get("bc", 1), options.get("mask_tokens", 1)
+
+
 @pytest.fixture(scope="module")
-def profile_file(stories_path, tmp_path_factory):
+def profiled(stories_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
     proc = cli("profile", stories_path, "--budget", "10", "--prompts", "2", "--max-new-tokens",
                "24", "--repeats", "1", "--threads", "1", "--out", str(out))
-    assert "recommended:" in proc.stdout
-    return out / "profile.json"
+    return out / "profile.json", proc.stdout
 
 
-def test_profile_writes_curve_plans_recommendation_and_plot(profile_file):
-    data = json.loads(profile_file.read_text())
+def test_profile_writes_curve_plans_and_plot(profiled):
+    path, _ = profiled
+    data = json.loads(path.read_text())
     lat = data["latency"]
     assert lat["block_sizes"][0] == 1 and lat["block_sizes"][-1] == 10
     assert all(b >= a > 0 for a, b in zip(lat["seconds"], lat["seconds"][1:]))
@@ -37,48 +45,175 @@ def test_profile_writes_curve_plans_recommendation_and_plot(profile_file):
     assert plans["probe k=1 BC=10"]["block_efficiency"] > 1.0
     assert all(p["lossless"] for p in data["plans"])
     assert all(p["options"].get("bc", 1) <= 10 for p in data["plans"])  # under the budget
-    best = max(data["plans"], key=lambda p: p["tokens_per_second"])
-    assert data["recommendation"]["drafter"] == best["options"]["drafter"]
     assert data["peak_memory_mib"] > 0
-    assert (profile_file.parent / "profile.png").stat().st_size > 1000
+    assert (path.parent / "profile.png").stat().st_size > 1000
 
 
-def test_generate_takes_the_profile_and_flags_still_win(stories_path, profile_file):
-    rec = json.loads(profile_file.read_text())["recommendation"]
+def test_profile_recommends_the_fastest_measured_plan(profiled):
+    path, stdout = profiled
+    data = json.loads(path.read_text())
+    rec = data["recommendation"]
+    fastest = max(p["tokens_per_second"] for p in data["plans"])
+    chosen = [p for p in data["plans"] if key(p["options"]) == key(rec)]
+    assert chosen and chosen[0]["tokens_per_second"] == fastest, (rec, data["plans"])
+    shown = re.search(r"recommended: --drafter (\S+) --bc (\d+) --mask-tokens (\d+)", stdout)
+    assert shown.groups() == (rec["drafter"], str(rec["bc"]), str(rec["mask_tokens"]))
+
+
+def test_generate_takes_the_profile_and_flags_still_win(stories_path, profiled):
+    path, _ = profiled
+    rec = json.loads(path.read_text())["recommendation"]
     base = ["generate", "--model", stories_path, "--prompt", "Once upon a time", "--json",
-            "--max-new-tokens", "16", "--threads", "1", "--profile", str(profile_file)]
+            "--max-new-tokens", "16", "--threads", "1", "--profile", str(path)]
     out = json.loads(cli(*base).stdout)
-    assert out["bc"] == (rec["bc"] if rec["drafter"] != "none" else 1)
+    assert out["bc"] == rec["bc"]
     forced = json.loads(cli(*base, "--drafter", "probe", "--bc", "8").stdout)
     assert forced["bc"] == 8 and forced["token_ids"] == out["token_ids"]
 
 
-def test_bad_profile_file_is_one_line(stories_path, tmp_path):
+LATENCY = {"block_sizes": [1, 10], "seconds": [0.001, 0.002]}
+REC = {"drafter": "probe", "bc": 10, "mask_tokens": 1}
+BAD_PROFILES = [  # (id, file content, regexes the one stderr line must match)
+    ("other-format", {"format_version": 99}, [r"not an edgemtp profile"]),
+    ("no-recommendation", {"format_version": 1, "latency": LATENCY}, [r"no recommendation"]),
+    ("bc-not-an-integer", {"recommendation": {**REC, "bc": "abc"}}, [r"\bbc\b", r"'abc'"]),
+    ("bc-true", {"recommendation": {**REC, "bc": True}}, [r"\bbc\b", r"True"]),
+    ("k-not-an-integer", {"recommendation": {**REC, "mask_tokens": 1.5}},
+     [r"mask_tokens", r"1\.5"]),
+    ("unknown-drafter", {"recommendation": {**REC, "drafter": "magic"}}, [r"drafter", r"magic"]),
+    ("bad-latency-curve", {"recommendation": REC, "latency": [1, 2]}, [r"latency curve"]),
+]
+
+
+@pytest.mark.parametrize("content,patterns", [c[1:] for c in BAD_PROFILES],
+                         ids=[c[0] for c in BAD_PROFILES])
+def test_bad_profile_file_is_one_line(stories_path, tmp_path, content, patterns):
     bad = tmp_path / "p.json"
-    bad.write_text('{"format_version": 99}')
+    bad.write_text(json.dumps({"format_version": 1, "latency": LATENCY, **content}))
     proc = cli("generate", "--model", stories_path, "--prompt", "x", "--profile", str(bad),
                check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "not an edgemtp profile" in proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("edgemtp: error: ") and repr(str(bad)) in proc.stderr
+    for pattern in patterns:
+        assert re.search(pattern, proc.stderr), (pattern, proc.stderr)
 
 
-def test_bench_runs_drafters_checks_outputs_and_plots(stories_path, tmp_path):
-    proc = cli("bench", "--model", stories_path, "--drafters", "probe,auto", "--bc", "10,30",
-               "--sets", "stories", "--per-set", "3", "--max-new-tokens", "24", "--threads", "1",
-               "--out", str(tmp_path))
+BAD_TOOL_INPUTS = [  # (id, argv with {model}, regexes the one stderr line must match)
+    ("bench-bc-0", ["bench", "--model", "{model}", "--bc", "0"], [r"--bc", r"\b0\b"]),
+    ("bench-drafters-comma", ["bench", "--model", "{model}", "--drafters", ","],
+     [r"--drafters", r"probe"]),
+    ("bench-unknown-drafter", ["bench", "--model", "{model}", "--drafters", "probe,magic"],
+     [r"--drafters", r"magic"]),
+    ("bench-no-drafter-fits", ["bench", "--model", "{model}", "--drafters", "probe", "--bc", "1"],
+     [r"no drafter can run", r"probe at BC 1"]),
+    ("bench-repeats-0", ["bench", "--model", "{model}", "--repeats", "0"], [r"--repeats"]),
+    ("profile-budget-huge", ["profile", "{model}", "--budget", "100000"],
+     [r"--budget", r"100000", r"1024"]),
+    ("profile-budget-0", ["profile", "{model}", "--budget", "0"], [r"--budget", r"\b0\b"]),
+    ("profile-prompts-0", ["profile", "{model}", "--prompts", "0"], [r"--prompts", r"\b0\b"]),
+    ("profile-repeats-0", ["profile", "{model}", "--repeats", "0"], [r"--repeats", r"\b0\b"]),
+]
+
+
+@pytest.mark.parametrize("argv,patterns", [c[1:] for c in BAD_TOOL_INPUTS],
+                         ids=[c[0] for c in BAD_TOOL_INPUTS])
+def test_bad_tool_input_is_one_line_and_writes_nothing(stories_path, tmp_path, argv, patterns):
+    out = tmp_path / "out"
+    proc = cli(*[a.format(model=stories_path) for a in argv], "--out", str(out), check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("edgemtp: error: "), \
+        proc.stderr[-2000:]
+    for pattern in patterns:
+        assert re.search(pattern, proc.stderr), (pattern, proc.stderr)
+    assert not out.exists()
+
+
+def test_import_edgemtp_leaves_the_tools_and_their_dependencies_out():
+    code = ("import json, sys, edgemtp, edgemtp.cli; print(json.dumps(sorted(m for m in "
+            "sys.modules if m.split('.')[0] in ('matplotlib', 'torch', 'transformers') "
+            "or m.startswith('edgemtp.tools'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+
+
+BENCH = ["bench", "--drafters", "probe,pld,auto", "--bc", "10,30", "--sets", "stories",
+         "--per-set", "3", "--max-new-tokens", "24", "--repeats", "1", "--threads", "1",
+         "--no-hf-reference"]  # the reference has its own test below
+
+
+def test_bench_resumes_after_ctrl_c_without_measuring_kept_rows_again(stories_path, tmp_path):
+    argv = [sys.executable, "-m", "edgemtp.cli", *BENCH, "--model", stories_path,
+            "--out", str(tmp_path)]
+    log = tmp_path / "bench_stories260K_torch.rows.jsonl"
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline and not (
+            log.is_file() and log.read_text().count("\n") >= 2):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    kept = log.read_text().splitlines()
+    assert "Traceback" not in err and 2 <= len(kept) < 7
+    assert err.splitlines()[-1].startswith(f"edgemtp: interrupted; {len(kept)} measured rows "
+                                           f"are kept in {log}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [log.name]  # no partial results
+
+    proc = cli(*BENCH, "--model", stories_path, "--out", str(tmp_path))
+    lines = log.read_text().splitlines()
+    assert lines[:len(kept)] == kept  # the kept rows were not measured again ...
+    keys = [json.loads(line)["key"] for line in lines]
+    assert len(keys) == len(set(keys)) == 7  # ... and nothing was measured twice
     data = json.loads((tmp_path / "bench_stories260K_torch.json").read_text())
-    assert data["failures"] == []
-    methods = {(r["method"], r["bc"]) for r in data["rows"]}
-    assert {("greedy", 1), ("probe", 10), ("probe", 30), ("auto", 10), ("auto", 30),
-            ("transformers prompt lookup", 11)} <= methods
-    assert all(r["lossless"] for r in data["rows"])
-    assert "| probe | 30 |" in proc.stdout
+    assert data["reused_rows"] == len(kept) and f"holds {len(kept)} rows" in proc.stderr
+    measured = {(r["method"], r["bc"]): r for r in data["rows"]}
+    for line in map(json.loads, kept):  # the table shows the kept measurements
+        assert measured[line["method"], line["bc"]]["tokens_per_second"] == \
+            line["record"]["summary"]["tokens_per_second"]
+    assert set(measured) == {("greedy", 1), ("probe", 10), ("probe", 30), ("pld", 10),
+                             ("pld", 30), ("auto", 10), ("auto", 30)}
+    assert data["failures"] == [] and all(r["lossless"] for r in data["rows"])
+    assert "| probe | 30 |" in proc.stdout and "| auto | 10 |" in proc.stdout
     for png in ("bench_stories260K_torch_be.png", "bench_stories260K_torch_tps.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
 
-def test_bench_rejects_unknown_drafter(stories_path, tmp_path):
-    proc = cli("bench", "--model", stories_path, "--drafters", "probe,magic", "--out",
-               str(tmp_path), check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "magic" in proc.stderr.strip().splitlines()[-1]
+def test_bench_reference_runs_transformers_on_the_backends_source(stories_path, tmp_path):
+    from edgemtp import GenerationConfig, Model
+    from edgemtp.tools.benchmark import methods, reference_source, run_bench
+    from edgemtp.tools.prompts import story_prompts
+    from edgemtp.tools.rowlog import RowLog
+
+    model = Model.load(stories_path, backend="torch", threads=1)
+    model.backend.source = None  # a backend that cannot name its Hugging Face folder
+    assert reference_source(model) is None
+    model.backend.source = stories_path
+    greedy = GenerationConfig(drafter="none", max_new_tokens=16)
+    result = run_bench(model, {"stories": story_prompts(2)}, greedy,
+                       methods(["pld"], [11], greedy), RowLog(tmp_path / "rows.jsonl", {}))
+    ref = next(r for r in result["rows"] if r["method"] == "transformers prompt lookup")
+    assert ref["bc"] == 11 and ref["lossless"] and ref["tokens"] == 32
+    assert result["reference_source"] == stories_path and result["failures"] == []
+
+
+def test_row_log_reuses_rows_of_the_same_settings_only(tmp_path):
+    from edgemtp.tools.rowlog import RowLog
+
+    path, prompts = tmp_path / "rows.jsonl", ["Once upon a time"]
+    log = RowLog(path, {"repeats": 1})
+    log.add("stories", "probe", 10, prompts, {"tps": 1.0})
+    log.close()
+    with open(path, "a") as f:
+        f.write('{"settings": {"repeats": 1}, "key": "cut sh')  # a killed run's last line
+    assert RowLog(path, {"repeats": 1}).get("stories", "probe", 10, prompts) == {"tps": 1.0}
+    assert RowLog(path, {"repeats": 1}).get("stories", "probe", 10, ["other"]) is None
+    assert RowLog(path, {"repeats": 3}).kept == 0
+    fresh = RowLog(path, {"repeats": 1}, fresh=True)
+    assert fresh.kept == 0 and path.read_text().count("\n") == 1  # untouched until a new row
+    fresh.add("stories", "pld", 11, prompts, {"tps": 2.0})
+    fresh.close()
+    assert RowLog(path, {"repeats": 1}).records.keys() == fresh.records.keys()
+    assert path.read_text().count("\n") == 1

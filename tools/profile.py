@@ -1,9 +1,11 @@
 """``edgemtp profile``: measure on this device what a block-complexity budget buys.
 
-It measures the forward latency curve t(T), the BE and tokens/s of every candidate plan under
-the budget on a prompt set, and peak memory, then recommends the drafter, budget and mask-token
-count with the best measured tokens/s. The JSON it writes is what ``generate --profile`` reads
-(the recommendation, and the latency curve the ``auto`` drafter uses).
+It measures the forward latency curve t(T), the BE and tokens/s (the best of ``--repeats``
+runs over the prompts) of every candidate plan under the budget, and the process's peak
+memory, then recommends the drafter, budget and mask-token count of the lossless plan with the
+best measured tokens/s. The JSON it writes (``out/profile/profile.json`` by default) is what
+``generate --profile`` reads back through :func:`read_profile`: the recommendation, and the
+latency curve the ``auto`` drafter uses.
 """
 
 from __future__ import annotations
@@ -15,18 +17,25 @@ import sys
 import time
 from pathlib import Path
 
-from .config import GenerationConfig
-from .errors import ConfigError
-from .latency import LatencyCurve
+from edgemtp.budgets import check_bc
+from edgemtp.config import GenerationConfig
+from edgemtp.errors import ConfigError
+from edgemtp.latency import LatencyCurve
+
+from . import at_least_one, check_fits, quiet_transformers
+from .measure import measure
+from .prompts import load_prompts
 
 FORMAT = 1
 BC_GRID = (4, 6, 8, 10, 14, 20, 30, 40, 60, 90, 120)
 
 
 def candidates(budget: int) -> list[tuple[str, dict]]:
-    """Plans worth measuring under ``budget``: plain decoding, k = 1 probing on a grid of BCs,
-    k = 2 dynamic trees, the lookup drafters (PLD, STAND, LADE, hybrid) at the paper's BCs
-    (or the budget, when below 10), and the auto policy."""
+    """Plans worth measuring under ``budget``: plain decoding; k = 1 probing on a grid of BCs
+    and k = 2 dynamic trees on its multiples of 3 from 9; prompt lookup at BC
+    ``min(budget, 11)`` (a chain is at most 10 deep); STAND, lookahead (from BC 3) and the k = 1
+    hybrid at the paper's BCs 10 / 30 / 60 (or at the budget, below 10); ``auto`` at the
+    budget (from BC 4)."""
     out = [("none", dict(drafter="none"))]
     out += [(f"probe k=1 BC={b}", dict(drafter="probe", bc=b, mask_tokens=1))
             for b in BC_GRID if b <= budget]
@@ -44,65 +53,57 @@ def candidates(budget: int) -> list[tuple[str, dict]]:
     return out
 
 
-def load_prompts(path: str | None, n: int) -> list[str]:
-    """Prompts from a JSONL file (``prompt`` or Spec-Bench ``turns``), default: the shared
-    story prompts."""
-    if path is None:
-        from .demo import story_prompts
-
-        return story_prompts(n)
-    try:
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read prompts from {path!r}: {e}") from None
-    prompts = [r.get("prompt") or (r.get("turns") or [None])[0] for r in rows]
-    prompts = [p for p in prompts if isinstance(p, str) and p]
-    if not prompts:
-        raise ConfigError(f"{path!r} has no prompts; expected JSON lines with 'prompt' or 'turns'")
-    return prompts[:n]
+def command(a, load) -> int:
+    """``edgemtp profile``: check every option, load the model with ``load(a)``, measure,
+    write ``profile.json`` and ``profile.png`` to ``a.out``. Returns the exit code."""
+    budget = check_bc(a.budget, "--budget")
+    at_least_one(prompts=a.prompts, repeats=a.repeats)
+    GenerationConfig(drafter="none", max_new_tokens=a.max_new_tokens)  # checks the count
+    prompts = load_prompts(a.prompts_file, a.prompts)
+    quiet_transformers(a.model)
+    profile = run_profile(load(a), budget, prompts, a.max_new_tokens, repeats=a.repeats)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(profile, indent=1))
+    plot(profile, out / "profile.png")
+    print(table(profile))
+    print(f"wrote {out / 'profile.json'} (use: edgemtp generate --profile {out / 'profile.json'}) "
+          f"and {out / 'profile.png'}")
+    return 0
 
 
 def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
                 repeats: int = 2) -> dict:
+    """The profile of ``model`` under ``budget`` on ``prompts`` (see the module's docstring)."""
     from tqdm import tqdm
 
-    from .latency import measure_latency
+    from edgemtp.latency import measure_latency
 
-    if budget < 1:
-        raise ConfigError(f"budget must be >= 1, got {budget}")
+    check_fits([check_bc(budget, "budget")], model.backend.max_context, "budget")
+    at_least_one(repeats=repeats)
+    if not prompts:
+        raise ConfigError("a profile needs at least one prompt, got none")
     sizes = sorted({1, 2, budget, *(b for b in BC_GRID if b <= budget)})
     latency = measure_latency(model.backend, sizes, repeats=15)
     plans = candidates(budget)
     rows = []
-    bar = tqdm(total=len(plans) * len(prompts) * repeats, desc="profile", unit="gen",
-               file=sys.stderr)
     reference = None
-    for label, opts in plans:
-        config = GenerationConfig(max_new_tokens=max_new_tokens, latency=latency, **opts)
-        speeds, tokens, calls, outputs = [], 0, 0, []
-        for rep in range(repeats):
-            t0, n = time.perf_counter(), 0
-            for p in prompts:
-                r = model.generate(p, config)
-                bar.update()
-                n += r.stats.new_tokens
-                if rep == 0:
-                    tokens, calls = tokens + r.stats.new_tokens, calls + r.stats.forward_calls
-                    outputs.append(r.token_ids)
-            speeds.append(n / (time.perf_counter() - t0))
-        reference = reference or outputs
-        be = tokens / calls
-        bc = opts.get("bc", 1)
-        rows.append(dict(plan=label, options=opts, block_efficiency=round(be, 4),
-                         tokens_per_second=round(max(speeds), 2),
-                         predicted_tokens_per_second=round(be / latency(bc), 2),
-                         lossless=outputs == reference))
-    bar.close()
+    with tqdm(total=len(plans) * len(prompts) * repeats, desc="profile", unit="gen",
+              file=sys.stderr) as bar:
+        for label, opts in plans:
+            config = GenerationConfig(max_new_tokens=max_new_tokens, latency=latency, **opts)
+            m = measure(model, prompts, config, bar, repeats)
+            reference = reference or m.outputs  # plain decoding's, the first plan
+            be = m.tokens / m.forward_calls
+            bc = opts.get("bc", 1)
+            rows.append(dict(plan=label, options=opts, block_efficiency=round(be, 4),
+                             tokens_per_second=round(max(m.rates), 2),
+                             predicted_tokens_per_second=round(be / latency(bc), 2),
+                             lossless=m.outputs == reference))
     base = rows[0]["tokens_per_second"]
     for row in rows:
         row["speedup"] = round(row["tokens_per_second"] / base, 3)
-    best = max(rows, key=lambda r: r["tokens_per_second"])
+    best = max((r for r in rows if r["lossless"]), key=lambda r: r["tokens_per_second"])
     rec = {"drafter": best["options"]["drafter"], "bc": best["options"].get("bc", 1),
            "mask_tokens": best["options"].get("mask_tokens", 1)}
     return {
@@ -111,7 +112,8 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "latency": latency.to_dict(), "plans": rows, "recommendation": rec,
-        "peak_memory_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_memory_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                 / (2**20 if sys.platform == "darwin" else 2**10), 1),  # B, KiB
     }
 
 
@@ -160,7 +162,9 @@ def plot(profile: dict, path: Path) -> None:
 
 
 def read_profile(path: str) -> tuple[dict, LatencyCurve]:
-    """The recommendation and latency curve of a profile file, with one-line errors."""
+    """The recommendation (``drafter``, ``bc``, ``mask_tokens``: a plan ``GenerationConfig``
+    accepts) and the latency curve of a profile file. Anything else is a one-line
+    :class:`~edgemtp.errors.ConfigError` that names the file."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -170,5 +174,11 @@ def read_profile(path: str) -> tuple[dict, LatencyCurve]:
         raise ConfigError(f"{path!r} is not an edgemtp profile (format_version {FORMAT})")
     rec = data.get("recommendation")
     if not isinstance(rec, dict) or not {"drafter", "bc", "mask_tokens"} <= set(rec):
-        raise ConfigError(f"profile {path!r} has no recommendation")
-    return rec, LatencyCurve.from_dict(data.get("latency") or {})
+        raise ConfigError(f"profile {path!r} has no recommendation; expected drafter, bc and "
+                          f"mask_tokens")
+    try:
+        GenerationConfig(drafter=rec["drafter"], bc=rec["bc"], mask_tokens=rec["mask_tokens"])
+        curve = LatencyCurve.from_dict(data.get("latency"))
+    except ConfigError as e:
+        raise ConfigError(f"profile {path!r}: {e}") from None
+    return rec, curve

@@ -1,20 +1,24 @@
-"""The main job: export a Hugging Face model to an ONNX package, then run plain greedy
-decoding and mask-token probing on the same prompts and backend, check they produce the same
-tokens (and the same as ``transformers`` ``generate``), and print the text and the speed-up
-figures."""
+"""``edgemtp demo``, the main job: on the default model (``../shared/models/stories260K``) or
+``--model``, run plain greedy decoding and every drafter (probing at BC 10 / 30 / 60 with k = 1
+and k = 2, prompt lookup, lookahead, the hybrid, auto) on the same story prompts and backend,
+check every output equals greedy's (and greedy's equals ``transformers`` ``generate``), and
+print the text and the speed-up figures. With the ``auto`` or ``onnxruntime`` backend a
+Hugging Face folder is first exported to an ONNX package under ``--out``.
+"""
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from .config import GenerationConfig
-from .errors import EdgeMTPError
+from edgemtp.config import GenerationConfig
+from edgemtp.errors import EdgeMTPError
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
+from . import at_least_one, quiet_transformers
+from .prompts import SHARED, STORY_PROMPTS, story_prompts
+
 FALLBACK_PROMPTS = ["Once upon a time, there was a little girl named", "The cat sat on the"]
 
 CONFIGS = [  # (label, options); the first one is the reference
@@ -30,21 +34,18 @@ CONFIGS = [  # (label, options); the first one is the reference
 ]
 
 
-def story_prompts(n: int) -> list[str]:
-    path = SHARED / "data" / "stories_prompts.jsonl"
-    if not path.is_file():
-        return FALLBACK_PROMPTS[:n]
-    with open(path) as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()][:n]
+def command(a) -> int:
+    """``edgemtp demo``; returns the exit code (1 when an output differs from greedy's)."""
+    from edgemtp.api import Model
 
-
-def run_demo(a) -> int:
-    from .api import Model
-
+    at_least_one(prompts=a.prompts)
+    GenerationConfig(drafter="none", max_new_tokens=a.max_new_tokens)  # checks the count
     model_path = a.model or str((SHARED / "models" / "stories260K").resolve())
     if a.model is None and not Path(model_path).is_dir():
         raise EdgeMTPError("no default model found at ../shared/models/stories260K; give --model")
-    prompts = story_prompts(a.prompts)
+    prompts = (story_prompts(a.prompts) if STORY_PROMPTS.is_file()
+               else FALLBACK_PROMPTS[:a.prompts])
+    quiet_transformers(model_path)
     is_package = (Path(model_path) / "edgemtp.json").is_file()
     reference = (None if a.no_reference or is_package
                  else _transformers_reference(model_path, prompts, a))
@@ -64,9 +65,8 @@ def run_demo(a) -> int:
 
 def _transformers_reference(path: str, prompts: list[str], a) -> dict:
     """Greedy tokens and tokens/s of ``transformers`` ``generate``: the outside reference."""
-    import time
-
     import torch
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if a.threads:
@@ -74,8 +74,9 @@ def _transformers_reference(path: str, prompts: list[str], a) -> dict:
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=a.trust_remote_code)
     hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=a.trust_remote_code).eval()
     outputs, speeds = [], []
+    bar = tqdm(prompts, desc="transformers generate (reference)", unit="prompt", file=sys.stderr)
     with torch.inference_mode():
-        for p in prompts:
+        for p in bar:
             ids = torch.tensor([tok(p).input_ids])
             t0 = time.perf_counter()
             out = hf.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=False)
