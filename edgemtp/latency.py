@@ -45,10 +45,11 @@ class LatencyCurve:
     @classmethod
     def from_dict(cls, d: dict) -> "LatencyCurve":
         try:
-            return cls(tuple(int(t) for t in d["block_sizes"]),
-                       tuple(float(s) for s in d["seconds"]))
+            sizes = tuple(int(t) for t in d["block_sizes"])
+            seconds = tuple(float(s) for s in d["seconds"])
         except (KeyError, TypeError, ValueError):
             raise ConfigError("a latency curve needs 'block_sizes' and 'seconds' lists") from None
+        return cls(sizes, seconds)  # its own checks say what else is wrong
 
 
 def measure_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7,

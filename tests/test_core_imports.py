@@ -11,7 +11,7 @@ HEAVY = ("torch", "transformers", "matplotlib", "edgemtp.tools", "edgemtp.export
 
 PROBE = """
 import json, sys
-import edgemtp
+import edgemtp, edgemtp.cli
 after_import = sorted(m for m in {heavy} if m in sys.modules)
 result = None
 if len(sys.argv) > 1:
@@ -32,7 +32,7 @@ def _heavy_modules(*args) -> tuple[list[str], list[str]]:
     return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def test_import_edgemtp_loads_no_heavy_module():
+def test_import_edgemtp_and_its_cli_loads_no_heavy_module():
     after_import, _ = _heavy_modules()
     assert after_import == []
 
