@@ -169,10 +169,16 @@ class Plan:
         return "\n".join(line.rstrip() for line in lines)
 
 
-@lru_cache(maxsize=256)
 def static_plan(bc: int, k: int, branching: tuple[int, ...] | None = None) -> Plan:
     """The static plan a budget allows: ``[N-1]`` for k = 1, ``branching`` (or the default
-    one) for k >= 2. Compiled once per process (plans are immutable)."""
+    one) for k >= 2. An installed plan (a package's) first, else compiled once per process
+    (plans are immutable)."""
+    installed = _INSTALLED.get((bc, k)) if branching is None else None
+    return installed[0] if installed else _static_plan(bc, k, branching)
+
+
+@lru_cache(maxsize=256)
+def _static_plan(bc: int, k: int, branching: tuple[int, ...] | None) -> Plan:
     n = nodes_for_budget(bc, k)
     if k == 1 and branching is None:
         return Plan.top1((n - 1,), k)
@@ -207,13 +213,19 @@ class DynamicPlans:
 
     bc: int
     k: int
-    table: dict = field(init=False, repr=False, compare=False)
+    table: dict | None = field(default=None, repr=False, compare=False)  # None: compile it
 
     def __post_init__(self) -> None:
         dynamic_table_size(self.bc, self.k)  # refuses a table too large to compile
-        n = nodes_for_budget(self.bc, self.k)
-        table = {shape: Plan.top1(shape, self.k) for shape in dynamic_shapes(n - 1, self.k)}
-        object.__setattr__(self, "table", table)
+        shapes = dynamic_shapes(nodes_for_budget(self.bc, self.k) - 1, self.k)
+        if self.table is None:
+            object.__setattr__(self, "table", {s: Plan.top1(s, self.k) for s in shapes})
+        elif list(self.table) != shapes or any(
+                p.k != self.k or p.counts + (0,) * (self.k - len(p.counts)) != s
+                for s, p in self.table.items()):
+            raise ConfigError(f"a plan table for bc={self.bc} k={self.k} must hold the "
+                              f"{len(shapes)} top-1 shapes {shapes[:3]}... in order, got "
+                              f"{list(self.table)[:3]}...")
 
     @property
     def n_nodes(self) -> int:
@@ -227,7 +239,27 @@ class DynamicPlans:
         return len(self.table)
 
 
-@lru_cache(maxsize=64)
 def dynamic_plans(bc: int, k: int) -> DynamicPlans:
-    """Cached :class:`DynamicPlans` (plans are immutable, so sharing is safe)."""
+    """The installed :class:`DynamicPlans` (a package's), else compiled once per process
+    (plans are immutable, so sharing is safe)."""
+    installed = _INSTALLED.get((bc, k))
+    return installed[1] if installed else _dynamic_plans(bc, k)
+
+
+@lru_cache(maxsize=64)
+def _dynamic_plans(bc: int, k: int) -> DynamicPlans:
     return DynamicPlans(bc, k)
+
+
+# plans read from a package (runtimes.package checks them equal to the compiled ones first),
+# served by static_plan / dynamic_plans in place of compiling: (bc, k) -> (static, dynamic)
+_INSTALLED: dict[tuple[int, int], tuple[Plan, DynamicPlans]] = {}
+
+
+def install(bc: int, k: int, static: Plan, dynamic: DynamicPlans) -> None:
+    """Serve ``static_plan(bc, k)`` and ``dynamic_plans(bc, k)`` from these plans from now on."""
+    if static.k != k or static.bc > bc or (dynamic.bc, dynamic.k) != (bc, k):
+        raise ConfigError(f"plans to install for bc={bc} k={k} must be of that budget, got a "
+                          f"static plan of T={static.bc} k={static.k} and a dynamic table "
+                          f"for bc={dynamic.bc} k={dynamic.k}")
+    _INSTALLED[(bc, k)] = (static, dynamic)

@@ -1,46 +1,146 @@
 """``edgemtp export``: a Hugging Face causal LM -> a self-contained ONNX package.
 
-Stages: read the config (unsupported families fail here, before any weight is loaded) ->
-load the model -> trace the decoder graph -> ``onnx.checker`` -> self-check (the graph in
-ONNX Runtime against the PyTorch decoder on a real prefill and a real tree step) -> plans,
-embeddings, tokenizer, manifest. Everything is written to a temporary folder beside the
-output and renamed at the very end, so a failed or interrupted export never leaves a folder
+Stages: check the options and the output folder (bad ones fail here, before anything is read
+or loaded) -> read the config (unsupported families and budgets that do not fit the model fail
+here, before any weight is loaded) -> load the model -> trace the decoder graph ->
+``onnx.checker`` -> self-check (the graph in ONNX Runtime against the PyTorch decoder on a real
+prefill and a real tree step) -> plans, embeddings, tokenizer, manifest -> load the result as a
+runtime would. Everything is written to a hidden partial folder beside the output and renamed
+at the very end (``folders``), so a failed, interrupted or killed export never leaves a folder
 that looks complete, and ``--force`` replaces an old package only once the new one is whole.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import shutil
+import struct
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edgemtp import __version__
-from edgemtp.errors import BudgetError, ConfigError, EdgeMTPError
-from edgemtp.budgets import nodes_for_budget
+from edgemtp.api import check_model_path
+from edgemtp.budgets import check_bc, check_context, dynamic_table_size
+from edgemtp.errors import ConfigError, ModelLoadError
+from edgemtp.models.families import family_for
+from edgemtp.models.families import max_context as context_limit
 from edgemtp.plans import static_plan
-from edgemtp.runtimes.package import (CACHE_LAYOUT, COMMIT, EMBEDDINGS, FORMAT_VERSION, GRAPH,
-                                      MANIFEST, graph_inputs, graph_outputs, plan_arrays,
-                                      plan_entry)
+from edgemtp.runtimes.package import (COMMIT, EMBEDDINGS, GRAPH, MANIFEST, TOKENIZER_FILES,
+                                      CacheInfo, EmbeddingInfo, GraphInfo, Manifest, PlanInfo,
+                                      SelfCheckInfo, Tolerance, graph_inputs, graph_outputs,
+                                      load_package, plan_arrays, record_files)
+
+from .folders import ExportError, check_destination, partial_folder, swap_in, touch
 
 if TYPE_CHECKING:
     from .selfcheck import CheckResult
 
+__all__ = ["ExportError", "ExportOptions", "ExportReport", "export_package"]
+
 EXPORT_DTYPES = ("fp32", "fp16")
 EXTERNAL_DATA_BYTES = 1_500_000_000  # above this, weights go to model.onnx.data
 DEFAULT_OPSET = 17
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
-                   "vocab.txt", "spiece.model", "merges.txt")
+# 13: kv_commit.onnx's Split takes its sizes as an input (and the decoder's dynamic Slice
+# needs 10+); 23: the newest opset torch 2.13's TorchScript exporter writes. Both ends export,
+# pass onnx.checker and the self-check, and generate (tests/test_package_errors.py)
+OPSETS = range(13, 24)
 
 
-class ExportError(EdgeMTPError):
-    """An export that cannot be done, or whose graph failed its own check."""
+@dataclass(frozen=True)
+class ExportOptions:
+    """What an export is asked for, checked before anything is read or loaded. ``budgets``
+    (every (bc, k) pair that makes a plan) and ``skipped`` (the others) are derived."""
+
+    dtype: str = "fp32"
+    max_context: int | None = None
+    bc: tuple[int, ...] = (10, 30, 60)
+    mask_tokens: tuple[int, ...] = (1, 2)
+    opset: int = DEFAULT_OPSET
+    tolerance: tuple[float, float] | None = None
+    budgets: tuple[tuple[int, int], ...] = field(init=False)
+    skipped: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in EXPORT_DTYPES:
+            raise ConfigError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got "
+                              f"{self.dtype!r}")
+        if not _is_int(self.opset) or self.opset not in OPSETS:
+            raise ConfigError(f"ONNX opset must be an integer from {OPSETS[0]} to "
+                              f"{OPSETS[-1]}, got {self.opset!r}")
+        if self.max_context is not None and (not _is_int(self.max_context)
+                                             or self.max_context < 2):
+            raise ConfigError(f"max context must be an integer >= 2 tokens, got "
+                              f"{self.max_context!r}")
+        tol = self.tolerance
+        if tol is not None and (len(tol) != 2 or not all(
+                isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in tol)):
+            raise ConfigError(f"self-check tolerance must be two numbers > 0 (token rows, mask "
+                              f"rows), got {tol!r}")
+        bcs = sorted({check_bc(b, "block complexity (--bc)") for b in self.bc})
+        ks = sorted({_mask_tokens(k) for k in self.mask_tokens})
+        if not bcs or not ks:
+            raise ConfigError(f"an export needs at least one budget and one mask-token count, "
+                              f"got bc {list(self.bc)} and mask tokens {list(self.mask_tokens)}")
+        object.__setattr__(self, "bc", tuple(bcs))
+        object.__setattr__(self, "mask_tokens", tuple(ks))
+        budgets, skipped = _plannable([(b, k) for b in bcs for k in ks], self._fits_context)
+        object.__setattr__(self, "budgets", tuple(budgets))
+        object.__setattr__(self, "skipped", tuple(skipped))
+
+    def _fits_context(self, bc: int, k: int, context: int | None = None) -> None:
+        # a plan's block must fit the KV cache next to a committed token; the model's own
+        # limit can only make the context smaller than the one asked for
+        context = context or self.max_context
+        if context is not None:
+            check_context(static_plan(bc, k).bc, context)
+
+    def fit(self, vocab: int, context: int) -> tuple[list[tuple[int, int]], list[str]]:
+        """The budgets whose plans fit the model: N + 1 <= vocab (top-K), T < max context."""
+        def fits(b: int, k: int) -> None:
+            n = static_plan(b, k).n_nodes
+            if vocab < n + 1:
+                raise ConfigError(f"a plan of {n} nodes needs a vocabulary of at least "
+                                  f"{n + 1} tokens, the model has {vocab}")
+            self._fits_context(b, k, context)
+
+        budgets, skipped = _plannable(self.budgets, fits)
+        return budgets, [*self.skipped, *skipped]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _mask_tokens(k) -> int:
+    if not _is_int(k) or k < 1:
+        raise ConfigError(f"mask tokens per node (--mask-tokens) must be integers >= 1, "
+                          f"got {k!r}")
+    return k
+
+
+def _plannable(pairs, check) -> tuple[list[tuple[int, int]], list[str]]:
+    """The (bc, k) pairs whose static and dynamic plans compile and pass ``check``; the others
+    are skipped (and reported), and none at all is an error."""
+    keep, skipped, last = [], [], None
+    for b, k in pairs:
+        try:
+            static_plan(b, k)
+            dynamic_table_size(b, k)  # a dynamic table too large to precompile
+            check(b, k)
+            keep.append((b, k))
+        except ConfigError as e:  # BudgetError included
+            skipped.append(f"bc={b} k={k}")
+            last = e
+    if not keep:
+        raise ExportError(f"no requested budget makes a plan ({', '.join(skipped)}): {last}")
+    return keep, skipped
 
 
 @dataclass
@@ -78,79 +178,81 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
     default ``selfcheck.TOLERANCE[dtype]``.
     """
     t0 = time.perf_counter()
-    out = Path(out)
-    _check_destination(model, out, force)  # before the heavy imports: fail fast
-    if dtype not in EXPORT_DTYPES:
-        raise ConfigError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
-    from tqdm import tqdm
+    options = ExportOptions(dtype, max_context, tuple(bc), tuple(mask_tokens), opset,
+                            None if tolerance is None else tuple(tolerance))
+    out = check_destination(model, out, force)  # before the heavy imports: fail fast
+    _check_source(model)
+    with partial_folder(out) as tmp:  # an unwritable place fails here, before any loading
+        from tqdm import tqdm
 
-    from edgemtp.models.families import family_for
-    from edgemtp.runtimes.torch_backend import load_hf_config
+        from edgemtp.runtimes.torch_backend import load_hf_config
 
-    from .graph import check_rope
+        from .graph import check_rope
 
-    config = load_hf_config(model, trust_remote_code)
-    family = family_for(config)          # unsupported families fail before any weight loads
-    check_rope(config)
-    budgets, skipped = _budgets(bc, mask_tokens, int(config.vocab_size))
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    bar = tqdm(total=6, desc=f"export {out.name}", disable=not progress,  # 6 stages
-               bar_format="{desc}: {n_fmt}/{total_fmt}{postfix} [{elapsed}]")
-    try:
-        check = _export_into(tmp, model, family, dtype, max_context, budgets, opset,
-                             trust_remote_code, tolerance, bar)
-        _swap_in(tmp, out)
-    except BaseException:  # interrupts included: never leave a half-written package
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        bar.close()
-    return ExportReport(out, family.name, dtype, time.perf_counter() - t0, check, budgets,
-                        skipped, sum(f.stat().st_size for f in out.glob(f"{GRAPH}*")))
+        config = load_hf_config(model, trust_remote_code)
+        family = family_for(config)          # unsupported families fail before any weight loads
+        check_rope(config)
+        context = context_limit(config, family, options.max_context)
+        budgets, skipped = options.fit(int(config.vocab_size), context)
+        bar = tqdm(total=6, desc=f"export {out.name}", disable=not progress,  # 6 stages
+                   bar_format="{desc}: {n_fmt}/{total_fmt}{postfix} [{elapsed}]")
+        try:
+            job = _Job(model, family, options, context, budgets, trust_remote_code, progress)
+            check = _export_into(tmp, job, bar)
+        except OSError as e:  # a full disk, a folder removed underneath
+            raise ExportError(f"writing the package failed: {_first_line(e)}") from None
+        finally:
+            bar.close()
+        load_package(tmp)  # what export wrote must load before it may look complete
+        swap_in(tmp, out)
+    return ExportReport(out, family.name, options.dtype, time.perf_counter() - t0, check,
+                        budgets, skipped, sum(f.stat().st_size for f in out.glob(f"{GRAPH}*")))
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One export's resolved inputs (options checked, config read, budgets fitted)."""
+
+    model: str
+    family: object          # models.families.Family
+    options: ExportOptions
+    context: int            # KV cache rows the package declares
+    budgets: list[tuple[int, int]]
+    trust_remote_code: bool
+    progress: bool
 
 
 @contextmanager
-def _stage(bar, label: str):
+def _stage(bar, label: str, tmp: Path):
     bar.set_postfix_str(label, refresh=True)
+    touch(tmp)  # a live export's partial folder is never stale
     yield
     bar.update()
 
 
-def _export_into(tmp: Path, model: str, family, dtype: str, max_context: int | None,
-                 budgets: list[tuple[int, int]], opset: int, trust_remote_code: bool,
-                 tolerance: tuple[float, float] | None, bar) -> CheckResult:
+def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
     import onnx
     import torch
-    from transformers import AutoModelForCausalLM
 
     from edgemtp.models.decoder import TreeDecoder
-    from edgemtp.models.families import max_context as context_limit
 
     from .graph import ExportDecoder, ExportTreeDecoder, commit_graph
     from .selfcheck import TOLERANCE, self_check
 
-    with _stage(bar, "loading the model"):
-        torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
-        try:
-            hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype,
-                                                      trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise ExportError(f"cannot load {model!r} as a causal LM: {_first_line(e)}") from None
-        hf.eval()
-        decoder = ExportTreeDecoder(hf, family)
+    dtype, opset = job.options.dtype, job.options.opset
+    with _stage(bar, "loading the model", tmp):
+        hf = _load_model(job, {"fp32": torch.float32, "fp16": torch.float16}[dtype])
+        decoder = ExportTreeDecoder(hf, job.family)
         topk = min(int(hf.config.vocab_size),
-                   max(nodes_for_budget(b, k) for b, k in budgets) + 1)
+                   max(static_plan(b, k).n_nodes for b, k in job.budgets) + 1)
         module = ExportDecoder(decoder, topk).eval()
         # the self-check holds the graph to the decoder the PyTorch backend runs
-        reference = ExportDecoder(TreeDecoder(hf, family), topk).eval()
+        reference = ExportDecoder(TreeDecoder(hf, job.family), topk).eval()
 
-    with _stage(bar, "tracing the graph"):
-        external = _write_graph(module, tmp, torch_dtype, opset)
+    with _stage(bar, "tracing the graph", tmp):
+        external = _write_graph(module, tmp, hf.dtype, opset)
 
-    with _stage(bar, "onnx.checker"):
+    with _stage(bar, "onnx.checker", tmp):
         onnx.save_model(commit_graph(len(decoder.model.layers), dtype, opset), str(tmp / COMMIT))
         for name in (GRAPH, COMMIT):
             try:
@@ -159,75 +261,142 @@ def _export_into(tmp: Path, model: str, family, dtype: str, max_context: int | N
                 raise ExportError(f"the exported {name} fails onnx.checker: "
                                   f"{_first_line(e)}") from None
 
-    with _stage(bar, "self-check against PyTorch"):
-        tokenizer = _save_tokenizer(model, tmp, trust_remote_code)
-        tol = TOLERANCE[dtype] if tolerance is None else tuple(tolerance)
-        check = self_check(tmp / GRAPH, reference, budgets, tokenizer, tol)
+    with _stage(bar, "self-check against PyTorch", tmp):
+        tokenizer, tokenizer_files = _save_tokenizer(job, tmp)
+        tol = TOLERANCE[dtype] if job.options.tolerance is None else job.options.tolerance
+        check = self_check(tmp / GRAPH, reference, job.budgets, tokenizer, tol)
 
-    with _stage(bar, "plans and embeddings"):
+    with _stage(bar, "plans and embeddings", tmp):
+        plans = [PlanInfo.compile(b, k) for b, k in job.budgets]
         (tmp / "plans").mkdir()
-        for b, k in budgets:
-            np.savez(tmp / plan_entry(b, k)["file"], **plan_arrays(b, k))
+        for p in plans:
+            np.savez(tmp / p.file, **plan_arrays(p.bc, p.k))
         table = hf.get_input_embeddings().weight.detach()
         np.save(tmp / EMBEDDINGS, table.cpu().numpy())
         t32 = table.float()  # statistics as the PyTorch backend computes them
-        mu, sigma = t32.mean(0).cpu().numpy(), t32.std(0).cpu().numpy()
+        embeddings = EmbeddingInfo(dtype=dtype, mu=tuple(t32.mean(0).tolist()),
+                                   sigma=tuple(t32.std(0).tolist()))
 
-    with _stage(bar, "manifest"):
-        manifest = _manifest(model, hf, decoder, family, dtype,
-                             context_limit(hf.config, family, max_context), budgets, topk,
-                             opset, external, tokenizer is not None, mu, sigma, check, tol)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    with _stage(bar, "manifest", tmp):
+        cfg, layers = hf.config, len(decoder.model.layers)
+        manifest = Manifest(
+            edgemtp_version=__version__, source=str(job.model), family=job.family.name,
+            model_type=cfg.model_type,
+            architectures=tuple(getattr(cfg, "architectures", None) or ()),
+            hidden_size=int(cfg.hidden_size), num_layers=layers,
+            num_heads=int(decoder.n_heads), num_kv_heads=int(decoder.n_kv),
+            head_dim=int(decoder.head_dim), vocab_size=int(cfg.vocab_size),
+            eos_token_ids=_eos_ids(hf), bos_token_id=_int_or_none(cfg, "bos_token_id"),
+            dtype=dtype, max_context=job.context, topk=topk,
+            graph=GraphInfo(opset=opset, external_data=external,
+                            inputs=tuple(graph_inputs(layers)),
+                            outputs=tuple(graph_outputs(layers))),
+            cache=CacheInfo(dtype=dtype), plans=tuple(plans), embeddings=embeddings,
+            tokenizer=tokenizer is not None, tokenizer_files=tokenizer_files,
+            files=record_files(tmp),
+            self_check=SelfCheckInfo(
+                token_rows_max_logit_diff=check.token_rows,
+                mask_rows_max_logit_diff=check.mask_rows, logit_scale=check.scale,
+                tolerance=Tolerance(token_rows=tol[0], mask_rows=tol[1])))
+        (tmp / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=1) + "\n")
     return check
 
 
 # -- pieces ---------------------------------------------------------------------------------
 
 
-def _check_destination(model: str, out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise ExportError(f"the output folder {str(out)!r} exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"the output {str(out)!r} is a file, not a folder; remove it first")
+def _check_source(model: str) -> None:
+    """A local model folder is read before anything heavy is imported: it needs a config.json
+    of a supported family and whole ``*.safetensors`` files (a hub id is checked on loading)."""
+    check_model_path(model)
     src = Path(model)
-    if src.exists() and out.exists():
-        s, o = src.resolve(), out.resolve()
-        if s == o or o in s.parents:
-            raise ExportError(f"the output folder {str(out)!r} holds the model being exported; "
-                              f"choose another output folder")
+    if not src.is_dir():
+        return
+    path = src / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model!r} has no config.json; expected a Hugging Face model folder")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read the model config {str(path)!r}: "
+                             f"{_first_line(e)}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"the model config {str(path)!r} should be a JSON object, got "
+                             f"{type(config).__name__}")
+    if "auto_map" not in config:  # the model's own code may name another type: load decides
+        family_for(SimpleNamespace(model_type=config.get("model_type"),
+                                   architectures=config.get("architectures")))
+    for weights in sorted(src.glob("*.safetensors")):
+        _check_safetensors(weights)
 
 
-def _budgets(bcs, ks, vocab: int) -> tuple[list[tuple[int, int]], list[str]]:
-    """Every (bc, k) pair that makes a valid static and dynamic plan; the others are skipped
-    and reported, and an export with no plan at all fails."""
-    keep, skipped, last = [], [], None
-    for b in sorted(set(int(x) for x in bcs)):
-        for k in sorted(set(int(x) for x in ks)):
-            try:
-                plan = static_plan(b, k)
-                if vocab < plan.n_nodes + 1:
-                    raise BudgetError(f"a plan of {plan.n_nodes} nodes needs a vocabulary of "
-                                      f"at least {plan.n_nodes + 1} tokens")
-                keep.append((b, k))
-            except ConfigError as e:  # BudgetError included
-                skipped.append(f"bc={b} k={k}")
-                last = e
-    if not keep:
-        raise ExportError(f"no requested budget makes a plan ({', '.join(skipped)}): {last}")
-    return keep, skipped
+def _check_safetensors(path: Path) -> None:
+    """Its size must be exactly what its header describes (8-byte length, JSON header,
+    tensors): a truncated file fails here, by name, before any weight loads."""
+    if path.is_file():
+        size = path.stat().st_size
+        want = _safetensors_size(path, size)
+        if want != size:
+            described = "no readable header" if want is None else f"a header for {want} bytes"
+            raise ModelLoadError(f"the weights file {str(path)!r} is damaged: {size} bytes with "
+                                 f"{described} (truncated or incomplete download?); restore it")
+
+
+def _safetensors_size(path: Path, size: int) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8)) if size >= 8 else (size,)
+            if 8 + n > size:
+                return None
+            header = json.loads(f.read(n))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        return 8 + n + max(ends, default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, struct.error):
+        return None
+
+
+@contextmanager
+def _transformers_progress(enabled: bool):
+    """transformers' own progress bars (``Loading weights``) follow ``progress``."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def _load_model(job: _Job, torch_dtype):
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with _transformers_progress(job.progress):
+            hf = AutoModelForCausalLM.from_pretrained(job.model, dtype=torch_dtype,
+                                                      trust_remote_code=job.trust_remote_code)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        raise ExportError(f"cannot load {job.model!r} as a causal LM: {_first_line(e)}") from None
+    return hf.eval()
 
 
 def _write_graph(module, tmp: Path, torch_dtype, opset: int) -> str | None:
     """Trace into a scratch folder, tidy, then save ``model.onnx`` as one file (weights
     inside) or, for large models, with one external weights file. Returns its name."""
     import onnx
+    from torch.onnx import OnnxExporterError
 
     from .graph import tidy_graph, trace_to_onnx
 
     scratch = tmp / "_trace"
     scratch.mkdir()
     try:
-        trace_to_onnx(module, scratch / GRAPH, torch_dtype, opset)
+        try:
+            trace_to_onnx(module, scratch / GRAPH, torch_dtype, opset)
+        except OnnxExporterError as e:
+            raise ExportError(f"torch.onnx cannot export this model at opset {opset}: "
+                              f"{_first_line(e)}") from None
         proto = onnx.load(str(scratch / GRAPH))
         tidy_graph(proto, module)
         weights = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -242,77 +411,35 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int) -> str | None:
     return external
 
 
-def _save_tokenizer(model: str, tmp: Path, trust_remote_code: bool):
-    """Copy the tokenizer into the package; None when the model folder has none."""
+def _save_tokenizer(job: _Job, tmp: Path):
+    """Copy the tokenizer into the package: (tokenizer, files written), or (None, ()) when the
+    model folder has none."""
     from transformers import AutoTokenizer
 
-    src = Path(model)
+    src = Path(job.model)
     if src.is_dir() and not any((src / f).is_file() for f in TOKENIZER_FILES):
-        return None  # some tokenizer classes build an empty tokenizer from nothing
+        return None, ()  # some tokenizer classes build an empty tokenizer from nothing
     try:
-        tok = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(job.model, trust_remote_code=job.trust_remote_code)
     except (OSError, ValueError, TypeError):
-        return None
+        return None, ()
     if len(tok) < 2:
-        return None
-    tok.save_pretrained(str(tmp))
-    return tok
+        return None, ()
+    written = tok.save_pretrained(str(tmp))
+    return tok, tuple(sorted(Path(f).relative_to(tmp).as_posix() for f in written
+                             if Path(f).is_file()))
 
 
-def _eos_ids(hf) -> list[int]:
+def _eos_ids(hf) -> tuple[int, ...]:
     eos = getattr(hf.generation_config, "eos_token_id", None)
     eos = hf.config.eos_token_id if eos is None else eos
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else
-                             ([] if eos is None else [eos]))]
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else
+                                  ([] if eos is None else [eos])))
 
 
-def _manifest(model, hf, decoder, family, dtype, context, budgets, topk, opset, external,
-              has_tokenizer, mu, sigma, check, tol) -> dict:
-    cfg = hf.config
-    layers = len(decoder.model.layers)
-    return {
-        "format_version": FORMAT_VERSION,
-        "edgemtp_version": __version__,
-        "source": str(model),
-        "family": family.name,
-        "model_type": cfg.model_type,
-        "architectures": list(getattr(cfg, "architectures", None) or []),
-        "hidden_size": int(cfg.hidden_size),
-        "num_layers": layers,
-        "num_heads": int(decoder.n_heads),
-        "num_kv_heads": int(decoder.n_kv),
-        "head_dim": int(decoder.head_dim),
-        "vocab_size": int(cfg.vocab_size),
-        "eos_token_ids": _eos_ids(hf),
-        "bos_token_id": getattr(cfg, "bos_token_id", None),
-        "dtype": dtype,
-        "max_context": int(context),
-        "topk": int(topk),
-        "graph": {
-            "file": GRAPH, "external_data": external, "opset": opset, "commit_file": COMMIT,
-            "inputs": graph_inputs(layers), "outputs": graph_outputs(layers),
-            "mask_slots": "input ids >= vocab_size select row id - vocab_size of mask_embeds",
-            "tree_mask": "block only [1, 1, T, T]; the graph prepends the cache columns",
-        },
-        "cache": {"layout": CACHE_LAYOUT, "dtype": dtype},
-        "plans": [plan_entry(b, k) for b, k in budgets],
-        "embeddings": {"file": EMBEDDINGS, "dtype": dtype,
-                       "mu": [float(x) for x in mu], "sigma": [float(x) for x in sigma]},
-        "tokenizer": bool(has_tokenizer),
-        "self_check": {"token_rows_max_logit_diff": check.token_rows,
-                       "mask_rows_max_logit_diff": check.mask_rows, "logit_scale": check.scale,
-                       "tolerance": {"token_rows": tol[0], "mask_rows": tol[1]},
-                       "rule": "|d| <= tolerance * max(1, max |logit|)"},
-    }
-
-
-def _swap_in(tmp: Path, out: Path) -> None:
-    # the old package (with --force) is moved aside only now that the new one is whole
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+def _int_or_none(cfg, key: str) -> int | None:
+    value = getattr(cfg, key, None)
+    return value if _is_int(value) else None
 
 
 def _first_line(e: BaseException) -> str:

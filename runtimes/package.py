@@ -4,28 +4,39 @@ reads. Numpy only, so a device that runs packages never imports torch.
 ::
 
     out/<name>/
-      edgemtp.json     manifest (format version, dims, EOS ids, dtype, max context, graph I/O
-                       names, cache layout, plans, embedding statistics)
+      edgemtp.json     manifest (:class:`Manifest`: format version, dims, EOS ids, dtype, max
+                       context, graph I/O names, cache layout, plans, embedding statistics,
+                       the byte size and sha256 of every file the export wrote)
       model.onnx       one decoder graph for prefill, plain decoding and tree steps
       model.onnx.data  external weights (large models only)
       kv_commit.onnx   gathers accepted K/V rows into a device-resident cache (CUDA, TensorRT)
       embeddings.npy   the input embedding table [V, d], for host-side mask initialisation
       plans/bc30_k1.npz   static and every dynamic plan of one budget: masks, positions, parents
-      tokenizer files
+      tokenizer.json, tokenizer_config.json, ...
 
-Loading validates the folder and says in one line what is wrong (:class:`ModelLoadError`).
+:func:`load_package` verifies everything a generation would load (every recorded file whole,
+the embedding table, the tokenizer files, every plan) and says in one line what is wrong
+(:class:`ModelLoadError`), so ``edgemtp inspect`` fails exactly where ``generate`` would. The
+plans it reads become the plans the runtime uses (:func:`edgemtp.plans.install`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
-from pathlib import Path
+import math
+import zipfile
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from functools import lru_cache
+from pathlib import Path, PurePosixPath
+from types import MappingProxyType, UnionType
+from typing import ClassVar, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 
 from edgemtp.errors import ModelLoadError
-from edgemtp.plans import dynamic_plans, static_plan
+from edgemtp.plans import DynamicPlans, Plan, dynamic_plans, install, static_plan
 
 FORMAT_VERSION = 1
 MANIFEST = "edgemtp.json"
@@ -34,6 +45,10 @@ COMMIT = "kv_commit.onnx"  # gathers accepted K/V rows into a device-resident ca
 EMBEDDINGS = "embeddings.npy"
 CACHE_LAYOUT = "[1, P, H_kv, D] per layer, sequence-major"
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+HASH_LIMIT = 4 * 2**20  # files up to this size get a sha256 in the manifest, checked at load
+# files a Hugging Face tokenizer may be saved as (an older package names none of its own)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
+                   "vocab.txt", "spiece.model", "merges.txt")
 
 FIXED_INPUTS = ("input_ids", "position_ids", "tree_mask", "mask_embeds")
 FIXED_OUTPUTS = ("topk_ids", "topk_logprobs", "argmax", "logits")
@@ -58,6 +73,10 @@ def plan_file(bc: int, k: int) -> str:
 
 def is_package(path) -> bool:
     return (Path(path) / MANIFEST).is_file()
+
+
+class ManifestError(ModelLoadError):
+    """A manifest whose fields are missing, of the wrong type, or inconsistent."""
 
 
 # -- plans ------------------------------------------------------------------------------------
@@ -85,82 +104,468 @@ def plan_arrays(bc: int, k: int) -> dict[str, np.ndarray]:
     }
 
 
-def plan_entry(bc: int, k: int) -> dict:
-    """The manifest's description of one budget's plans."""
-    static = static_plan(bc, k)
-    dyn = dynamic_plans(bc, k)
-    return {"bc": bc, "k": k, "T": static.bc, "n_nodes": static.n_nodes,
-            "static_counts": list(static.counts), "dynamic_shapes": len(dyn),
-            "file": plan_file(bc, k)}
+@dataclass(frozen=True)
+class BudgetPlans:
+    """One budget's plans as a package ships them (``plans/bc{bc}_k{k}.npz``)."""
+
+    bc: int
+    k: int
+    static: Plan
+    dynamic: DynamicPlans
 
 
-def _check_plan_file(root: Path, entry: dict) -> None:
+def _read_plans(root: Path, entry: PlanInfo) -> BudgetPlans:
     # the file must hold exactly the plans the runtime compiles for this budget, with the T
-    # the manifest (and so the graph's plan shapes) declares
-    bc, k, t, name = entry["bc"], entry["k"], entry["T"], entry["file"]
-    label = f"plan bc={bc} k={k} ({name})"
-    path = root / name
-    if not path.is_file():
-        raise ModelLoadError(f"{label} is missing from the package {str(root)!r}")
-    try:
-        with np.load(path) as f:
-            arrays = {key: f[key] for key in f.files}
-    except (OSError, ValueError, EOFError) as e:
-        raise ModelLoadError(f"{label} cannot be read: {_first_line(e)}") from None
+    # the manifest (and so the graph's plan shapes) declares; the plans are built from the
+    # file's parents
+    bc, k = entry.bc, entry.k
+    label = f"plan bc={bc} k={k} ({entry.file})"
+    arrays = _load_npz(root / entry.file, label)
     want = plan_arrays(bc, k)
     if set(arrays) != set(want):
         raise ModelLoadError(f"{label} holds arrays {sorted(arrays)}; expected {sorted(want)}")
     got_t = arrays["static_mask"].shape[-1]
-    if got_t != t or arrays["dynamic_masks"].shape[-1] != t:
-        raise ModelLoadError(f"{label} has T={got_t} positions but the manifest says T={t} "
-                             f"(= (k+1)*N = {want['static_mask'].shape[-1]}); re-export")
+    if got_t != entry.T or arrays["dynamic_masks"].shape[-1] != entry.T:
+        raise ModelLoadError(f"{label} has T={got_t} positions but the manifest says "
+                             f"T={entry.T} (= (k+1)*N = {want['static_mask'].shape[-1]}); "
+                             f"re-export")
     for key, value in want.items():
         if arrays[key].shape != value.shape or not np.array_equal(arrays[key], value):
             raise ModelLoadError(f"{label}: {key} {list(arrays[key].shape)} does not match the "
                                  f"plan this runtime compiles {list(value.shape)}; re-export")
+    table = {tuple(int(c) for c in shape): Plan(tuple(parents), k)
+             for shape, parents in zip(arrays["dynamic_shapes"], arrays["dynamic_parents"])}
+    return BudgetPlans(bc, k, Plan(tuple(arrays["static_parents"]), k),
+                       DynamicPlans(bc, k, table=table))
+
+
+def _load_npz(path: Path, label: str) -> dict[str, np.ndarray]:
+    if not path.is_file():
+        raise ModelLoadError(f"{label} is missing from the package {str(path.parent.parent)!r}")
+    try:
+        with np.load(path) as f:
+            return {key: f[key] for key in f.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ModelLoadError(f"{label} cannot be read: {_first_line(e)}") from None
 
 
 # -- manifest ---------------------------------------------------------------------------------
 
 
+def _relative(name: str, key: str) -> str:
+    """A file the manifest names must lie inside the package."""
+    p = PurePosixPath(name)
+    if not name or p.is_absolute() or ".." in p.parts:
+        raise ManifestError(f"{key!r} must be a path inside the package, got {name!r}")
+    return name
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ManifestError(message)
+
+
+def _check_dtype(dtype: str, key: str) -> None:
+    _check(dtype in NP_DTYPES, f"{key!r} must be one of {', '.join(NP_DTYPES)}, got {dtype!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphInfo:
+    opset: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    file: str = GRAPH
+    external_data: str | None = None
+    commit_file: str = COMMIT
+    NOTES: ClassVar[dict] = {
+        "mask_slots": "input ids >= vocab_size select row id - vocab_size of mask_embeds",
+        "tree_mask": "block only [1, 1, T, T]; the graph prepends the cache columns"}
+
+    def __post_init__(self) -> None:
+        for key in ("file", "commit_file", "external_data"):
+            if getattr(self, key) is not None:
+                _relative(getattr(self, key), f"graph.{key}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheInfo:
+    dtype: str
+    layout: str = CACHE_LAYOUT
+
+    def __post_init__(self) -> None:
+        _check(self.layout == CACHE_LAYOUT, f"'cache.layout' must be {CACHE_LAYOUT!r}, got "
+                                            f"{self.layout!r}")
+        _check_dtype(self.dtype, "cache.dtype")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInfo:
+    """The manifest's description of one budget's plans."""
+
+    bc: int
+    k: int
+    T: int
+    n_nodes: int
+    static_counts: tuple[int, ...]
+    dynamic_shapes: int
+    file: str
+
+    @classmethod
+    def compile(cls, bc: int, k: int) -> PlanInfo:
+        static = static_plan(bc, k)
+        return cls(bc=bc, k=k, T=static.bc, n_nodes=static.n_nodes,
+                   static_counts=static.counts, dynamic_shapes=len(dynamic_plans(bc, k)),
+                   file=plan_file(bc, k))
+
+    def __post_init__(self) -> None:
+        label = f"plan bc={self.bc} k={self.k}"
+        _check(self.k >= 1 and self.n_nodes >= 2 and self.T == (self.k + 1) * self.n_nodes
+               and self.T <= self.bc and sum(self.static_counts) == self.n_nodes - 1,
+               f"{label} is inconsistent: T={self.T}, N={self.n_nodes}, static counts "
+               f"{list(self.static_counts)} (expected T = (k+1)*N <= bc and N-1 draft nodes)")
+        _relative(self.file, f"{label} file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingInfo:
+    dtype: str
+    mu: tuple[float, ...]
+    sigma: tuple[float, ...]
+    file: str = EMBEDDINGS
+
+    def __post_init__(self) -> None:
+        _relative(self.file, "embeddings.file")
+        _check_dtype(self.dtype, "embeddings.dtype")
+        bad = [v for v in (*self.mu, *self.sigma) if not math.isfinite(v)]
+        _check(not bad and min(self.sigma, default=0) >= 0,
+               f"'embeddings.mu' and 'sigma' must be finite with sigma >= 0, got {bad[:1]}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tolerance:
+    token_rows: float
+    mask_rows: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelfCheckInfo:
+    """What the export's own check measured (``export.selfcheck``)."""
+
+    token_rows_max_logit_diff: float
+    mask_rows_max_logit_diff: float
+    logit_scale: float
+    tolerance: Tolerance
+    NOTES: ClassVar[dict] = {"rule": "|d| <= tolerance * max(1, max |logit|)"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileInfo:
+    """A file as the export wrote it: its size, and its sha256 when at most ``HASH_LIMIT``."""
+
+    bytes: int
+    sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.bytes >= 0, f"a file size must be >= 0, got {self.bytes}")
+        _check(self.sha256 is None or (len(self.sha256) == 64 and all(
+            c in "0123456789abcdef" for c in self.sha256)),
+            f"a sha256 must be 64 lowercase hex digits, got {self.sha256!r:.70}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """``edgemtp.json``, typed. The exporter builds it with keywords and writes
+    :meth:`to_dict`; :func:`load_package` reads it with :meth:`from_dict`.
+
+    ``files`` (every file the export wrote, by path inside the package) and
+    ``tokenizer_files`` are absent (None / empty) in packages from before they were recorded.
+    """
+
+    format_version: int = FORMAT_VERSION
+    edgemtp_version: str = ""
+    source: str = ""
+    family: str
+    model_type: str = ""
+    architectures: tuple[str, ...] = ()
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+    dtype: str
+    max_context: int
+    topk: int
+    graph: GraphInfo
+    cache: CacheInfo
+    plans: tuple[PlanInfo, ...]
+    embeddings: EmbeddingInfo
+    tokenizer: bool = True
+    tokenizer_files: tuple[str, ...] = ()
+    files: Mapping[str, FileInfo] | None = field(default=None, hash=False)
+    self_check: SelfCheckInfo | None = None
+
+    def __post_init__(self) -> None:
+        _check_version(self.format_version)
+        dims = {k: getattr(self, k) for k in ("hidden_size", "num_layers", "num_heads",
+                                              "num_kv_heads", "head_dim", "vocab_size")}
+        _check(min(dims.values()) >= 1, f"model dimensions must be >= 1, got {dims}")
+        _check(self.num_heads % self.num_kv_heads == 0,
+               f"'num_heads' {self.num_heads} is not a multiple of 'num_kv_heads' "
+               f"{self.num_kv_heads}")
+        _check_dtype(self.dtype, "dtype")
+        _check(all(e >= 0 for e in self.eos_token_ids),
+               f"'eos_token_ids' must be >= 0, got {list(self.eos_token_ids)}")
+        _check(self.max_context >= 2, f"'max_context' must be >= 2, got {self.max_context}")
+        _check(1 <= self.topk <= self.vocab_size,
+               f"'topk' must lie in [1, vocab_size {self.vocab_size}], got {self.topk}")
+        _check((list(self.graph.inputs), list(self.graph.outputs))
+               == (graph_inputs(self.num_layers), graph_outputs(self.num_layers)),
+               f"the graph inputs/outputs do not follow the contract for {self.num_layers} "
+               f"layers (input_ids, position_ids, tree_mask, mask_embeds, past_key_i/"
+               f"past_value_i)")
+        self._check_plans()
+        _check(len(self.embeddings.mu) == len(self.embeddings.sigma) == self.hidden_size,
+               f"'embeddings.mu' and 'sigma' must have hidden_size = {self.hidden_size} "
+               f"values, got {len(self.embeddings.mu)} and {len(self.embeddings.sigma)}")
+        if self.files is not None:
+            for name in self.files:
+                _relative(name, "files")
+            object.__setattr__(self, "files", MappingProxyType(dict(self.files)))
+            missing = [f for f in self.tokenizer_files if f not in self.files]
+            _check(not missing, f"'tokenizer_files' {missing} are not among 'files'")
+
+    def _check_plans(self) -> None:
+        _check(len(self.plans) > 0, "'plans' is empty; a package ships at least one budget")
+        budgets = [(p.bc, p.k) for p in self.plans]
+        _check(len(set(budgets)) == len(budgets), f"'plans' repeats a budget: {budgets}")
+        for p in self.plans:
+            _check(p.n_nodes <= self.topk, f"plan bc={p.bc} k={p.k} has {p.n_nodes} nodes but "
+                                           f"the graph exports top-{self.topk} candidates; "
+                                           f"re-export the package")
+            _check(p.T < self.max_context, f"plan bc={p.bc} k={p.k} needs T={p.T} positions, "
+                                           f"which leave no room in max_context "
+                                           f"{self.max_context}")
+
+    @classmethod
+    def from_dict(cls, data) -> Manifest:
+        """Parse and validate a manifest read from JSON; :class:`ManifestError` names the
+        first field that is missing, of the wrong type or inconsistent."""
+        _check(isinstance(data, dict), f"expected a JSON object, got {type(data).__name__}")
+        _check_version(data.get("format_version"))  # first: a newer format may differ anywhere
+        return _parse(cls, data, "")
+
+    def to_dict(self) -> dict:
+        """The JSON object ``edgemtp.json`` holds."""
+        return _plain(self)
+
+
+def _check_version(version) -> None:
+    _check(isinstance(version, int) and not isinstance(version, bool),
+           f"'format_version' should be an int, got {version!r:.60}")
+    _check(version >= 1, f"format version {version} is not a valid version (versions count "
+                         f"from 1; this edgemtp reads format version {FORMAT_VERSION})")
+    _check(version <= FORMAT_VERSION, f"format version {version}: this edgemtp reads format "
+                                      f"version {FORMAT_VERSION} or older (upgrade edgemtp or "
+                                      f"re-export the package)")
+
+
+_KINDS = {int: "an int", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _parse(kind, value, key: str):
+    """``value`` (from JSON) as ``kind``: a manifest dataclass, ``tuple[X, ...]``,
+    ``Mapping[str, X]``, ``X | None``, int, float, str or bool."""
+    origin, args = get_origin(kind), get_args(kind)
+    if is_dataclass(kind):
+        _check(isinstance(value, dict), f"{key!r} should be an object, got {value!r:.60}")
+        hints, given = _hints(kind), {}
+        for f in fields(kind):
+            name = f"{key}.{f.name}" if key else f.name
+            if f.name in value:
+                given[f.name] = _parse(hints[f.name], value[f.name], name)
+            elif f.default is MISSING:
+                raise ManifestError(f"{name!r} is missing")
+        return kind(**given)
+    if origin in (Union, UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _parse(inner, value, key)
+    if origin is tuple:
+        _check(isinstance(value, list), f"{key!r} should be a list, got {value!r:.60}")
+        return tuple(_parse(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is Mapping:
+        _check(isinstance(value, dict), f"{key!r} should be an object, got {value!r:.60}")
+        return {k: _parse(args[1], v, f"{key}[{k!r}]") for k, v in value.items()}
+    ok = isinstance(value, (int, float) if kind is float else kind)
+    _check(ok and (kind is bool or not isinstance(value, bool)),
+           f"{key!r} should be {_KINDS[kind]}, got {value!r:.60}")
+    return float(value) if kind is float else value
+
+
+@lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    return get_type_hints(cls)
+
+
+def _plain(value):
+    """A manifest dataclass as JSON values (tuples as lists), with its constant notes."""
+    if is_dataclass(value):
+        out = {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+        return {**out, **getattr(value, "NOTES", {})}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def record_files(folder: Path) -> dict[str, FileInfo]:
+    """Every file under ``folder`` but the manifest: size, and sha256 for small files."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        name = p.relative_to(folder).as_posix()
+        if p.is_file() and name != MANIFEST:
+            size = p.stat().st_size
+            out[name] = FileInfo(bytes=size, sha256=_sha256(p) if size <= HASH_LIMIT else None)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# -- the package ------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Package:
-    """A validated package folder and its manifest."""
+    """A validated package folder: ``manifest`` is the JSON object as read (for readers of
+    raw keys), ``meta`` the same typed."""
 
     root: Path
     manifest: dict
+    meta: Manifest
 
     @property
     def graph_path(self) -> Path:
-        return self.root / self.manifest["graph"]["file"]
+        return self.root / self.meta.graph.file
 
     @property
     def np_dtype(self):
-        return NP_DTYPES[self.manifest["dtype"]]
+        return NP_DTYPES[self.meta.dtype]
 
     def kv_cache_bytes(self, rows: int | None = None, dtype: str | None = None) -> int:
         """K and V for every layer at ``rows`` cache rows (default: the max context)."""
-        m = self.manifest
-        itemsize = np.dtype(NP_DTYPES[dtype or m["dtype"]]).itemsize
-        return (2 * m["num_layers"] * (rows or m["max_context"]) * m["num_kv_heads"]
-                * m["head_dim"] * itemsize)
+        m = self.meta
+        itemsize = np.dtype(NP_DTYPES[dtype or m.dtype]).itemsize
+        return (2 * m.num_layers * (rows or m.max_context) * m.num_kv_heads * m.head_dim
+                * itemsize)
 
     def weight_bytes(self) -> int:
-        g = self.manifest["graph"]
-        files = [g["file"]] + ([g["external_data"]] if g.get("external_data") else [])
+        g = self.meta.graph
+        files = [g.file] + ([g.external_data] if g.external_data else [])
         return sum((self.root / f).stat().st_size for f in files if (self.root / f).is_file())
 
+    def read_plans(self) -> dict[tuple[int, int], BudgetPlans]:
+        """Every budget's plans read from ``plans/*.npz`` (built from the files' parents and
+        checked equal, mask and positions, to what :mod:`edgemtp.plans` compiles)."""
+        return {(e.bc, e.k): _read_plans(self.root, e) for e in self.meta.plans}
 
-REQUIRED = {
-    "format_version": int, "family": str, "hidden_size": int, "num_layers": int,
-    "num_heads": int, "num_kv_heads": int, "head_dim": int, "vocab_size": int,
-    "eos_token_ids": list, "dtype": str, "max_context": int, "graph": dict, "cache": dict,
-    "plans": list, "embeddings": dict, "topk": int,
-}
+    # -- checks (load_package runs them all) -------------------------------------------------
+
+    def _where(self) -> str:
+        return f"the package {str(self.root)!r}"
+
+    def _roles(self) -> dict[str, str]:
+        """What each file the manifest names is, for messages."""
+        m = self.meta
+        roles = {m.graph.file: "graph", m.graph.commit_file: "commit graph",
+                 m.embeddings.file: "embedding table"}
+        if m.graph.external_data:
+            roles[m.graph.external_data] = "external weights"
+        roles.update({p.file: f"plan bc={p.bc} k={p.k}" for p in m.plans})
+        roles.update({f: "tokenizer file" for f in m.tokenizer_files})
+        return roles
+
+    def _role(self, name: str) -> str:
+        return self._roles().get(name, "file")
+
+    def _missing(self, name: str, detail: str = "") -> ModelLoadError:
+        return ModelLoadError(f"{self._where()} is missing the {self._role(name)} {name}"
+                              f"{detail}; re-export it")
+
+    def check_files(self) -> None:
+        """Every file the export wrote is there and whole; older packages (no record): the
+        graph, its external weights and some tokenizer file."""
+        m = self.meta
+        if m.tokenizer:
+            self._check_tokenizer()
+        if m.files is None:
+            for name in (m.graph.file, m.graph.external_data):
+                if name and not (self.root / name).is_file():
+                    raise self._missing(name)
+            return
+        unrecorded = [name for name in self._roles() if name not in m.files]
+        if unrecorded:
+            raise ModelLoadError(f"the manifest of {self._where()} records no size for "
+                                 f"{unrecorded[0]}; re-export the package")
+        for name, info in m.files.items():
+            self._check_file(name, info)
+
+    def _check_tokenizer(self) -> None:
+        want = self.meta.tokenizer_files or TOKENIZER_FILES
+        have = [f for f in want if (self.root / f).is_file()]
+        if len(have) < (len(want) if self.meta.tokenizer_files else 1):
+            missing = [f for f in want if f not in have]
+            expected = (", ".join(want) if self.meta.tokenizer_files
+                        else f"one of {', '.join(want)}")
+            raise ModelLoadError(f"the manifest says {self._where()} has a tokenizer, but "
+                                 f"{missing[0]} is missing (expected {expected}); re-export, or "
+                                 f"copy the tokenizer files from the model folder")
+
+    def _check_file(self, name: str, info: FileInfo) -> None:
+        path = self.root / name
+        if not path.is_file():
+            raise self._missing(name, f" (the export wrote {info.bytes} bytes)")
+        size, what = path.stat().st_size, f"the {self._role(name)} {str(path)!r}"
+        if size != info.bytes:
+            cut = "truncated" if size < info.bytes else "grown"
+            raise ModelLoadError(f"{what} is {size} bytes but the export wrote {info.bytes}: "
+                                 f"it was {cut} or replaced after export; re-export the package")
+        if info.sha256 is not None and _sha256(path) != info.sha256:
+            raise ModelLoadError(f"{what} differs from what the export wrote (same size, "
+                                 f"different sha256): it is corrupt or was edited; re-export "
+                                 f"the package")
+
+    def check_embeddings(self) -> None:
+        """The table must be ``[vocab_size, hidden_size]`` of the recorded dtype."""
+        m, e = self.meta, self.meta.embeddings
+        path = self.root / e.file
+        if not path.is_file():
+            raise self._missing(e.file)
+        try:
+            table = np.load(path, mmap_mode="r")  # reads the header only
+        except (OSError, ValueError, EOFError) as err:
+            raise ModelLoadError(f"{str(path)!r} cannot be read: {_first_line(err)}") from None
+        want = (m.vocab_size, m.hidden_size)
+        if table.shape != want or table.dtype != NP_DTYPES[e.dtype]:
+            raise ModelLoadError(f"{str(path)!r} holds a {list(table.shape)} {table.dtype} "
+                                 f"table, but the manifest says [vocab_size {want[0]}, "
+                                 f"hidden_size {want[1]}] {np.dtype(NP_DTYPES[e.dtype])}; the "
+                                 f"manifest and the table do not belong together: re-export")
 
 
 def load_package(path, check_plans: bool = True) -> Package:
-    """Read and validate a package folder; one-line :class:`ModelLoadError` when it is bad."""
+    """Read and validate a package folder; one-line :class:`ModelLoadError` when it is bad.
+    With ``check_plans`` (the default), the plans read from it become the runtime's plans."""
     root = Path(path)
     if not root.is_dir():
         raise ModelLoadError(f"package folder {str(path)!r} does not exist")
@@ -169,44 +574,19 @@ def load_package(path, check_plans: bool = True) -> Package:
         raise ModelLoadError(f"{str(path)!r} has no {MANIFEST}; expected a folder written by "
                              f"'edgemtp export'")
     try:
-        m = json.loads(mpath.read_text())
+        raw = json.loads(mpath.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"the manifest {str(mpath)!r} is corrupt: {_first_line(e)}") from None
-    if not isinstance(m, dict):
-        raise ModelLoadError(f"the manifest {str(mpath)!r} is corrupt: expected a JSON object, "
-                             f"got {type(m).__name__}")
-    version = m.get("format_version")
-    if isinstance(version, int) and version > FORMAT_VERSION:
-        raise ModelLoadError(f"the package {str(path)!r} has format version {version}; this "
-                             f"edgemtp reads format version {FORMAT_VERSION} or older (upgrade "
-                             f"edgemtp or re-export)")
-    for key, kind in REQUIRED.items():
-        if not isinstance(m.get(key), kind):
-            raise ModelLoadError(f"the manifest {str(mpath)!r} is corrupt: {key!r} should be a "
-                                 f"{kind.__name__}, got {m.get(key)!r:.60}")
-    if m["dtype"] not in NP_DTYPES:
-        raise ModelLoadError(f"the manifest dtype must be one of {', '.join(NP_DTYPES)}, "
-                             f"got {m['dtype']!r}")
-    pkg = Package(root, m)
-    if not pkg.graph_path.is_file():
-        raise ModelLoadError(f"the package {str(path)!r} has no {m['graph'].get('file')}; "
-                             f"re-export it")
-    ext = m["graph"].get("external_data")
-    if ext and not (root / ext).is_file():
-        raise ModelLoadError(f"the package {str(path)!r} is missing the external weights {ext}")
-    layers = m["num_layers"]
-    if (m["graph"].get("inputs") != graph_inputs(layers)
-            or m["graph"].get("outputs") != graph_outputs(layers)):
-        raise ModelLoadError(f"the manifest's graph inputs/outputs do not follow the contract "
-                             f"for {layers} layers (input_ids, position_ids, tree_mask, "
-                             f"mask_embeds, past_key_i/past_value_i)")
-    for entry in m["plans"]:
-        if entry.get("n_nodes", 0) > m["topk"]:
-            raise ModelLoadError(f"plan bc={entry.get('bc')} k={entry.get('k')} has "
-                                 f"{entry['n_nodes']} nodes but the graph exports top-{m['topk']} "
-                                 f"candidates; re-export the package")
-        if check_plans:
-            _check_plan_file(root, entry)
+    try:
+        meta = Manifest.from_dict(raw)
+    except ManifestError as e:
+        raise ModelLoadError(f"the manifest {str(mpath)!r} is invalid: {e}") from None
+    pkg = Package(root, raw, meta)
+    pkg.check_files()
+    pkg.check_embeddings()
+    if check_plans:
+        for p in pkg.read_plans().values():
+            install(p.bc, p.k, p.static, p.dynamic)
     return pkg
 
 
@@ -228,38 +608,37 @@ def _size(n: float) -> str:
 
 def describe(pkg: Package) -> str:
     """What ``edgemtp inspect`` prints: manifest summary, plans, memory estimate."""
-    m = pkg.manifest
-    g, check = m["graph"], m.get("self_check", {})
+    m = pkg.meta
+    g, check = m.graph, m.self_check
     lines = [
         f"package   {pkg.root}",
-        f"format    {m['format_version']} (edgemtp {m.get('edgemtp_version', '?')}), "
-        f"from {m.get('source', '?')}",
-        f"model     {m['family']} ({', '.join(m.get('architectures') or []) or m['family']}): "
-        f"{m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']} heads, "
-        f"{m['num_kv_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}",
-        f"dtype     {m['dtype']}   max context {m['max_context']}   EOS "
-        f"{m['eos_token_ids']}   tokenizer {'yes' if m.get('tokenizer', True) else 'no'}",
-        f"graph     {g['file']}{' + ' + g['external_data'] if g.get('external_data') else ''}, "
-        f"opset {g.get('opset', '?')}, top-K {m['topk']}, {len(g['inputs'])} inputs, "
-        f"{len(g['outputs'])} outputs",
-        f"cache     {m['cache']['layout']}",
+        f"format    {m.format_version} (edgemtp {m.edgemtp_version or '?'}), "
+        f"from {m.source or '?'}",
+        f"model     {m.family} ({', '.join(m.architectures) or m.family}): "
+        f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
+        f"{m.num_kv_heads} KV heads x {m.head_dim}, vocab {m.vocab_size}",
+        f"dtype     {m.dtype}   max context {m.max_context}   EOS "
+        f"{list(m.eos_token_ids)}   tokenizer {'yes' if m.tokenizer else 'no'}",
+        f"graph     {g.file}{' + ' + g.external_data if g.external_data else ''}, "
+        f"opset {g.opset}, top-K {m.topk}, {len(g.inputs)} inputs, {len(g.outputs)} outputs",
+        f"cache     {m.cache.layout}",
     ]
     if check:
-        lines.append(f"checked   max |logit diff| {check.get('token_rows_max_logit_diff', 0):.1e} "
-                     f"token rows, {check.get('mask_rows_max_logit_diff', 0):.1e} mask rows "
-                     f"(logit scale {check.get('logit_scale', 1):.3g})")
+        lines.append(f"checked   max |logit diff| {check.token_rows_max_logit_diff:.1e} "
+                     f"token rows, {check.mask_rows_max_logit_diff:.1e} mask rows "
+                     f"(logit scale {check.logit_scale:.3g})")
     lines += ["", f"plans     {'bc':>4} {'k':>3} {'T':>4} {'N':>4}  {'static counts':<14} "
                   f"{'dynamic shapes':>14}"]
-    for e in m["plans"]:
-        lines.append(f"          {e['bc']:>4} {e['k']:>3} {e['T']:>4} {e['n_nodes']:>4}  "
-                     f"{str(e['static_counts']):<14} {e['dynamic_shapes']:>14}")
+    for e in m.plans:
+        lines.append(f"          {e.bc:>4} {e.k:>3} {e.T:>4} {e.n_nodes:>4}  "
+                     f"{str(list(e.static_counts)):<14} {e.dynamic_shapes:>14}")
     weights = pkg.weight_bytes()
-    lines += ["", f"memory    weights {_size(weights)} ({m['dtype']}, on disk)"]
+    lines += ["", f"memory    weights {_size(weights)} ({m.dtype}, on disk)"]
     for dt in NP_DTYPES:
         kv, size = pkg.kv_cache_bytes(dtype=dt), np.dtype(NP_DTYPES[dt]).itemsize
-        lines.append(f"          KV cache at {m['max_context']} tokens, {dt}: {_size(kv)} "
-                     f"(2 x {m['num_layers']} layers x {m['max_context']} x "
-                     f"{m['num_kv_heads']} x {m['head_dim']} x {size} B)")
-    lines.append(f"          total ({m['dtype']} cache): "
+        lines.append(f"          KV cache at {m.max_context} tokens, {dt}: {_size(kv)} "
+                     f"(2 x {m.num_layers} layers x {m.max_context} x "
+                     f"{m.num_kv_heads} x {m.head_dim} x {size} B)")
+    lines.append(f"          total ({m.dtype} cache): "
                  f"{_size(weights + pkg.kv_cache_bytes())}")
     return "\n".join(lines)
