@@ -20,7 +20,8 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.edgemtp-installed" ] || [ pypro
   echo "run.sh: done; 'source $VENV/bin/activate' puts the edgemtp command on your PATH" >&2
 fi
 case "${1:-demo}" in
-  test)  shift; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  # two workers (both cores of the CI machine), one test file per worker at a time
+  test)  shift; exec "$VENV/bin/python" -m pytest -q -n 2 --dist loadfile "$@" ;;
   bench) shift; exec "$VENV/bin/python" bench/bench_probe.py "$@" ;;
   demo)  [ $# -gt 0 ] && shift; exec "$VENV/bin/edgemtp" demo "$@" ;;
   *)     exec "$VENV/bin/edgemtp" "$@" ;;

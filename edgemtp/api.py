@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 from pathlib import Path
@@ -43,7 +42,7 @@ def check_model_path(path: str) -> None:
 def _check_hub(repo: str) -> None:
     try:
         from huggingface_hub import model_info
-        from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+        from huggingface_hub.errors import RepositoryNotFoundError
     except ModuleNotFoundError:
         raise ModelLoadError(f"model folder {repo!r} does not exist (and without the "
                              f"huggingface_hub package it cannot be fetched as a hub id)") from None
@@ -52,7 +51,7 @@ def _check_hub(repo: str) -> None:
     except RepositoryNotFoundError:
         raise ModelLoadError(f"{repo!r} is neither a local folder nor a model on the Hugging "
                              f"Face hub") from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
+    except Exception as e:  # connection errors: httpx, requests or OSError by hub version
         raise ModelLoadError(f"{repo!r} is not a local folder, and the Hugging Face hub "
                              f"cannot be reached to fetch it ({type(e).__name__}); give a "
                              f"local model folder") from None
@@ -93,7 +92,9 @@ class Model:
         ``dtype=None``: the model's own (fp32 for a Hugging Face folder)."""
         check_model_path(path)
         if backend == "auto":
-            backend = "onnxruntime" if (Path(path) / "edgemtp.json").is_file() else "torch"
+            from .runtimes.package import is_package  # numpy only
+
+            backend = "onnxruntime" if is_package(path) else "torch"
         impl = backend_class(backend)(path, device=device, dtype=dtype, max_context=max_context,
                                       trust_remote_code=trust_remote_code, threads=threads)
         if not impl.has_tokenizer:

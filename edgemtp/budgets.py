@@ -39,6 +39,14 @@ def check_bc(bc, what: str = "block complexity (bc)") -> int:
     return bc
 
 
+def check_context(bc: int, max_context: int) -> None:
+    """A plan compiled into a package must fit its KV cache next to at least one committed
+    token (the exporter drops budgets that do not)."""
+    if bc >= max_context:
+        raise BudgetError(f"block complexity {bc} does not fit the model's context of "
+                          f"{max_context} tokens; use a budget below {max_context}")
+
+
 # -- mask-token probing -------------------------------------------------------------------------
 
 
@@ -90,8 +98,8 @@ def dynamic_table_size(bc: int, k: int) -> int:
     t = (m + 1) * (k + 1)
     if size > MAX_PLAN_TABLE or size * t * t > MAX_TABLE_BYTES:
         raise BudgetError(f"a dynamic tree with k={k} mask tokens at block complexity {bc} has "
-                          f"{size} shapes of {t} positions to precompile "
-                          f"({size * t * t / 2**20:.0f} MiB of masks), above the limit of "
+                          f"{size} shapes to precompile ({t} positions each, "
+                          f"{size * t * t / 2**20:.0f} MiB of masks), above the limit of "
                           f"{MAX_PLAN_TABLE} shapes and {MAX_TABLE_BYTES >> 20} MiB; use fewer "
                           f"mask tokens, a smaller budget or --tree static")
     return size

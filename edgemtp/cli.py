@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from . import drafters
 from .config import MASK_INITS, TREES, GenerationConfig
@@ -25,7 +24,8 @@ class _Parser(argparse.ArgumentParser):
     commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        # every usage error starts 'edgemtp: error:', a subcommand's too
+        self.exit(EXIT_USAGE, f"edgemtp: error: {message} (see '{self.prog} --help')\n")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block-complexity budgets to precompile plans for (default: 10,30,60)")
     e.add_argument("--mask-tokens", type=_int_list, default=(1, 2),
                    help="mask tokens per node to precompile plans for (default: 1,2)")
-    e.add_argument("--opset", type=int, default=17, help="ONNX opset (default: 17)")
+    e.add_argument("--opset", type=int, default=17, help="ONNX opset, 13 to 23 (default: 17)")
     e.add_argument("--force", action="store_true", help="replace an existing output folder")
     e.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model folder's own Python code to run")

@@ -160,9 +160,13 @@ class RankCalibration:
             if ranked[0] != true:  # deeper candidates hang under this top-1: not tried
                 return
 
-    def bias(self) -> list[list[float]]:
-        """``log((hits + 1) / (mass + 1))`` per depth and rank, kept up to date by
-        :meth:`record` (rows of plain floats: the tree reads them as lists)."""
+    def bias(self) -> np.ndarray:
+        """``log((hits + 1) / (mass + 1))`` per depth and rank, ``[k, width]``."""
+        return np.array(self._rows)
+
+    def bias_rows(self) -> list[list[float]]:
+        """:meth:`bias` as rows of plain floats, kept up to date by :meth:`record` (the hot
+        path: the tree reads them as lists, and a step changes a row or two)."""
         return self._rows
 
 

@@ -1,5 +1,6 @@
 """Workstation side (``edgemtp.export``): Hugging Face model -> edgemtp package.
 
-The ONNX package exporter lands with the export issue; the PyTorch tree decoder it will trace
-is ``edgemtp.models.decoder.TreeDecoder``.
+``edgemtp.export.onnx_export.export_package`` traces the PyTorch tree decoder
+(``edgemtp.models.decoder.TreeDecoder``) to ``model.onnx``, checks it against PyTorch and
+writes the package that ``edgemtp.runtimes.package`` describes and validates.
 """

@@ -41,6 +41,29 @@ def stories_path() -> str:
     return str(STORIES)
 
 
+N_REFS, REF_TOKENS = 24, 128
+QUICK = 6  # prompts of the default run's equality sweeps; the slow ones take all N_REFS
+
+
+@pytest.fixture(scope="session")
+def stories_refs(stories_path):
+    """``(hf, prompts, refs)``: the shared model in transformers, the first 24 story prompts
+    as its tokenizer encodes them, and transformers' own greedy ``generate`` of 128 new
+    tokens for each (a prefix of it is the greedy output of fewer tokens). Computed once per
+    test session for every module that checks equality against it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stories_path)
+    hf = AutoModelForCausalLM.from_pretrained(stories_path).eval()
+    prompts = [tok(p).input_ids for p in story_prompts(N_REFS)]
+    with torch.no_grad():
+        refs = [hf.generate(torch.tensor([ids]), max_new_tokens=REF_TOKENS, do_sample=False,
+                            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
+    return hf, prompts, refs
+
+
 @pytest.fixture(scope="session")
 def stories_pkg(tmp_path_factory):
     """stories260K exported once per test session (max context 256): the package every

@@ -65,6 +65,15 @@ ERROR_CASES = [
     ("lade-shape-without-lade", [*M, *P, "--lade", "3,4,1"], [r"lookahead", r"lade"]),
     ("lade-shape-not-three", [*M, *P, "--drafter", "lade", "--lade", "3,4"],
      [r"three integers", r"\(L, W, G\)"]),
+    ("huge-bc", [*M, *P, "--bc", "100000"], [r"100000", r"1024"]),
+    ("huge-plan-table", [*M, *P, "--bc", "1000", "-k", "3"], [r"shapes", r"--tree static"]),
+    ("invalid-utf8-prompt", [*M, "--prompt", "Once \udcff upon"], [r"not valid UTF-8"]),
+    ("negative-threads", [*M, *P, "--threads", "-1"], [r"threads", r">= 1", r"-1"]),
+    ("hub-id-unreachable", ["--model", "HuggingFaceTB/no-such-model-here", *P],
+     [r"not a local folder", r"no-such-model-here"]),
+    ("dtype-on-a-package", ["--model", "{pkg}", *P, "--dtype", "bf16"],
+     [r"fp32 weights", r"fixed at export"]),
+    ("threads-on-a-package", ["--model", "{pkg}", *P, "--threads", "-1"], [r"threads", r"-1"]),
 ]
 
 # positive runs: (id, argv after "generate")
@@ -115,7 +124,7 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
+def runs(request, tmp_path_factory, stories_pkg):
     """Every CLI run the selected tests of this file need, started together."""
     from transformers import BertConfig
 
@@ -125,7 +134,8 @@ def runs(request, tmp_path_factory):
     BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                intermediate_size=32).save_pretrained(tmp / "bert")
     paths = {"model": str(MODEL_DIR), "missing": str(tmp / "nope-model"),
-             "noconfig": str(tmp / "noconfig"), "bert": str(tmp / "bert")}
+             "noconfig": str(tmp / "noconfig"), "bert": str(tmp / "bert"),
+             "pkg": str(stories_pkg)}
     jobs = {cid: _fill(argv, paths) for cid, argv, _ in ERROR_CASES}
     jobs.update({cid: _fill(argv, paths) for cid, argv in GOOD_CASES.items()})
     r = Runs(jobs)

@@ -16,7 +16,7 @@ from edgemtp.budgets import hybrid_window
 from edgemtp.drafters.prompt_lookup import PromptLookupDrafter
 from edgemtp.runtimes.torch_backend import TorchBackend
 
-from conftest import family_configs, story_prompts
+from conftest import QUICK, family_configs
 from test_lookahead import check_lookahead_plan
 from test_plans import check_plan
 
@@ -26,22 +26,18 @@ SINGLE = ("probe", "pld", "stand", "lade")  # the drafters the hybrid must beat
 
 
 @pytest.fixture(scope="module")
-def stories(stories_path):
-    tok = AutoTokenizer.from_pretrained(stories_path)
-    hf = AutoModelForCausalLM.from_pretrained(stories_path).eval()
-    prompts = [tok(p).input_ids for p in story_prompts(N_PROMPTS)]
-    with torch.no_grad():
-        refs = [hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-                [0, len(ids):].tolist() for ids in prompts]
-    return TorchBackend.from_model(hf), tok, prompts, refs
+def stories(stories_path, stories_refs):
+    hf, prompts, refs = stories_refs
+    return (TorchBackend.from_model(hf), AutoTokenizer.from_pretrained(stories_path),
+            prompts[:N_PROMPTS], refs)
 
 
-@pytest.fixture(scope="module")
-def sweep(stories):
-    """Every drafter at every BC over the same prompts: outputs and BE. Each run keeps one
-    drafter memory across its prompts, as a loaded ``Model`` does. Probing uses k = 1, its
-    best on this model at every BC."""
+def _sweep(stories, n: int) -> dict:
+    """Every drafter at every BC over the first ``n`` prompts: outputs and BE. Each run keeps
+    one drafter memory across its prompts, as a loaded ``Model`` does. Probing uses k = 1,
+    its best on this model at every BC."""
     backend, _, prompts, _ = stories
+    prompts = prompts[:n]
     out = {}
     for drafter in (*SINGLE, "hybrid"):
         for bc in BCS:
@@ -56,13 +52,34 @@ def sweep(stories):
     return out
 
 
+@pytest.fixture(scope="module")
+def sweep(stories):
+    return _sweep(stories, N_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def quick_sweep(stories):
+    return _sweep(stories, QUICK)
+
+
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @pytest.mark.parametrize("bc", BCS)
 @pytest.mark.parametrize("drafter", (*LOOKUP, "lade"))
-def test_equals_transformers_greedy_on_stories(stories, sweep, drafter, bc):
+def test_equals_transformers_greedy_on_stories(stories, quick_sweep, drafter, bc):
+    _check_sweep(stories, quick_sweep, drafter, bc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bc", BCS)
+@pytest.mark.parametrize("drafter", (*LOOKUP, "lade"))
+def test_equals_transformers_greedy_on_all_stories(stories, sweep, drafter, bc):
+    _check_sweep(stories, sweep, drafter, bc)
+
+
+def _check_sweep(stories, sweep, drafter, bc):
     refs = stories[3]
     outputs, be = sweep[drafter, bc]
     for i, (got, ref) in enumerate(zip(outputs, refs)):
@@ -71,6 +88,7 @@ def test_equals_transformers_greedy_on_stories(stories, sweep, drafter, bc):
     assert be > 1.3, f"{drafter} BC={bc}: BE {be:.3f}; lookup must accept drafts on this model"
 
 
+@pytest.mark.slow
 def test_hybrid_beats_every_single_drafter_at_every_budget(sweep):
     be = {key: value[1] for key, value in sweep.items()}
     table = "; ".join(f"BC {bc}: " + ", ".join(f"{d} {be[d, bc]:.3f}"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from edgemtp.config import GenerationConfig
 from edgemtp.errors import EdgeMTPError
+from edgemtp.runtimes.package import is_package
 
 from . import at_least_one, quiet_transformers
 from .prompts import SHARED, STORY_PROMPTS, story_prompts
@@ -46,11 +47,11 @@ def command(a) -> int:
     prompts = (story_prompts(a.prompts) if STORY_PROMPTS.is_file()
                else FALLBACK_PROMPTS[:a.prompts])
     quiet_transformers(model_path)
-    is_package = (Path(model_path) / "edgemtp.json").is_file()
-    reference = (None if a.no_reference or is_package
+    packaged = is_package(model_path)
+    reference = (None if a.no_reference or packaged
                  else _transformers_reference(model_path, prompts, a))
     run_path = model_path
-    if a.backend in ("auto", "onnxruntime") and not is_package:
+    if a.backend in ("auto", "onnxruntime") and not packaged:
         from edgemtp.export.onnx_export import export_package
 
         run_path = str(Path(a.out) / Path(model_path).name)

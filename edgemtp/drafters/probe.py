@@ -61,7 +61,7 @@ class ProbeDrafter:
         if cal is None:
             return dynamic_tree(self.plans, root, ids, lp, self.prune)
         # the tree's own pruned rankings are the ones calibration records
-        plan, tokens, *pools = ranked_tree(self.plans, root, ids, lp, self.prune, cal.bias())
+        plan, tokens, *pools = ranked_tree(self.plans, root, ids, lp, self.prune, cal.bias_rows())
         self._pools = tuple(pools)
         return plan, tokens
 
