@@ -207,3 +207,15 @@ def test_row_log_reuses_rows_of_the_same_settings_only(tmp_path):
     fresh.close()
     assert RowLog(path, {"repeats": 1}).records.keys() == fresh.records.keys()
     assert path.read_text().count("\n") == 1
+
+
+def test_demo_exports_then_runs_every_method_losslessly(stories_path, tmp_path):
+    # the main job (./run.sh), small: export to a package, then greedy and every method on
+    # onnxruntime, checked token for token against greedy and transformers generate
+    proc = cli("demo", "--model", stories_path, "--prompts", "1", "--max-new-tokens", "16",
+               "--threads", "1", "--out", str(tmp_path))
+    assert (tmp_path / "stories260K" / "edgemtp.json").is_file()
+    rows = [ln for ln in proc.stdout.splitlines() if re.search(r"\d+\.\d\dx\s+(yes|NO)$", ln)]
+    assert len(rows) >= 10, proc.stdout  # greedy, 8 methods, transformers generate
+    assert all(ln.endswith("yes") for ln in rows), proc.stdout
+    assert "onnxruntime greedy runs at" in proc.stdout

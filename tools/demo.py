@@ -51,14 +51,17 @@ def command(a) -> int:
     reference = (None if a.no_reference or packaged
                  else _transformers_reference(model_path, prompts, a))
     run_path = model_path
+    load_dtype = a.dtype
     if a.backend in ("auto", "onnxruntime") and not packaged:
+        # a package holds fp32 or fp16 weights (bf16 exports as fp32) and loads as it is
+        export_dtype, load_dtype = (a.dtype if a.dtype in ("fp32", "fp16") else "fp32"), None
         from edgemtp.export.onnx_export import export_package
 
         run_path = str(Path(a.out) / Path(model_path).name)
-        print(export_package(model_path, run_path, dtype=a.dtype if a.dtype != "bf16" else "fp32",
+        print(export_package(model_path, run_path, dtype=export_dtype,
                              max_context=a.max_context, force=True,
                              trust_remote_code=a.trust_remote_code).summary(), file=sys.stderr)
-    model = Model.load(run_path, backend=a.backend, device=a.device, dtype=a.dtype,
+    model = Model.load(run_path, backend=a.backend, device=a.device, dtype=load_dtype,
                        max_context=a.max_context, trust_remote_code=a.trust_remote_code,
                        threads=a.threads)
     return _compare(model, run_path, prompts, a, reference)
