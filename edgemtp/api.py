@@ -4,6 +4,7 @@
 >>> model = Model.load("../shared/models/stories260K")          # doctest: +SKIP
 >>> model.generate("Once upon a time", bc=30).text              # doctest: +SKIP
 >>> for piece in model.stream("Once upon a time"): print(piece, end="")   # doctest: +SKIP
+>>> model.chat([{"role": "user", "content": "Hi!"}]).text      # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import re
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from .backend import Backend, Session, backend_class
 from .config import GenerationConfig
 from .engine import Generation, GenerationResult
 from .errors import ConfigError, ModelLoadError
 from .tokenizer import TextStream, Tokenizer
+
+Messages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."}, ...]
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # name or org/name
@@ -150,3 +153,21 @@ class Model:
         self.last_result = gen.result
         self.last_result.text = self.tokenizer.decode(gen.result.token_ids)
         return self.last_result
+
+    def encode_chat(self, messages: Messages) -> list[int]:
+        """The prompt ids of a conversation under the model's chat template, ending in the
+        assistant's turn header (transformers' ``apply_chat_template(messages,
+        add_generation_prompt=True)``)."""
+        if self.tokenizer is None:
+            raise ConfigError("this model has no tokenizer, so no chat template; pass token ids")
+        return self.tokenizer.encode_chat(messages)
+
+    def chat(self, messages: Messages, config: GenerationConfig | None = None,
+             **options) -> GenerationResult:
+        """The assistant's next turn: :meth:`generate` on the templated conversation."""
+        return self.generate(self.encode_chat(messages), config, **options)
+
+    def chat_stream(self, messages: Messages, config: GenerationConfig | None = None,
+                    **options) -> Iterator[str]:
+        """:meth:`chat` as text deltas, like :meth:`stream`."""
+        return self.stream(self.encode_chat(messages), config, **options)

@@ -111,13 +111,21 @@ def _load(a: argparse.Namespace):
                       threads=a.threads)
 
 
+def _chat_messages(system: str | None, *turns: dict) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + list(turns)
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     if not a.prompt:
         raise EdgeMTPError("the prompt is empty; give --prompt some text")
+    if a.system is not None and not a.chat:
+        raise EdgeMTPError("--system is a chat option; add --chat")
     config = _config(a)
     model = _load(a)
+    prompt = a.prompt if not a.chat else model.encode_chat(
+        _chat_messages(a.system, {"role": "user", "content": a.prompt}))
     if a.json:
-        gen = model.generation(a.prompt, config)
+        gen = model.generation(prompt, config)
         for ids in gen:
             if a.stream:
                 print(json.dumps({"token_ids": ids}), flush=True)
@@ -132,13 +140,50 @@ def cmd_generate(a: argparse.Namespace) -> int:
             "stats": result.stats.to_dict(),
         }))
         return 0
-    stream = model.stream(a.prompt, config)
+    _print_stream(model, model.stream(prompt, config))
+    return 0
+
+
+def _print_stream(model, stream) -> str:
+    """Print text deltas as they come, then one stats line on stderr; the whole text."""
     for piece in stream:
         print(piece, end="", flush=True)
     print()
     r = model.last_result
     print(f"[{r.stop_reason}] {r.stats.summary()}", file=sys.stderr)
+    return r.text
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    """Read a user turn per stdin line, stream the answer, keep the history. ``/reset`` clears
+    it, ``/exit`` or end of input quits (Ctrl-C too, through main)."""
+    config, model = _config(a), _load(a)
+    history = _chat_messages(a.system)
+    model.encode_chat(history or [{"role": "user", "content": "hi"}])  # no template: fail now
+    while (line := _read_turn()) is not None:
+        if line == "/exit":
+            break
+        if line == "/reset":
+            history = _chat_messages(a.system)
+            print("[history cleared]", file=sys.stderr)
+            continue
+        if not line:
+            continue
+        turn = {"role": "user", "content": line}
+        try:
+            answer = _print_stream(model, model.chat_stream(history + [turn], config))
+        except EdgeMTPError as e:  # e.g. the conversation outgrew the context: keep the REPL
+            print(f"edgemtp: error: {e} (/reset starts a new conversation)", file=sys.stderr)
+            continue
+        history += [turn, {"role": "assistant", "content": answer}]
     return 0
+
+
+def _read_turn() -> str | None:
+    try:
+        return input("> " if sys.stdin.isatty() else "").strip()
+    except EOFError:
+        return None
 
 
 def cmd_export(a: argparse.Namespace) -> int:
@@ -193,8 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true",
                    help="with --json: one JSON line per forward pass before the result")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--chat", action="store_true",
+                   help="apply the model's chat template, --prompt being the user's turn")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
     _add_generation_args(g)
     g.set_defaults(func=cmd_generate)
+
+    c = parser.commands["chat"] = sub.add_parser(
+        "chat", help="an interactive chat: one user turn per line, answers streamed; /reset "
+                     "clears the history, /exit quits")
+    _add_model_args(c, positional=True)
+    c.add_argument("--system", default=None, help="system message opening the conversation")
+    _add_generation_args(c)
+    c.set_defaults(func=cmd_chat)
 
     e = sub.add_parser("export", help="export a Hugging Face model to an ONNX package")
     e.add_argument("model", help="Hugging Face model folder (or hub id when online)")
@@ -268,13 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "profile", None) and args.command == "generate":
+    if getattr(args, "profile", None) and args.command in ("generate", "chat"):
         # the profile's recommendation becomes the defaults; flags on the command line win
         from edgemtp.tools.profile import read_profile
 
         rec = read_profile(args.profile)[0]
-        parser.commands["generate"].set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
-                                                 mask_tokens=int(rec["mask_tokens"]))
+        parser.commands[args.command].set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
+                                                   mask_tokens=int(rec["mask_tokens"]))
         args = parser.parse_args(argv)
     return args
 

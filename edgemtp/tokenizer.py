@@ -10,9 +10,14 @@ that runs packages never imports transformers or torch; other folders fall back 
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import BackendUnavailableError, ModelLoadError
+from .errors import BackendUnavailableError, ConfigError, ModelLoadError
+
+if TYPE_CHECKING:
+    from .chat import ChatTemplate
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 # transformers' clean_up_tokenization, applied when a tokenizer's config asks for it
@@ -22,7 +27,7 @@ _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
 
 class Tokenizer:
     def __init__(self, path: str, trust_remote_code: bool = False) -> None:
-        root = Path(path)
+        root = self.root = Path(path)
         if root.is_dir() and not any((root / f).is_file() for f in TOKENIZER_FILES):
             raise ModelLoadError(f"{path!r} has no tokenizer files; expected tokenizer.json "
                                  f"(or tokenizer.model with tokenizer_config.json)")
@@ -32,13 +37,34 @@ class Tokenizer:
         if self._fast is None:
             self._hf = _load_transformers(path, trust_remote_code)
         else:
-            cfg = _read_json(root / "tokenizer_config.json")
+            cfg = read_json(root / "tokenizer_config.json")
             self._cleanup = bool(cfg.get("clean_up_tokenization_spaces", False))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._fast is None:
-            return list(self._hf(text).input_ids)
-        return self._fast.encode(text).ids
+            return list(self._hf(text, add_special_tokens=add_special_tokens).input_ids)
+        return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def chat_template(self) -> "ChatTemplate | None":
+        """The folder's chat template (read on first use), or None when it has none."""
+        from .chat import ChatTemplate  # chat reads its files with this module's read_json
+
+        if self.root.is_dir():
+            return ChatTemplate.from_folder(self.root)
+        source = getattr(self._hf, "chat_template", None)  # a hub id through transformers
+        if isinstance(source, dict):
+            source = source.get("default")
+        return ChatTemplate(source, self._hf.special_tokens_map) if source else None
+
+    def encode_chat(self, messages) -> list[int]:
+        """``apply_chat_template(messages, tokenize=True, add_generation_prompt=True)``: the
+        rendered text encoded without special tokens added (the template writes its own)."""
+        if self.chat_template is None:
+            raise ConfigError(f"{str(self.root)!r} has no chat template (no chat_template in "
+                              f"tokenizer_config.json, no chat_template.jinja); give a plain "
+                              f"prompt instead")
+        return self.encode(self.chat_template.render(messages), add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         if self._fast is None:
@@ -77,9 +103,9 @@ def _load_transformers(path: str, trust_remote_code: bool):
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {first}") from None
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read {str(path)!r}: {e}") from None
     return data if isinstance(data, dict) else {}

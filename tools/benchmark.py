@@ -30,7 +30,7 @@ from edgemtp.errors import ConfigError
 
 from . import at_least_one, check_fits, quiet_transformers
 from .measure import measure
-from .prompts import prompt_sets
+from .prompts import chat_turns, prompt_sets
 from .rowlog import RowLog
 
 GREEDY = "greedy"
@@ -47,6 +47,7 @@ def command(a, load) -> int:
     tasks = prompt_sets([s for s in a.sets.split(",") if s], a.per_set)
     quiet_transformers(a.model)
     model = load(a)
+    tasks = chat_turns(model, tasks)
     check_fits(a.bc, model.backend.max_context)
     out, name = Path(a.out), Path(a.model).name
     stem = f"bench_{name}_{model.backend.name}"
@@ -224,7 +225,7 @@ def _hf_prompt_lookup(model, hf, prompts: list[str], config: GenerationConfig, b
     outputs, tokens, t0 = [], 0, time.perf_counter()
     with torch.inference_mode():
         for p in prompts:
-            ids = torch.tensor([model.tokenizer.encode(p)], device=hf.device)
+            ids = torch.tensor([model.encode(p)], device=hf.device)  # text or chat ids
             out = hf.generate(ids, max_new_tokens=config.max_new_tokens, do_sample=False,
                               prompt_lookup_num_tokens=HF_DRAFT)
             new = out[0, ids.shape[1]:].tolist()

@@ -59,6 +59,17 @@ def prompt_sets(names: list[str], per_set: int) -> dict[str, list[str]]:
     return out
 
 
+def chat_turns(model, tasks: dict[str, list]) -> dict[str, list]:
+    """When the model has a chat template, every Spec-Bench question becomes one user turn
+    under it (token ids, as ``Model.encode_chat`` gives them); the stories stay plain text
+    (they are continuations, not questions)."""
+    if model.tokenizer is None or model.tokenizer.chat_template is None:
+        return tasks
+    return {task: prompts if task == "stories" else
+            [model.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+            for task, prompts in tasks.items()}
+
+
 def _first_prompt(row) -> str | None:
     if not isinstance(row, dict):
         return None

@@ -1,0 +1,212 @@
+"""Chat: templates rendered with jinja2 alone give exactly transformers' apply_chat_template
+(text and token ids), Model.chat decodes exactly what plain decoding of those ids does, and
+the CLI's ``generate --chat`` and ``chat`` REPL work end to end, with one-line errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgemtp.chat import ChatTemplate, check_messages
+from edgemtp.errors import ConfigError
+from edgemtp.tokenizer import Tokenizer
+
+from conftest import STORIES
+
+SMOLLM_GGUF = STORIES.parent / "SmolLM2-135M-Instruct-GGUF" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# ChatML as SmolLM2/Qwen write it, spread over lines so trim_blocks/lstrip_blocks matter, with
+# the BOS variable, loop controls, tojson and raise_exception
+CHATML = """{{ bos_token }}
+{% for message in messages %}
+    {% if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('unknown role ' + message['role']) }}
+    {% endif %}
+    {% if loop.first and message['role'] != 'system' %}
+<|im_start|>system
+You are a helpful assistant.<|im_end|>
+    {% endif %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] | trim }}<|im_end|>
+    {% if message.get('name') %}{{ message['name'] | tojson }}{% continue %}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Once upon a time there was a dog."}],
+    [{"role": "system", "content": "You tell short stories."},
+     {"role": "user", "content": "Tell me about a cat."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, friend."},
+     {"role": "user", "content": "  What next?\n"}],
+    [{"role": "user", "content": "Grüße, 猫 and émojis 🐈 <b>&</b>", "name": "Zoë \"<x>\""}],
+]
+
+
+def make_chat_model(folder: Path, template: str | list = CHATML, as_file: bool = False) -> Path:
+    """stories260K's config and tokenizer files (weights symlinked) with a chat template."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in STORIES.iterdir():
+        if f.name == "model.safetensors":
+            (folder / f.name).symlink_to(f)
+        elif f.suffix in (".json", ".model"):
+            shutil.copy(f, folder / f.name)
+            (folder / f.name).chmod(0o644)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    if as_file:
+        (folder / "chat_template.jinja").write_text(template)
+    else:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    return make_chat_model(tmp_path_factory.mktemp("chat") / "stories-chat")
+
+
+@pytest.fixture(scope="module")
+def model(chat_model):
+    from edgemtp import Model
+
+    return Model.load(str(chat_model), threads=1)
+
+
+def _hf_apply(tok, messages):
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return text, list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.mark.parametrize("form", ["string", "named-list", "jinja-file"])
+def test_text_and_ids_equal_transformers_apply_chat_template(tmp_path, form):
+    from transformers import AutoTokenizer
+
+    template = [{"name": "default", "template": CHATML}] if form == "named-list" else CHATML
+    folder = make_chat_model(tmp_path / form, template, as_file=form == "jinja-file")
+    hf, ours = AutoTokenizer.from_pretrained(folder), Tokenizer(str(folder))
+    for messages in CONVERSATIONS:
+        text, ids = _hf_apply(hf, messages)
+        assert ours.chat_template.render(messages) == text
+        assert ours.encode_chat(messages) == ids
+        assert ids[0] == hf.bos_token_id and ids.count(hf.bos_token_id) == 1  # BOS once
+
+
+def test_real_smollm2_template_from_gguf_matches_transformers():
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(SMOLLM_GGUF.parent), gguf_file=SMOLLM_GGUF.name)
+    ours = ChatTemplate(hf.chat_template, hf.special_tokens_map)
+    for messages in CONVERSATIONS:
+        text, ids = _hf_apply(hf, messages)
+        assert ours.render(messages) == text
+        assert hf(ours.render(messages), add_special_tokens=False).input_ids == ids
+
+
+def test_chat_equals_plain_decoding_of_the_templated_ids(model):
+    for messages in CONVERSATIONS[:3]:
+        ids = model.encode_chat(messages)
+        plain = model.generate(ids, max_new_tokens=40, drafter="none")
+        probed = model.chat(messages, max_new_tokens=40, bc=30)
+        assert probed.token_ids == plain.token_ids
+        assert probed.text == plain.text and probed.text
+        assert "".join(model.chat_stream(messages, max_new_tokens=40)) == plain.text
+
+
+BAD_MESSAGES = [
+    ([], "non-empty list"),
+    ("hello", "non-empty list"),
+    ([{"role": "user"}], "message 0 must be a dict with 'role' and 'content'"),
+    ([{"role": "user", "content": "a"}, {"content": "b"}], "message 1 must be a dict"),
+    ([{"role": "user", "content": ["a"]}], "message 0's content must be a string, got list"),
+    ([{"role": 7, "content": "a"}], "message 0's role must be a non-empty string"),
+    ([{"role": "", "content": "a"}], "message 0's role must be a non-empty string"),
+]
+
+
+@pytest.mark.parametrize("messages,expected", BAD_MESSAGES)
+def test_bad_messages_are_one_line_config_errors(messages, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(")) as e:
+        check_messages(messages)
+    assert "\n" not in str(e.value)
+
+
+def test_template_raise_exception_and_missing_template_are_config_errors(model, stories_path):
+    from edgemtp import Model
+
+    with pytest.raises(ConfigError, match="chat template rejected the messages: unknown role robot"):
+        model.chat([{"role": "robot", "content": "beep"}])
+    with pytest.raises(ConfigError, match="has no chat template"):
+        Model.load(stories_path, threads=1).chat([{"role": "user", "content": "hi"}])
+
+
+def _cli(*args, stdin: str | None = None):
+    return subprocess.run([sys.executable, "-m", "edgemtp.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_generate_chat_with_system_through_the_cli(model, chat_model):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Once upon a time"}]
+    out = _cli("generate", "--model", str(chat_model), "--chat", "--system", "Be brief.",
+               "--prompt", "Once upon a time", "--max-new-tokens", "24", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["token_ids"] == model.chat(messages, max_new_tokens=24).token_ids
+
+
+def test_chat_repl_keeps_history_resets_and_exits(model, chat_model):
+    first = [{"role": "user", "content": "Tell me a story."}]
+    a1 = model.chat(first, max_new_tokens=16).text
+    second = first + [{"role": "assistant", "content": a1},
+                      {"role": "user", "content": "And then?"}]
+    a2 = model.chat(second, max_new_tokens=16).text
+    fresh = model.chat([{"role": "user", "content": "And then?"}], max_new_tokens=16).text
+    out = _cli("chat", str(chat_model), "--max-new-tokens", "16",
+               stdin="Tell me a story.\nAnd then?\n/reset\nAnd then?\n/exit\nignored\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"{a1}\n{a2}\n{fresh}\n"
+    stats = [line for line in out.stderr.splitlines() if line.startswith("[")]
+    assert len(stats) == 4 and stats[2] == "[history cleared]"
+
+
+@pytest.mark.parametrize("args,expected", [
+    (("generate", "--model", str(STORIES), "--chat", "--prompt", "hi"), "has no chat template"),
+    (("chat", str(STORIES)), "has no chat template"),
+    (("generate", "--model", str(STORIES), "--system", "x", "--prompt", "hi"),
+     "--system is a chat option; add --chat"),
+])
+def test_cli_chat_errors_are_one_line_exit_2(args, expected):
+    out = _cli(*args, stdin="hi\n")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("edgemtp: error:") and expected in out.stderr
+    assert out.stderr.count("\n") == 1
+
+
+def test_an_exported_package_carries_the_template(chat_model, model, tmp_path):
+    pytest.importorskip("onnx")
+    from edgemtp import Model
+    from edgemtp.export.onnx_export import export_package
+
+    export_package(str(chat_model), tmp_path / "pkg", max_context=256, bc=(30,),
+                   mask_tokens=(1,), progress=False)
+    pkg = Model.load(str(tmp_path / "pkg"), threads=1)
+    for messages in CONVERSATIONS:
+        assert pkg.encode_chat(messages) == model.encode_chat(messages)
+
+
+def test_bench_sends_spec_bench_questions_as_one_user_turn(model, stories_path):
+    from edgemtp import Model
+    from edgemtp.tools.prompts import chat_turns
+
+    tasks = {"stories": ["Once upon a time"], "coding": ["Write a loop.", "Sort a list."]}
+    turns = chat_turns(model, tasks)
+    assert turns["stories"] == tasks["stories"]
+    assert turns["coding"] == [model.encode_chat([{"role": "user", "content": q}])
+                               for q in tasks["coding"]]
+    assert chat_turns(Model.load(stories_path, threads=1), tasks) == tasks  # no template
