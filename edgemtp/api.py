@@ -30,7 +30,11 @@ def check_model_path(path: str) -> None:
     """Fail fast, before any heavy import, on a model that cannot be there: a local path
     that does not exist, or a hub id (``name`` or ``org/name``) with no local folder of
     that name while the hub cannot be reached or has no such model (one request, not the
-    retries a hub download makes)."""
+    retries a hub download makes). A GGUF path must name one file that exists."""
+    from .runtimes.gguf_source import resolve_model  # stdlib only
+
+    if resolve_model(path).gguf_file:
+        return
     p = Path(path).expanduser()
     if p.exists():
         if not p.is_dir():

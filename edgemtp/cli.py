@@ -253,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     e = sub.add_parser("export", help="export a Hugging Face model to an ONNX package")
-    e.add_argument("model", help="Hugging Face model folder (or hub id when online)")
+    e.add_argument("model", help="Hugging Face model folder, llama.cpp .gguf file (or a folder "
+                   "holding one), or hub id when online")
     e.add_argument("-o", "--output", required=True, help="package folder to write")
     e.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"))
     e.add_argument("--max-context", type=int, default=None,

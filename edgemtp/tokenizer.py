@@ -27,15 +27,20 @@ _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
 
 class Tokenizer:
     def __init__(self, path: str, trust_remote_code: bool = False) -> None:
-        root = self.root = Path(path)
-        if root.is_dir() and not any((root / f).is_file() for f in TOKENIZER_FILES):
+        from .runtimes.gguf_source import resolve_model  # stdlib only
+
+        source = resolve_model(path)  # a GGUF file carries its tokenizer in its metadata
+        root = self.root = Path(source.folder)
+        self._gguf = bool(source.gguf_file)
+        if not self._gguf and root.is_dir() and not any(
+                (root / f).is_file() for f in TOKENIZER_FILES):
             raise ModelLoadError(f"{path!r} has no tokenizer files; expected tokenizer.json "
                                  f"(or tokenizer.model with tokenizer_config.json)")
         self._fast = None
-        if (root / "tokenizer.json").is_file():
+        if not source.gguf_file and (root / "tokenizer.json").is_file():
             self._fast = _load_fast(root)
         if self._fast is None:
-            self._hf = _load_transformers(path, trust_remote_code)
+            self._hf = _load_transformers(source, trust_remote_code)
         else:
             cfg = read_json(root / "tokenizer_config.json")
             self._cleanup = bool(cfg.get("clean_up_tokenization_spaces", False))
@@ -50,9 +55,9 @@ class Tokenizer:
         """The folder's chat template (read on first use), or None when it has none."""
         from .chat import ChatTemplate  # chat reads its files with this module's read_json
 
-        if self.root.is_dir():
+        if self.root.is_dir() and not self._gguf:
             return ChatTemplate.from_folder(self.root)
-        source = getattr(self._hf, "chat_template", None)  # a hub id through transformers
+        source = getattr(self._hf, "chat_template", None)  # a GGUF or a hub id: transformers
         if isinstance(source, dict):
             source = source.get("default")
         return ChatTemplate(source, self._hf.special_tokens_map) if source else None
@@ -88,7 +93,7 @@ def _load_fast(root: Path):
         raise ModelLoadError(f"cannot read {str(root / 'tokenizer.json')!r}: {first}") from None
 
 
-def _load_transformers(path: str, trust_remote_code: bool):
+def _load_transformers(source, trust_remote_code: bool):
     try:
         from transformers import AutoTokenizer
     except ModuleNotFoundError:
@@ -97,10 +102,11 @@ def _load_transformers(path: str, trust_remote_code: bool):
             "'transformers' (pip install 'edgemtp[tokenizer]'); or pass token ids instead of "
             "text") from None
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(source.folder, trust_remote_code=trust_remote_code,
+                                             **source.pretrained_kwargs())
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {first}") from None
+        raise ModelLoadError(f"cannot load a tokenizer from {source.path!r}: {first}") from None
 
 
 def read_json(path: Path) -> dict:

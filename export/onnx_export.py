@@ -32,10 +32,11 @@ from edgemtp.errors import ConfigError, ModelLoadError
 from edgemtp.models.families import family_for
 from edgemtp.models.families import max_context as context_limit
 from edgemtp.plans import static_plan
+from edgemtp.runtimes.gguf_source import GGUFInfo, ModelSource, check_gguf, resolve_model
 from edgemtp.runtimes.package import (COMMIT, EMBEDDINGS, GRAPH, MANIFEST, TOKENIZER_FILES,
-                                      CacheInfo, EmbeddingInfo, GraphInfo, Manifest, PlanInfo,
-                                      SelfCheckInfo, Tolerance, graph_inputs, graph_outputs,
-                                      load_package, plan_arrays, record_files)
+                                      CacheInfo, EmbeddingInfo, GGUFSourceInfo, GraphInfo,
+                                      Manifest, PlanInfo, SelfCheckInfo, Tolerance, graph_inputs,
+                                      graph_outputs, load_package, plan_arrays, record_files)
 
 from .folders import ExportError, check_destination, partial_folder, swap_in, touch
 
@@ -153,10 +154,14 @@ class ExportReport:
     plans: list[tuple[int, int]]
     skipped: list[str] = field(default_factory=list)
     graph_bytes: int = 0
+    gguf: GGUFInfo | None = None
 
     def summary(self) -> str:
         skipped = f"; skipped {', '.join(self.skipped)}" if self.skipped else ""
-        return (f"exported {self.family} ({self.dtype}) to {self.out} in {self.seconds:.1f} s: "
+        dtype = self.dtype if self.gguf is None else (
+            f"{self.dtype}, weights de-quantized from GGUF {self.gguf.file}: "
+            f"{self.gguf.quant_summary()}")
+        return (f"exported {self.family} ({dtype}) to {self.out} in {self.seconds:.1f} s: "
                 f"graph {self.graph_bytes / 2**20:.1f} MiB, {len(self.plans)} plan budgets"
                 f"{skipped}; self-check max |logit diff| {self.check.token_rows:.1e} on token "
                 f"rows, {self.check.mask_rows:.1e} on mask rows (logit scale "
@@ -172,7 +177,8 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
                    trust_remote_code: bool = False,
                    tolerance: tuple[float, float] | None = None,
                    progress: bool = True) -> ExportReport:
-    """Export ``model`` (a local Hugging Face folder, or a hub id when online) to ``out``.
+    """Export ``model`` (a local Hugging Face folder, a llama.cpp GGUF file or a folder
+    holding one, or a hub id when online) to ``out``.
 
     ``tolerance``: (token rows, mask rows) for the self-check, relative to the logit scale;
     default ``selfcheck.TOLERANCE[dtype]``.
@@ -181,7 +187,7 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
     options = ExportOptions(dtype, max_context, tuple(bc), tuple(mask_tokens), opset,
                             None if tolerance is None else tuple(tolerance))
     out = check_destination(model, out, force)  # before the heavy imports: fail fast
-    _check_source(model)
+    source, gguf = _check_source(model)
     with partial_folder(out) as tmp:  # an unwritable place fails here, before any loading
         from tqdm import tqdm
 
@@ -197,7 +203,8 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
         bar = tqdm(total=6, desc=f"export {out.name}", disable=not progress,  # 6 stages
                    bar_format="{desc}: {n_fmt}/{total_fmt}{postfix} [{elapsed}]")
         try:
-            job = _Job(model, family, options, context, budgets, trust_remote_code, progress)
+            job = _Job(model, source, gguf, family, options, context, budgets,
+                       trust_remote_code, progress)
             check = _export_into(tmp, job, bar)
         except OSError as e:  # a full disk, a folder removed underneath
             raise ExportError(f"writing the package failed: {_first_line(e)}") from None
@@ -206,7 +213,8 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
         load_package(tmp)  # what export wrote must load before it may look complete
         swap_in(tmp, out)
     return ExportReport(out, family.name, options.dtype, time.perf_counter() - t0, check,
-                        budgets, skipped, sum(f.stat().st_size for f in out.glob(f"{GRAPH}*")))
+                        budgets, skipped, sum(f.stat().st_size for f in out.glob(f"{GRAPH}*")),
+                        gguf)
 
 
 @dataclass(frozen=True)
@@ -214,6 +222,8 @@ class _Job:
     """One export's resolved inputs (options checked, config read, budgets fitted)."""
 
     model: str
+    source: ModelSource     # what from_pretrained reads (a GGUF file: folder + file name)
+    gguf: GGUFInfo | None   # the GGUF file's own description, when the source is one
     family: object          # models.families.Family
     options: ExportOptions
     context: int            # KV cache rows the package declares
@@ -280,7 +290,7 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
     with _stage(bar, "manifest", tmp):
         cfg, layers = hf.config, len(decoder.model.layers)
         manifest = Manifest(
-            edgemtp_version=__version__, source=str(job.model), family=job.family.name,
+            edgemtp_version=__version__, source=_source_name(job), family=job.family.name,
             model_type=cfg.model_type,
             architectures=tuple(getattr(cfg, "architectures", None) or ()),
             hidden_size=int(cfg.hidden_size), num_layers=layers,
@@ -297,7 +307,8 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
             self_check=SelfCheckInfo(
                 token_rows_max_logit_diff=check.token_rows,
                 mask_rows_max_logit_diff=check.mask_rows, logit_scale=check.scale,
-                tolerance=Tolerance(token_rows=tol[0], mask_rows=tol[1])))
+                tolerance=Tolerance(token_rows=tol[0], mask_rows=tol[1])),
+            gguf=_gguf_info(job.gguf))
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=1) + "\n")
     return check
 
@@ -305,10 +316,31 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
 # -- pieces ---------------------------------------------------------------------------------
 
 
-def _check_source(model: str) -> None:
-    """A local model folder is read before anything heavy is imported: it needs a config.json
-    of a supported family and whole ``*.safetensors`` files (a hub id is checked on loading)."""
+def _check_source(model: str) -> tuple[ModelSource, GGUFInfo | None]:
+    """A local model is read before anything heavy is imported: a folder needs a config.json
+    of a supported family and whole ``*.safetensors`` files, a GGUF file must be whole and of
+    a supported architecture (a hub id is checked on loading)."""
     check_model_path(model)
+    source = resolve_model(model)
+    if source.gguf_file:
+        return source, check_gguf(source, sha256=True)
+    _check_folder(model)
+    return source, None
+
+
+def _source_name(job: _Job) -> str:
+    """The manifest's ``source``: the GGUF file's absolute path, else the path given."""
+    return str(Path(job.source.path).resolve()) if job.gguf else str(job.model)
+
+
+def _gguf_info(info: GGUFInfo | None) -> GGUFSourceInfo | None:
+    if info is None:
+        return None
+    return GGUFSourceInfo(file=info.file, bytes=info.bytes, architecture=info.architecture,
+                          tensor_types=info.tensor_types, sha256=info.sha256)
+
+
+def _check_folder(model: str) -> None:
     src = Path(model)
     if not src.is_dir():
         return
@@ -374,8 +406,9 @@ def _load_model(job: _Job, torch_dtype):
 
     try:
         with _transformers_progress(job.progress):
-            hf = AutoModelForCausalLM.from_pretrained(job.model, dtype=torch_dtype,
-                                                      trust_remote_code=job.trust_remote_code)
+            hf = AutoModelForCausalLM.from_pretrained(job.source.folder, dtype=torch_dtype,
+                                                      trust_remote_code=job.trust_remote_code,
+                                                      **job.source.pretrained_kwargs())
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise ExportError(f"cannot load {job.model!r} as a causal LM: {_first_line(e)}") from None
     return hf.eval()
@@ -417,15 +450,19 @@ def _save_tokenizer(job: _Job, tmp: Path):
     from transformers import AutoTokenizer
 
     src = Path(job.model)
-    if src.is_dir() and not any((src / f).is_file() for f in TOKENIZER_FILES):
+    if not job.gguf and src.is_dir() and not any((src / f).is_file() for f in TOKENIZER_FILES):
         return None, ()  # some tokenizer classes build an empty tokenizer from nothing
-    try:
-        tok = AutoTokenizer.from_pretrained(job.model, trust_remote_code=job.trust_remote_code)
+    try:  # a GGUF file carries its tokenizer (and chat template) in its metadata
+        tok = AutoTokenizer.from_pretrained(job.source.folder,
+                                            trust_remote_code=job.trust_remote_code,
+                                            **job.source.pretrained_kwargs())
     except (OSError, ValueError, TypeError):
         return None, ()
     if len(tok) < 2:
         return None, ()
-    written = tok.save_pretrained(str(tmp))
+    # the chat template goes inside tokenizer_config.json (not chat_template.jinja): one JSON
+    # holds everything a runtime reading the package with the tokenizers library needs
+    written = tok.save_pretrained(str(tmp), save_jinja_files=False)
     return tok, tuple(sorted(Path(f).relative_to(tmp).as_posix() for f in written
                              if Path(f).is_file()))
 

@@ -273,6 +273,23 @@ class FileInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GGUFSourceInfo:
+    """The llama.cpp GGUF file a package was exported from (its weights de-quantized to
+    ``dtype``); absent in packages exported from a Hugging Face folder, or from before it was
+    recorded."""
+
+    file: str
+    bytes: int
+    architecture: str
+    tensor_types: Mapping[str, int]     # GGUF tensor type -> tensors of that type
+    sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        FileInfo(bytes=self.bytes, sha256=self.sha256)  # the same checks as a package file
+        object.__setattr__(self, "tensor_types", MappingProxyType(dict(self.tensor_types)))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     """``edgemtp.json``, typed. The exporter builds it with keywords and writes
     :meth:`to_dict`; :func:`load_package` reads it with :meth:`from_dict`.
@@ -306,6 +323,7 @@ class Manifest:
     tokenizer_files: tuple[str, ...] = ()
     files: Mapping[str, FileInfo] | None = field(default=None, hash=False)
     self_check: SelfCheckInfo | None = None
+    gguf: GGUFSourceInfo | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         _check_version(self.format_version)
@@ -623,6 +641,10 @@ def describe(pkg: Package) -> str:
         f"opset {g.opset}, top-K {m.topk}, {len(g.inputs)} inputs, {len(g.outputs)} outputs",
         f"cache     {m.cache.layout}",
     ]
+    if m.gguf:
+        types = ", ".join(f"{t} x{n}" for t, n in m.gguf.tensor_types.items())
+        lines.append(f"gguf      {m.gguf.file} ({m.gguf.architecture}: {types}), "
+                     f"de-quantized to {m.dtype}")
     if check:
         lines.append(f"checked   max |logit diff| {check.token_rows_max_logit_diff:.1e} "
                      f"token rows, {check.mask_rows_max_logit_diff:.1e} mask rows "

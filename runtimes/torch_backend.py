@@ -14,27 +14,38 @@ from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import ConfigError, ModelLoadError
 from edgemtp.models.decoder import TreeDecoder
 from edgemtp.models.families import family_for, max_context
+from edgemtp.runtimes.gguf_source import check_gguf, resolve_model
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MASK_CACHE = 512  # device copies of plan masks kept (oldest out first)
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
-    """The ``transformers`` config of a local folder (or a hub id when online), with one-line
-    errors for a missing folder or a folder that is not a model."""
+    """The ``transformers`` config of a local folder, a GGUF file (or a folder holding one),
+    or a hub id when online, with one-line errors for a missing folder, a folder that is not
+    a model, and a GGUF file that is damaged or of an unsupported architecture."""
     from transformers import AutoConfig
 
+    source = resolve_model(path)
+    if source.gguf_file:
+        check_gguf(source)
+    else:
+        _check_hf_folder(path)
+    try:
+        return AutoConfig.from_pretrained(source.folder, trust_remote_code=trust_remote_code,
+                                          **source.pretrained_kwargs())
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot read the model config at {source.path!r}: {first}") from None
+
+
+def _check_hf_folder(path: str) -> None:
     p = Path(path)
     looks_local = p.exists() or os.sep in path or path.startswith(".")
     if looks_local and not p.is_dir():
         raise ModelLoadError(f"model folder {path!r} does not exist")
     if p.is_dir() and not (p / "config.json").is_file():
         raise ModelLoadError(f"{path!r} has no config.json; expected a Hugging Face model folder")
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"cannot read the model config at {path!r}: {first}") from None
 
 
 class TorchBackend:
@@ -59,16 +70,21 @@ class TorchBackend:
             raise ConfigError("device 'cuda' asked, but this PyTorch build sees no CUDA device")
         if threads is not None:
             torch.set_num_threads(int(threads))
-        config = load_hf_config(model, trust_remote_code)
-        self.family = family_for(config)
+        source = resolve_model(model)
+        if source.gguf_file:  # its architecture, checked without the seconds transformers
+            check_gguf(source)  # takes to parse a GGUF (it does so once more to load it)
+        else:
+            family_for(load_hf_config(model, trust_remote_code))  # before any weight loads
         hf_logging.disable_progress_bar()  # edgemtp shows its own progress where it is long
         try:
             hf = AutoModelForCausalLM.from_pretrained(
-                model, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+                source.folder, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+                **source.pretrained_kwargs())
         except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: a truncated file
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelLoadError(f"cannot load {model!r} as a causal LM: {first}") from None
-        self.source = str(Path(model).resolve()) if Path(model).is_dir() else model
+        self.family = family_for(hf.config)
+        self.source = str(Path(model).resolve()) if Path(model).exists() else model
         self._init(hf, device, max_context)
 
     @classmethod

@@ -1,0 +1,189 @@
+"""GGUF input: ``edgemtp export`` and the torch backend read a llama.cpp GGUF file (by its
+path, or as the one ``*.gguf`` in a folder) through transformers' own GGUF loader, which
+de-quantizes its weights. One real model (SmolLM2-135M-Instruct, Q4_1, from ../shared) is
+exported once per module, fp32, with one small budget; bad GGUF inputs run the real CLI.
+"""
+
+import io
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+gguf = pytest.importorskip("gguf")
+
+from edgemtp.api import Model  # noqa: E402
+from edgemtp.cli import main  # noqa: E402
+from edgemtp.runtimes.gguf_source import ModelSource, resolve_model  # noqa: E402
+from edgemtp.runtimes.package import load_package  # noqa: E402
+from edgemtp.tokenizer import Tokenizer  # noqa: E402
+from test_export import cli  # noqa: E402
+from test_package_errors import error_line  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOL = ROOT / ".." / "shared" / "models" / "SmolLM2-135M-Instruct-GGUF"
+NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+PROMPTS = ["What is the capital of France? Explain in two sentences.",
+           "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n"]
+TEXTS = [*PROMPTS, "  Tabs\tand  spaces, émojis 🙂 and 12345 digits.", "def f(x):\n    return x**2"]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[Path, str]:
+    """The shared GGUF exported through the CLI entry point (in process), fp32, and the
+    summary it printed."""
+    assert (SMOL / NAME).is_file(), f"missing shared model {SMOL / NAME}"
+    out, printed = tmp_path_factory.mktemp("gguf") / "smollm2", io.StringIO()
+    with redirect_stdout(printed):
+        assert main(["export", str(SMOL / NAME), "-o", str(out), "--max-context", "512",
+                     "--bc", "10", "--mask-tokens", "1", "--quiet"]) == 0
+    return out, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def pkg(exported) -> Path:
+    return exported[0]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers on its own: the GGUF-loaded tokenizer and model, and its greedy output."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(SMOL), gguf_file=NAME)
+    hf = AutoModelForCausalLM.from_pretrained(str(SMOL), gguf_file=NAME).eval()
+    refs = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=tok.eos_token_id)
+        refs.append(out[0, ids.shape[1]:].tolist())
+    return tok, refs
+
+
+# -- resolving a GGUF path ------------------------------------------------------------------
+
+
+def test_a_gguf_path_resolves_to_its_folder_and_file(tmp_path):
+    assert resolve_model(str(SMOL / NAME)) == ModelSource(str(SMOL), NAME)
+    assert resolve_model(str(SMOL)) == ModelSource(str(SMOL), NAME)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "x.gguf").write_bytes(b"")  # a Hugging Face folder: its config wins
+    assert resolve_model(str(tmp_path)) == ModelSource(str(tmp_path))
+
+
+# -- the exported package -------------------------------------------------------------------
+
+
+@pytest.mark.slow  # the 135M export: ~1-2 min on 2 cores, CI's -m slow run
+def test_summary_says_the_weights_were_dequantized(exported):
+    assert f"fp32, weights de-quantized from GGUF {NAME}: Q4_1 x210, F32 x61, Q8_0 x1" \
+        in exported[1]
+
+
+@pytest.mark.slow  # the 135M export: ~1-2 min on 2 cores, CI's -m slow run
+def test_manifest_records_the_gguf_source_and_the_tokenizer_files(pkg):
+    meta = load_package(pkg).meta
+    assert meta.source == str((SMOL / NAME).resolve())
+    g = meta.gguf
+    assert (g.file, g.architecture, g.sha256) == (NAME, "llama", SHA256)
+    assert dict(g.tensor_types) == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    assert (meta.family, meta.dtype, meta.num_layers, meta.vocab_size) == ("llama", "fp32", 30,
+                                                                           49152)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(meta.tokenizer_files)
+    template = json.loads((pkg / "tokenizer_config.json").read_text()).get("chat_template")
+    assert template and "<|im_start|>" in template
+
+
+@pytest.mark.slow  # the 135M export: ~1-2 min on 2 cores, CI's -m slow run
+def test_package_tokenizer_encodes_as_transformers_gguf_tokenizer(pkg, reference):
+    tok, _ = reference
+    ours = Tokenizer(str(pkg))
+    assert ours._fast is not None  # read with the tokenizers library alone
+    for text in TEXTS:
+        assert ours.encode(text) == tok(text).input_ids, text
+
+
+@pytest.mark.slow  # the 135M export: ~1-2 min on 2 cores, CI's -m slow run
+def test_package_greedy_equals_transformers_generate_and_probing_is_lossless(pkg, reference):
+    tok, refs = reference
+    model = Model.load(str(pkg), threads=2)
+    for prompt, ref in zip(PROMPTS, refs):
+        ids = tok(prompt).input_ids
+        plain = model.generate(ids, max_new_tokens=NEW_TOKENS, drafter="none").token_ids
+        assert plain == ref, prompt
+        for drafter in ("probe", "pld"):
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, bc=10, drafter=drafter)
+            assert out.token_ids == plain, (prompt, drafter)
+
+
+@pytest.mark.slow  # 40 s a path on 2 shared cores: transformers parses the GGUF 3 times
+@pytest.mark.parametrize("path", [SMOL, SMOL / NAME], ids=["folder", "file"])
+def test_torch_backend_loads_the_gguf_folder_and_file(reference, path):
+    tok, refs = reference
+    model = Model.load(str(path), threads=2)  # auto: torch, as for a Hugging Face folder
+    assert model.backend.name == "torch"
+    assert model.tokenizer.encode(PROMPTS[0]) == tok(PROMPTS[0]).input_ids
+    assert model.generate(PROMPTS[0], max_new_tokens=8, bc=10).token_ids == refs[0][:8]
+
+
+# -- bad GGUF inputs, through the CLI -------------------------------------------------------
+
+
+def _tiny_gguf(path: Path, arch: str) -> None:
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory) -> dict:
+    """``{case: finished export}`` for every bad GGUF input, four subprocesses at a time."""
+    tmp = tmp_path_factory.mktemp("bad_gguf")
+    truncated = tmp / "truncated.gguf"
+    with open(SMOL / NAME, "rb") as src, open(truncated, "wb") as dst:
+        dst.write(src.read(60_000_000))
+    _tiny_gguf(tmp / "bert.gguf", "bert")
+    two = tmp / "two"
+    two.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        shutil.copy(tmp / "bert.gguf", two / name)
+    cases = {"truncated": str(truncated), "architecture": str(tmp / "bert.gguf"),
+             "two files": str(two), "missing": str(tmp / "nothing.gguf")}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {k: pool.submit(cli, "export", p, "-o", str(tmp / "out" / k.replace(" ", "_")))
+                   for k, p in cases.items()}
+        return {k: f.result() for k, f in futures.items()}, tmp
+
+
+@pytest.mark.parametrize("case, words", [
+    ("truncated", ("damaged", "60000000 bytes", "truncated")),
+    ("architecture", ("'bert'", "supported families")),
+    ("two files", ("2 GGUF files", "a.gguf, b.gguf")),
+    ("missing", ("GGUF file", "does not exist")),
+])
+def test_bad_gguf_input_is_one_line_and_exit_2(bad_inputs, case, words):
+    procs, tmp = bad_inputs
+    error_line(procs[case], *words)
+    assert not (tmp / "out").exists()  # checked before any output folder is made
+
+
+def test_truncated_gguf_is_refused_by_generate_too(bad_inputs):
+    _, tmp = bad_inputs
+    proc = cli("generate", "--model", str(tmp / "truncated.gguf"), "--prompt", "Hi")
+    error_line(proc, "damaged")
