@@ -208,6 +208,21 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from . import doctor
+
+    plan = None
+    if a.package is not None:  # a bad package fails in one line before the machine is probed
+        from edgemtp.runtimes.package import load_package
+
+        pkg = load_package(a.package, check_plans=False)
+    facts = doctor.probe()
+    if a.package is not None:
+        plan = doctor.memory_plan(pkg, facts)
+    print(json.dumps(doctor.to_dict(facts, plan)) if a.json else doctor.report(facts, plan))
+    return 0
+
+
 def cmd_profile(a: argparse.Namespace) -> int:
     from edgemtp.tools.profile import command
 
@@ -273,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print an exported package's manifest, plans and memory")
     i.add_argument("package", help="package folder written by 'edgemtp export'")
     i.set_defaults(func=cmd_inspect)
+
+    dr = sub.add_parser("doctor", help="what this machine is, which backend/device pairs run "
+                                       "here and how to install the rest; with a package, a "
+                                       "memory plan against the device's memory")
+    dr.add_argument("package", nargs="?", default=None,
+                    help="package folder written by 'edgemtp export' (optional)")
+    dr.add_argument("--json", action="store_true", help="print one JSON object")
+    dr.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("profile", help="measure latency, BE and tokens/s per plan on this device "
                                        "and recommend a budget, mask-token count and drafter")

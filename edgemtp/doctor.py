@@ -1,0 +1,678 @@
+"""``edgemtp doctor``: what this machine is, which backend/device pairs will run on it, the
+exact install step for each that will not, and, given a package, a memory plan against the
+device's memory.
+
+Two halves. :func:`probe` reads this machine into :class:`Facts`: each optional package
+(torch, onnxruntime, tensorrt, cuda-python) is looked up with ``find_spec`` and imported
+inside its own ``try`` (torch only when it is a CUDA build: a CPU build's version file says
+all there is to know), so a missing or broken one is a fact, never a crash, and importing
+this module imports none of them. Everything after that is a pure function of the facts
+(:func:`verdicts`, :func:`memory_plan`, :func:`report`), so a test can hand it the facts of
+a Jetson or a CUDA desktop it does not have.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# -- what JetPack ships -------------------------------------------------------------------
+# L4T (Jetson Linux) release -> (JetPack, its CUDA, its TensorRT). Sources: NVIDIA's JetPack
+# release notes and the Torch-TensorRT JetPack guide (docs.pytorch.org/TensorRT/
+# getting_started/jetpack.html: JetPack 6.1 and 6.2 both ship CUDA 12.6, TensorRT 10.3,
+# cuDNN 9.3); JetPack 6.0 ships CUDA 12.2, TensorRT 8.6, cuDNN 8.9. L4T R36.4.x is JetPack
+# 6.1 (36.4.0) or 6.2 (36.4.3 and later): both have the same CUDA and TensorRT, so the
+# install steps do not depend on which.
+JETPACK = {
+    (36, 2): ("6.0 DP", "12.2", "8.6"),
+    (36, 3): ("6.0", "12.2", "8.6"),
+    (36, 4): ("6.1 or 6.2", "12.6", "10.3"),
+}
+JETPACK_PYTHON = "3.10"  # JetPack 6 is Ubuntu 22.04; the Jetson AI Lab wheels are cp310
+
+# Jetson AI Lab's pip index (https://pypi.jetson-ai-lab.io, formerly pypi.jetson-ai-lab.dev):
+# one index per JetPack and CUDA, e.g. jp6/cu126 for JetPack 6.1/6.2 and jp6/cu122 for
+# JetPack 6.0, each holding aarch64 builds of torch and onnxruntime-gpu (with the CUDA and
+# TensorRT providers) linked against JetPack's own CUDA, cuDNN and TensorRT. It mirrors PyPI
+# for everything else, so --index-url resolves the dependencies too, and PyPI's wheels of
+# the same names can never be picked instead.
+JETSON_INDEX = "https://pypi.jetson-ai-lab.io/jp6/cu{cuda_tag}"
+# CUDA versions PyTorch publishes wheels for (download.pytorch.org/whl/cuXYZ); a driver runs
+# a wheel whose CUDA is not newer than the CUDA it reports
+TORCH_CUDA_WHEELS = ("12.6", "12.8", "13.0")
+
+# the one table of install steps: what -> (desktop or server with PyPI wheels, JetPack 6).
+# {torch_cuda}: the newest PyTorch CUDA wheel the driver runs; {index}: JETSON_INDEX.
+INSTALL = {
+    "torch": ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+              "pip install torch --index-url {index}"),
+    "torch-cuda": ("pip uninstall -y torch && pip install torch --index-url "
+                   "https://download.pytorch.org/whl/cu{torch_cuda}",
+                   "pip uninstall -y torch && pip install torch --index-url {index}"),
+    "onnxruntime": ("pip install onnxruntime", "pip install onnxruntime"),
+    # onnxruntime and onnxruntime-gpu install the same module: keep exactly one of them
+    "onnxruntime-gpu": ("pip uninstall -y onnxruntime && pip install onnxruntime-gpu",
+                        "pip uninstall -y onnxruntime && pip install onnxruntime-gpu "
+                        "--index-url {index}"),
+    # the tensorrt backend needs the Python bindings (the pip wheel brings its own libraries;
+    # python3-libnvinfer puts them in the system Python 3.10: a venv sees them only when made
+    # with --system-site-packages) ...
+    "tensorrt": ("pip install tensorrt",
+                 "sudo apt install nvidia-tensorrt python3-libnvinfer"),
+    # ... onnxruntime's providers dlopen libnvinfer.so.10 and libcudnn.so.9 through the system
+    # loader (a pip wheel's copy is not on its path): NVIDIA's apt repositories
+    "tensorrt-libs": ("sudo apt install tensorrt", "sudo apt install nvidia-tensorrt"),
+    "cudnn": ("sudo apt install cudnn9-cuda-12", "sudo apt install nvidia-jetpack"),
+    "cuda-python": ("pip install cuda-python", "pip install cuda-python"),
+    "gpu": ("with an NVIDIA GPU and its driver (https://www.nvidia.com/drivers): {then}",
+            "{then}"),
+}
+
+
+# -- facts ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What :func:`probe` read; None means not found (or not readable). A test builds these
+    by hand."""
+
+    system: str = ""                      # "Linux x86_64"
+    python: str = ""                      # "3.11.2"
+    cpu_cores: int | None = None
+    host_total: int | None = None         # /proc/meminfo MemTotal, bytes
+    host_available: int | None = None     # MemAvailable
+    jetson_model: str | None = None       # /proc/device-tree/model
+    l4t: str | None = None                # /etc/nv_tegra_release, "36.4.0"
+    gpus: tuple[Gpu, ...] = ()            # nvidia-smi, else torch
+    driver: str | None = None             # NVIDIA driver version
+    cuda_driver: str | None = None        # the newest CUDA the driver runs (libcuda)
+    cuda_toolkit: str | None = None       # /usr/local/cuda
+    cudnn: str | None = None              # libcudnn through the system loader
+    nvinfer: bool = False                 # TensorRT's libnvinfer through the system loader
+    torch: str | None = None
+    torch_cuda: str | None = None         # torch.version.cuda: None for a CPU build
+    torch_cuda_ok: bool = False           # torch.cuda.is_available()
+    torch_cudnn: str | None = None        # the cuDNN torch brings
+    onnxruntime: str | None = None
+    ort_providers: tuple[str, ...] = ()
+    tensorrt: str | None = None
+    cuda_python: bool = False
+    problems: tuple[str, ...] = ()        # probes that failed in an unexpected way
+
+    @property
+    def jetson(self) -> bool:
+        return self.l4t is not None or "jetson" in (self.jetson_model or "").lower()
+
+    @property
+    def jetpack(self) -> tuple[str, str, str] | None:
+        """(JetPack, CUDA, TensorRT) for this L4T release, if a JetPack 6 one."""
+        return JETPACK.get(_release(self.l4t)) if self.l4t else None
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.gpus) or self.torch_cuda_ok or self.jetson
+
+
+def _release(l4t: str) -> tuple[int, int]:
+    major, minor = (l4t.split(".") + ["0"])[:2]
+    return int(major), int(minor)
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text or ""))[:3]
+
+
+# -- probing this machine -------------------------------------------------------------------
+
+
+def probe() -> Facts:
+    """Read this machine. Never raises: what cannot be read stays None, and a probe that
+    failed unexpectedly leaves a line in ``problems``."""
+    problems: list[str] = []
+    found: dict = {}
+    # the system libraries first: once torch or tensorrt is imported, their own copies are
+    # loaded and would answer a dlopen by soname that onnxruntime's providers cannot
+    for step in (_host, _jetson, _nvidia_smi, _libcuda, _cuda_toolkit, _libraries, _torch,
+                 _onnxruntime, _tensorrt, _cuda_python):
+        try:
+            found.update(step(found))
+        except Exception as e:  # a broken optional package must not stop the report
+            problems.append(f"{step.__name__.strip('_')}: {type(e).__name__}: {_line(e)}")
+    return Facts(system=f"{platform.system()} {platform.machine()}",
+                 python=platform.python_version(), cpu_cores=os.cpu_count(),
+                 problems=tuple(problems), **found)
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def _host(_) -> dict:
+    info = _read("/proc/meminfo") or ""
+    kib = {k: int(v) * 1024 for k, v in re.findall(r"^(\w+):\s+(\d+) kB", info, re.M)}
+    return {"host_total": kib.get("MemTotal"), "host_available": kib.get("MemAvailable")}
+
+
+def parse_tegra_release(text: str) -> str | None:
+    """The L4T version in ``/etc/nv_tegra_release``.
+
+    >>> parse_tegra_release("# R36 (release), REVISION: 4.0, GCID: 37537400, BOARD: generic")
+    '36.4.0'
+    """
+    m = re.search(r"R(\d+)\s*\(release\),\s*REVISION:\s*(\d+)\.(\d+)", text)
+    return ".".join(m.groups()) if m else None
+
+
+def _jetson(_) -> dict:
+    release = _read("/etc/nv_tegra_release")
+    model = _read("/proc/device-tree/model")
+    return {"l4t": parse_tegra_release(release) if release else None,
+            "jetson_model": model.strip("\x00\n ") if model else None}
+
+
+def _nvidia_smi(_) -> dict:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return {}
+    out = subprocess.run([exe, "--query-gpu=name,memory.total,memory.free,driver_version",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         timeout=15)
+    gpus, driver = [], None
+    for row in out.stdout.strip().splitlines() if out.returncode == 0 else []:
+        name, total, free, driver = (c.strip() for c in (row.split(",") + [""] * 4)[:4])
+        gpus.append(Gpu(name, _mib(total), _mib(free)))  # Jetson: memory is [N/A]
+    return {"gpus": tuple(gpus), "driver": driver or None}
+
+
+def _mib(text: str) -> int | None:
+    return int(text) * 2**20 if text.isdigit() else None
+
+
+def _libcuda(_) -> dict:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return {}
+    v = ctypes.c_int(0)
+    if lib.cuDriverGetVersion(ctypes.byref(v)) != 0:  # needs no cuInit
+        return {}
+    return {"cuda_driver": f"{v.value // 1000}.{v.value % 1000 // 10}"}
+
+
+def _cuda_toolkit(_) -> dict:
+    text = _read("/usr/local/cuda/version.json")
+    if text:
+        return {"cuda_toolkit": json.loads(text).get("cuda", {}).get("version")}
+    m = re.search(r"CUDA Version ([\d.]+)", _read("/usr/local/cuda/version.txt") or "")
+    return {"cuda_toolkit": m.group(1) if m else None}
+
+
+def _module(name: str):
+    """The imported module, or None when it is not installed."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent package missing
+        return None
+    return importlib.import_module(name) if spec else None
+
+
+def _torch(found: dict) -> dict:
+    build = _torch_build()
+    if build is None:
+        return {}
+    if build[0] and not build[1]:  # a CPU build: no need to spend seconds importing it
+        return {"torch": build[0]}
+    torch = importlib.import_module("torch")
+    out = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "torch_cuda_ok": bool(torch.version.cuda) and torch.cuda.is_available()}
+    if out["torch_cuda_ok"] and not found.get("gpus"):  # no nvidia-smi: ask torch
+        gpus = []
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            gpus.append(Gpu(torch.cuda.get_device_name(i), total, free))
+        out["gpus"] = tuple(gpus)
+    if out["torch_cuda_ok"] and torch.backends.cudnn.is_available():
+        out["torch_cudnn"] = _cudnn_text(torch.backends.cudnn.version())
+    return out
+
+
+def _torch_build() -> tuple[str | None, str | None] | None:
+    """(version, CUDA version) from torch's generated ``version.py``, without importing
+    torch; None when torch is not installed, (None, None) when the file does not say."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    text = "".join(_read(str(Path(d) / "version.py")) or ""
+                   for d in spec.submodule_search_locations or ())
+    version = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", text, re.M)
+    cuda = re.search(r"^cuda\b[^=\n]*=\s*(?:None|['\"]([^'\"]+))", text, re.M)
+    if not (version and cuda):
+        return None, None
+    return version.group(1), cuda.group(1)
+
+
+def _onnxruntime(_) -> dict:
+    ort = _module("onnxruntime")
+    if ort is None:
+        return {}
+    return {"onnxruntime": ort.__version__,
+            "ort_providers": tuple(ort.get_available_providers())}
+
+
+def _tensorrt(_) -> dict:
+    trt = _module("tensorrt")
+    return {"tensorrt": trt.__version__} if trt is not None else {}
+
+
+def _libraries(_) -> dict:
+    # what onnxruntime's CUDA and TensorRT providers will dlopen by soname
+    out = {"nvinfer": _loadable("libnvinfer.so.10", "libnvinfer.so.8")}
+    for soname in ("libcudnn.so.9", "libcudnn.so.8"):
+        try:
+            lib = ctypes.CDLL(soname)
+        except OSError:
+            continue
+        lib.cudnnGetVersion.restype = ctypes.c_size_t
+        return {**out, "cudnn": _cudnn_text(lib.cudnnGetVersion())}
+    return out
+
+
+def _loadable(*sonames: str) -> bool:
+    for soname in sonames:
+        try:
+            ctypes.CDLL(soname)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _cudnn_text(v: int) -> str:
+    """cuDNN's version number as text: 9 counts major x 10000, 8 major x 1000.
+
+    >>> _cudnn_text(90300), _cudnn_text(8907)
+    ('9.3.0', '8.9.7')
+    """
+    major = v // 10000 if v >= 10000 else v // 1000
+    rest = v - major * (10000 if v >= 10000 else 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def _cuda_python(_) -> dict:
+    return {"cuda_python": any(_spec(n) for n in ("cuda.bindings", "cuda.cudart"))}
+
+
+def _spec(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# -- verdicts: which backend/device pairs run here ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    backend: str
+    device: str
+    ok: bool
+    reason: str
+    install: str | None = None   # the exact step that makes it work, when it does not
+
+
+def install_step(what: str, facts: Facts, then: str = "") -> str:
+    """The install command for ``what`` on this machine, from :data:`INSTALL`."""
+    desktop, jetpack = INSTALL[what]
+    jp = facts.jetpack
+    if facts.jetson and jp is None:
+        return (f"flash JetPack 6 (L4T R36.2 to R36.4; this is L4T R{facts.l4t or '?'}): these "
+                f"steps cover JetPack 6 only")
+    return (jetpack if facts.jetson else desktop).format(
+        index=JETSON_INDEX.format(cuda_tag=jp[1].replace(".", "")) if jp else "",
+        torch_cuda=_torch_cuda_wheel(facts).replace(".", ""), then=then)
+
+
+def _torch_cuda_wheel(facts: Facts) -> str:
+    """The newest PyTorch CUDA wheel this driver runs (12.8 when the driver is unknown)."""
+    drv = _version(facts.cuda_driver)
+    fits = [w for w in TORCH_CUDA_WHEELS if _version(w) <= drv] if drv else ["12.8"]
+    return fits[-1] if fits else TORCH_CUDA_WHEELS[0]
+
+
+# A check lists the gaps between this machine and a working pair: (gap?, why, INSTALL key or
+# a literal step). No gaps: the pair works, described by the check's ok text.
+Gap = tuple[bool, str, str]
+
+
+def _verdict(f: Facts, backend: str, device: str, ok_text: str, gaps: list[Gap],
+             needs_gpu: bool) -> Verdict:
+    gaps = [(why, step) for gap, why, step in gaps if gap]
+    steps = " && ".join(dict.fromkeys(install_step(s, f) if s in INSTALL else s
+                                      for _, s in gaps))
+    why = "; ".join(w for w, _ in gaps)
+    if needs_gpu and not f.has_gpu:
+        return Verdict(backend, device, False, "this machine has no NVIDIA GPU"
+                       + (f"; {why}" if why else ""), install_step("gpu", f, then=steps)
+                       if steps else "an NVIDIA GPU and its driver")
+    if gaps:
+        python = (f"; the Jetson AI Lab wheels are for Python {JETPACK_PYTHON} (JetPack 6's), "
+                  f"this is Python {f.python}" if f.jetson and f.python
+                  and not f.python.startswith(JETPACK_PYTHON + ".") and "pip" in steps else "")
+        return Verdict(backend, device, False, why + python, steps)
+    return Verdict(backend, device, True, ok_text)
+
+
+def _torch_cpu(f: Facts) -> Verdict:
+    return _verdict(f, "torch", "cpu", f"torch {f.torch}",
+                    [(not f.torch, "torch is not installed", "torch")], needs_gpu=False)
+
+
+def _torch_cuda(f: Facts) -> Verdict:
+    old_driver = (not f.jetson and bool(f.cuda_driver)
+                  and _version(f.cuda_driver) < _version(TORCH_CUDA_WHEELS[0]))
+    cpu_build = f"torch {f.torch} is a CPU-only build" if f.torch else "torch is not installed"
+    return _verdict(f, "torch", "cuda", f"torch {f.torch}, CUDA {f.torch_cuda}", [
+        (old_driver, f"the driver runs CUDA {f.cuda_driver}, older than PyTorch's wheels "
+                     f"({TORCH_CUDA_WHEELS[0]}+)",
+         f"update the NVIDIA driver to one for CUDA {TORCH_CUDA_WHEELS[0]} or newer "
+         f"(https://www.nvidia.com/drivers)"),
+        (not f.torch_cuda, cpu_build, "torch-cuda"),
+        (bool(f.torch_cuda) and f.has_gpu and not f.torch_cuda_ok and not old_driver,
+         f"torch {f.torch} (CUDA {f.torch_cuda}) sees no device", "torch-cuda"),
+    ], needs_gpu=True)
+
+
+def _ort_cpu(f: Facts) -> Verdict:
+    return _verdict(f, "onnxruntime", "cpu", f"onnxruntime {f.onnxruntime}",
+                    [(not f.onnxruntime, "onnxruntime is not installed", "onnxruntime")],
+                    needs_gpu=False)
+
+
+def _ort_provider(device: str, provider: str, needs_trt: bool):
+    def check(f: Facts) -> Verdict:
+        have = (f"onnxruntime {f.onnxruntime} has no {provider}" if f.onnxruntime
+                else "onnxruntime is not installed")
+        return _verdict(f, "onnxruntime", device, f"onnxruntime {f.onnxruntime}, {provider}, "
+                        f"cuDNN {f.cudnn}", [
+                            (provider not in f.ort_providers, have, "onnxruntime-gpu"),
+                            (needs_trt and not f.nvinfer, "libnvinfer.so.10 is not loadable",
+                             "tensorrt-libs"),
+                            (not f.cudnn, "libcudnn.so.9 is not loadable", "cudnn")],
+                        needs_gpu=True)
+    return check
+
+
+def _tensorrt_native(f: Facts) -> Verdict:
+    old = bool(f.tensorrt) and _version(f.tensorrt) < (10,)
+    return _verdict(f, "tensorrt", "cuda", f"TensorRT {f.tensorrt}", [
+        (not f.tensorrt, "the tensorrt Python package is not installed", "tensorrt"),
+        (old, f"TensorRT {f.tensorrt}; the tensorrt backend needs TensorRT 10",
+         "flash JetPack 6.1 or later" if f.jetson else "pip install --upgrade tensorrt"),
+        (not (f.torch_cuda_ok or f.cuda_python),
+         "no device allocator: torch with CUDA, or cuda-python", "cuda-python"),
+    ], needs_gpu=True)
+
+
+# (backend, device) -> check(facts)
+CHECKS = {
+    ("torch", "cpu"): _torch_cpu,
+    ("torch", "cuda"): _torch_cuda,
+    ("onnxruntime", "cpu"): _ort_cpu,
+    ("onnxruntime", "cuda"): _ort_provider("cuda", "CUDAExecutionProvider", needs_trt=False),
+    ("onnxruntime", "tensorrt"): _ort_provider("tensorrt", "TensorrtExecutionProvider",
+                                               needs_trt=True),
+    ("tensorrt", "cuda"): _tensorrt_native,
+}
+
+
+def verdicts(facts: Facts) -> list[Verdict]:
+    return [check(facts) for check in CHECKS.values()]
+
+
+# -- memory plan ----------------------------------------------------------------------------
+
+MARGIN = 0.10   # allocator arenas, fragmentation, the runtime's own buffers
+ACT_WIDTH = 12  # hidden-sized values a position holds at once: residual, norm, q, attention
+#                 out, and the MLP's gate and up taken at 4 x hidden (the manifest does not
+#                 record intermediate_size; llama-family models use 2.7x to 4x)
+PLAN_DTYPES = {"fp32": 4, "fp16": 2}
+
+
+def workspace_bytes(m, t: int, rows: int, itemsize: int) -> int:
+    """Activations of one block of ``t`` positions attending to ``rows`` cache rows: the
+    hidden-sized tensors, fp32 attention scores over ``rows + t`` columns per head, and fp32
+    logits.
+
+    >>> from types import SimpleNamespace as S
+    >>> m = S(hidden_size=64, num_heads=8, vocab_size=512)
+    >>> workspace_bytes(m, t=60, rows=256, itemsize=4)    # 60 x (12*64*4 + (8*316 + 512)*4)
+    913920
+    """
+    return t * (ACT_WIDTH * m.hidden_size * itemsize + (m.num_heads * (rows + t)
+                                                        + m.vocab_size) * 4)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The memory a package's model is planned against."""
+
+    what: str
+    available: int | None
+    host: bool   # the host's RAM (CPU, or a Jetson's shared memory): the embedding table counts
+
+
+def device_pool(facts: Facts) -> Pool:
+    if facts.jetson:
+        return Pool("shared CPU/GPU memory available (Jetson: the GPU uses host RAM)",
+                    facts.host_available, host=True)
+    if facts.has_gpu and facts.gpus and facts.gpus[0].free_bytes is not None:
+        g = facts.gpus[0]
+        return Pool(f"GPU 0 ({g.name}) free memory", g.free_bytes, host=False)
+    return Pool("host memory available (no CUDA device)" if not facts.has_gpu
+                else "host memory available (GPU memory unknown)", facts.host_available,
+                host=True)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    dtype: str
+    own: bool                  # the package's dtype (the other needs a re-export)
+    weights: int
+    kv_cache: int
+    workspace: int
+    embeddings: int            # host-side table; counted when the pool is host memory
+    total: int
+    fits: bool | None          # None: the pool's size is unknown
+    max_context: int | None    # the largest cache (rows) whose total fits
+    max_prompt: int | None     # the longest prompt prefilled in one block, with the cache at
+    #                            the smaller of the package's and the largest that fits
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    package: str
+    max_context: int
+    block: int                 # the largest plan block T
+    pool: Pool
+    rows: tuple[PlanRow, ...]
+
+
+def memory_plan(pkg, facts: Facts) -> MemoryPlan:
+    """Weights + KV cache at the package's max context + workspace, per dtype, against the
+    device's memory; the largest context and the longest one-block prompt that fit."""
+    m, pool = pkg.meta, device_pool(facts)
+    t = max(p.T for p in m.plans)
+    emb = (pkg.root / m.embeddings.file).stat().st_size if pool.host else 0
+    rows = []
+    for dtype, nbytes in PLAN_DTYPES.items():
+        weights = pkg.weight_bytes() * nbytes // PLAN_DTYPES[m.dtype]
+        kv_row = pkg.kv_cache_bytes(1, dtype)
+        fixed = weights + emb + workspace_bytes(m, t, 0, nbytes)
+        per_row = kv_row + t * m.num_heads * 4     # the cache row and its attention column
+        total = _with_margin(fixed + per_row * m.max_context)
+        budget = pool.available / (1 + MARGIN) if pool.available else None
+        ctx = max(0, math.floor((budget - fixed) / per_row)) if budget else None
+        ctx = None if ctx is None else (ctx if ctx > t else 0)  # a plan needs T < context
+        usable = None if ctx is None else min(ctx, m.max_context)
+        rows.append(PlanRow(
+            dtype, dtype == m.dtype, weights, kv_row * m.max_context,
+            workspace_bytes(m, t, m.max_context, nbytes), emb, total,
+            None if budget is None else total <= pool.available, ctx,
+            None if usable is None else _longest_prompt(
+                m, nbytes, budget - weights - emb - kv_row * usable, usable)))
+    return MemoryPlan(str(pkg.root), m.max_context, t, pool, tuple(rows))
+
+
+def _with_margin(n: float) -> int:
+    return math.ceil(n * (1 + MARGIN))
+
+
+def _longest_prompt(m, itemsize: int, room: float, context: int) -> int:
+    """The longest prompt whose prefill (one causal block of P positions over an empty
+    cache) fits in ``room`` bytes: solve 4·heads·P² + c·P <= room, capped at ``context``."""
+    if room <= 0 or context == 0:
+        return 0
+    a, c = 4 * m.num_heads, ACT_WIDTH * m.hidden_size * itemsize + 4 * m.vocab_size
+    p = math.floor((-c + math.sqrt(c * c + 4 * a * room)) / (2 * a))
+    return min(p, context)
+
+
+# -- the report -----------------------------------------------------------------------------
+
+
+def size(n: float | None) -> str:
+    """Bytes for a person: ``size(1536) == '1.5 KiB'``."""
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _or(value, missing: str = "not found") -> str:
+    return str(value) if value else missing
+
+
+def describe_machine(f: Facts) -> list[str]:
+    lines = [f"machine   {f.system}, Python {f.python}, {_or(f.cpu_cores, '?')} CPU cores",
+             f"memory    host {size(f.host_total)} total, {size(f.host_available)} available"
+             + ("; on Jetson the GPU shares this memory" if f.jetson else "")]
+    if f.jetson:
+        jp = f.jetpack
+        jetpack = (f"JetPack {jp[0]} (CUDA {jp[1]}, TensorRT {jp[2]})" if jp
+                   else "not a JetPack 6 release")
+        lines.append(f"jetson    {_or(f.jetson_model, 'Jetson')}, L4T R{_or(f.l4t, '?')}: "
+                     f"{jetpack}")
+    else:
+        lines.append("jetson    no (no /etc/nv_tegra_release)")
+    for i, g in enumerate(f.gpus):
+        lines.append(f"gpu {i}     {g.name}, {size(g.total_bytes)} total, "
+                     f"{size(g.free_bytes)} free" + (", driver " + f.driver if f.driver else ""))
+    if not f.gpus:
+        lines.append("gpu       none found (nvidia-smi not on PATH or lists none)"
+                     if not f.jetson else "gpu       integrated (nvidia-smi lists none)")
+    lines.append(f"cuda      driver {_or(f.cuda_driver and 'runs CUDA ' + f.cuda_driver)}, "
+                 f"toolkit {_or(f.cuda_toolkit)}, libcudnn {_or(f.cudnn)}, libnvinfer "
+                 f"{'loadable' if f.nvinfer else 'not found'}")
+    torch = (f"{f.torch} (" + (f"CUDA {f.torch_cuda}, " if f.torch_cuda else "CPU build, ")
+             + (f"cuDNN {f.torch_cudnn}, " if f.torch_cudnn else "")
+             + ("sees the GPU)" if f.torch_cuda_ok else "no CUDA device)")) if f.torch else None
+    lines += [f"packages  torch {_or(torch, 'not installed')}",
+              f"          onnxruntime {_or(f.onnxruntime, 'not installed')}"
+              + (f": {', '.join(f.ort_providers)}" if f.onnxruntime else ""),
+              f"          tensorrt {_or(f.tensorrt, 'not installed')}, cuda-python "
+              f"{'installed' if f.cuda_python else 'not installed'}"]
+    lines += [f"problem   {p}" for p in f.problems]
+    return lines
+
+
+def describe_verdicts(vs: list[Verdict]) -> list[str]:
+    lines = []
+    for i, v in enumerate(vs):
+        head = "backends  " if i == 0 else " " * 10
+        lines.append(f"{head}{v.backend:<12} {v.device:<9} {'ok' if v.ok else 'no'} "
+                     f"{v.reason}")
+        if v.install:
+            lines.append(f"{'':<36}install: {v.install}")
+    return lines
+
+
+def describe_plan(p: MemoryPlan) -> list[str]:
+    head = (f"{'dtype':<7} {'weights':>10} {'KV cache':>10} {'workspace':>10} "
+            f"{'embedding':>10} {'total':>10}  {'fits':<4} {'max context':>11} "
+            f"{'max prompt':>10}")
+    lines = [f"package   {p.package}: max context {p.max_context}, largest plan block "
+             f"T = {p.block}",
+             f"against   {p.pool.what}: {size(p.pool.available)}",
+             "", f"plan      {head}"]
+    for r in p.rows:
+        fits = "?" if r.fits is None else ("yes" if r.fits else "no")
+        lines.append(f"          {r.dtype + (' *' if r.own else ''):<7} {size(r.weights):>10} "
+                     f"{size(r.kv_cache):>10} {size(r.workspace):>10} "
+                     f"{size(r.embeddings) if r.embeddings else '-':>10} {size(r.total):>10}  "
+                     f"{fits:<4} {_or(r.max_context, '?'):>11} {_or(r.max_prompt, '?'):>10}")
+    lines += [
+        "",
+        "formula   total = (weights + KV cache + workspace + embedding table) x "
+        f"{1 + MARGIN:.2f} (allocator and runtime margin)",
+        "          KV cache = 2 x layers x max context x KV heads x head dim x bytes",
+        "          workspace = T x (12 x hidden x bytes + (heads x (max context + T) + vocab) "
+        "x 4 B): one block's activations, fp32 scores and logits",
+        "          embedding table: host-side (mask initialisation), counted in host or "
+        "shared memory only",
+        "          * = the package's dtype; the other is what a re-export with --dtype would "
+        "need (weights scaled by bytes per value)",
+        "          max context = the largest KV cache that fits (re-export with --max-context "
+        "to use it, up to the model's position limit)",
+        "          max prompt = the longest prompt prefilled in one block (scores grow as heads "
+        "x P^2), the cache at the package's max context or the largest that fits",
+    ]
+    return lines
+
+
+def report(facts: Facts, plan: MemoryPlan | None = None) -> str:
+    lines = describe_machine(facts) + [""] + describe_verdicts(verdicts(facts))
+    if plan is not None:
+        lines += [""] + describe_plan(plan)
+    return "\n".join(lines)
+
+
+def to_dict(facts: Facts, plan: MemoryPlan | None = None) -> dict:
+    """What ``edgemtp doctor --json`` prints."""
+    jp = facts.jetpack
+    return {"machine": asdict(facts),
+            "jetpack": dict(zip(("jetpack", "cuda", "tensorrt"), jp)) if jp else None,
+            "backends": [asdict(v) for v in verdicts(facts)],
+            "memory_plan": asdict(plan) if plan is not None else None}

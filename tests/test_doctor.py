@@ -1,0 +1,267 @@
+"""``edgemtp doctor``: the probe of this machine, the command run for real, and the pure
+verdicts and memory plan on the hand-made facts of machines CI does not have (a Jetson Orin
+on JetPack 6, a CUDA desktop)."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from edgemtp import doctor
+from edgemtp.doctor import Facts, Gpu
+from edgemtp.runtimes.package import load_package
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+JP6_INDEX = "https://pypi.jetson-ai-lab.io/jp6/cu126"
+
+# a Jetson Orin Nano 8GB on JetPack 6.1/6.2 with the CPU onnxruntime from PyPI: no
+# onnxruntime-gpu, no torch, no TensorRT Python bindings; CUDA, cuDNN, libnvinfer from JetPack
+ORIN = Facts(system="Linux aarch64", python="3.10.12", cpu_cores=6,
+             host_total=8 * GiB, host_available=6 * GiB,
+             jetson_model="NVIDIA Jetson Orin Nano Developer Kit", l4t="36.4.0",
+             cuda_driver="12.6", cuda_toolkit="12.6.68", cudnn="9.3.0", nvinfer=True,
+             onnxruntime="1.20.1", ort_providers=("CPUExecutionProvider",))
+# a desktop with a 24 GB GPU, a CPU-only torch and the CPU onnxruntime
+DESKTOP = Facts(system="Linux x86_64", python="3.11.7", cpu_cores=16, host_total=64 * GiB,
+                host_available=50 * GiB, gpus=(Gpu("NVIDIA GeForce RTX 4090", 24 * GiB,
+                                                   20 * GiB),),
+                driver="570.86", cuda_driver="12.8", torch="2.13.0+cpu",
+                onnxruntime="1.22.0", ort_providers=("CPUExecutionProvider",))
+
+
+def by_pair(facts: Facts) -> dict[tuple[str, str], doctor.Verdict]:
+    return {(v.backend, v.device): v for v in doctor.verdicts(facts)}
+
+
+# -- this machine ---------------------------------------------------------------------------
+
+
+def test_probe_reads_this_machine():
+    f = doctor.probe()
+    assert f.problems == ()
+    assert f.python == platform.python_version()
+    assert f.jetson == Path("/etc/nv_tegra_release").exists()
+    if Path("/proc/meminfo").exists():
+        assert 0 < f.host_available <= f.host_total
+    import onnxruntime
+    import torch
+
+    assert (f.torch, f.torch_cuda) == (torch.__version__, torch.version.cuda)
+    assert (f.onnxruntime, f.ort_providers) == (onnxruntime.__version__,
+                                                tuple(onnxruntime.get_available_providers()))
+    assert f.torch_cuda_ok == torch.cuda.is_available()
+    v = by_pair(f)
+    assert v["torch", "cpu"].ok and v["onnxruntime", "cpu"].ok
+    assert v["torch", "cuda"].ok == torch.cuda.is_available()
+
+
+def _doctor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgemtp.cli", "doctor", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def runs(stories_pkg, tmp_path_factory):
+    """Every doctor run of this file, started together."""
+    empty = tmp_path_factory.mktemp("doctor") / "not-a-package"
+    empty.mkdir()
+    jobs = {"plain": [], "json": ["--json"], "pkg": [str(stories_pkg)],
+            "pkg-json": [str(stories_pkg), "--json"],
+            "missing": [str(empty.parent / "nope")], "not-a-package": [str(empty)]}
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {k: pool.submit(_doctor, *argv) for k, argv in jobs.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
+def _row(out: str, backend: str, device: str) -> str:
+    m = re.search(rf"^ *(?:backends)? +{backend} +{device} +(ok|no) .*$", out, re.M)
+    assert m, f"no {backend}/{device} row in:\n{out}"
+    return m.group(0)
+
+
+def test_doctor_command_reports_this_machine(runs):
+    p = runs["plain"]
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    out = p.stdout
+    for section in ("machine", "memory", "jetson", "gpu", "cuda", "packages", "backends"):
+        assert re.search(rf"^{section}\b", out, re.M), section
+    assert " ok " in _row(out, "torch", "cpu") and " ok " in _row(out, "onnxruntime", "cpu")
+    if doctor.probe().has_gpu:
+        pytest.skip("the CPU-only checks below need a machine without an NVIDIA GPU")
+    assert "gpu       none found" in out and "jetson    no" in out
+    assert "this machine has no NVIDIA GPU" in _row(out, "torch", "cuda")
+    for backend, device in [("torch", "cuda"), ("onnxruntime", "cuda"),
+                            ("onnxruntime", "tensorrt"), ("tensorrt", "cuda")]:
+        assert " no " in _row(out, backend, device)
+    installs = re.findall(r"^ {36}install: (.*)$", out, re.M)
+    assert len(installs) == 4
+    assert any("pip install torch --index-url https://download.pytorch.org/whl/cu12" in i
+               for i in installs)
+    assert any("pip install onnxruntime-gpu" in i for i in installs)
+
+
+def test_doctor_json_is_one_object_with_the_same_verdicts(runs):
+    p = runs["json"]
+    assert p.returncode == 0, p.stderr
+    (line,) = p.stdout.strip().splitlines()
+    data = json.loads(line)
+    assert set(data) == {"machine", "jetpack", "backends", "memory_plan"}
+    assert data["memory_plan"] is None
+    assert [(b["backend"], b["device"]) for b in data["backends"]] == list(doctor.CHECKS)
+    assert data["machine"]["python"] == platform.python_version()
+    for b in data["backends"]:
+        assert (b["install"] is None) == b["ok"]
+        assert _row(runs["plain"].stdout, b["backend"], b["device"]).split()[-1] \
+            in b["reason"]
+
+
+def test_doctor_with_a_package_prints_its_memory_plan(runs, stories_pkg):
+    p = runs["pkg"]
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    pkg = load_package(stories_pkg, check_plans=False)
+    m = pkg.meta
+    assert f"max context {m.max_context}, largest plan block T = 60" in p.stdout
+    fp32 = re.search(r"^ +fp32 \* +(.*)$", p.stdout, re.M).group(1).split()
+    assert " ".join(fp32[:4]) == f"{doctor.size(pkg.weight_bytes())} " \
+                                 f"{doctor.size(pkg.kv_cache_bytes(dtype='fp32'))}"
+    assert re.search(r"^ +fp16 +\d", p.stdout, re.M)  # fp16: the other dtype, unmarked
+    assert "formula   total = (weights + KV cache + workspace" in p.stdout
+
+    plan = json.loads(runs["pkg-json"].stdout)["memory_plan"]
+    rows = {r["dtype"]: r for r in plan["rows"]}
+    assert rows["fp32"]["own"] and not rows["fp16"]["own"]
+    assert rows["fp32"]["weights"] == pkg.weight_bytes()
+    assert rows["fp16"]["kv_cache"] == pkg.kv_cache_bytes(dtype="fp16") \
+        == 2 * m.num_layers * m.max_context * m.num_kv_heads * m.head_dim * 2
+    for r in rows.values():  # a 1 MiB model fits any machine that runs these tests
+        assert r["fits"] and r["max_context"] > m.max_context
+        assert r["max_prompt"] == m.max_context
+
+
+@pytest.mark.parametrize("case, expect", [("missing", r"nope.* does not exist"),
+                                          ("not-a-package", r"has no edgemtp\.json")])
+def test_doctor_with_a_bad_package_is_one_line_and_exit_2(runs, case, expect):
+    p = runs[case]
+    assert p.returncode == 2 and p.stdout == ""
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("edgemtp: error: ") and re.search(expect, line), line
+
+
+# -- facts of machines CI does not have -----------------------------------------------------
+
+
+def test_jetson_orin_on_jetpack_6_gets_the_jetpack_install_steps():
+    assert ORIN.jetson and ORIN.has_gpu
+    assert ORIN.jetpack == ("6.1 or 6.2", "12.6", "10.3")
+    v = by_pair(ORIN)
+    assert v["onnxruntime", "cpu"].ok and not v["torch", "cpu"].ok
+    onnx_gpu = ("pip uninstall -y onnxruntime && pip install onnxruntime-gpu --index-url "
+                + JP6_INDEX)
+    assert v["onnxruntime", "cuda"].install == onnx_gpu
+    assert v["onnxruntime", "tensorrt"].install == onnx_gpu  # libnvinfer is JetPack's
+    assert "has no CUDAExecutionProvider" in v["onnxruntime", "cuda"].reason
+    assert v["torch", "cuda"].install == ("pip uninstall -y torch && pip install torch "
+                                          f"--index-url {JP6_INDEX}")
+    assert v["tensorrt", "cuda"].install == ("sudo apt install nvidia-tensorrt python3-libnvinfer"
+                                             " && pip install cuda-python")
+    assert not any(x.ok for k, x in v.items() if k[1] != "cpu")
+    assert not any("nvidia.com/drivers" in (x.install or "") for x in v.values())
+
+    text = doctor.report(ORIN)
+    assert "L4T R36.4.0: JetPack 6.1 or 6.2 (CUDA 12.6, TensorRT 10.3)" in text
+    assert "on Jetson the GPU shares this memory" in text
+
+
+def test_jetson_with_onnxruntime_gpu_and_tensorrt_installed_is_all_ok():
+    done = replace(ORIN, ort_providers=("TensorrtExecutionProvider", "CUDAExecutionProvider",
+                                        "CPUExecutionProvider"), tensorrt="10.3.0",
+                   torch="2.8.0", torch_cuda="12.6", torch_cuda_ok=True)
+    assert all(v.ok and v.install is None for v in doctor.verdicts(done))
+
+
+def test_jetpack_6_0_uses_its_cuda_12_2_index_and_jetpack_5_is_told_to_upgrade():
+    jp60 = replace(ORIN, l4t="36.3.0", cuda_driver="12.2")
+    assert jp60.jetpack == ("6.0", "12.2", "8.6")
+    v = by_pair(jp60)
+    assert v["onnxruntime", "cuda"].install.endswith("https://pypi.jetson-ai-lab.io/jp6/cu122")
+    trt = by_pair(replace(jp60, tensorrt="8.6.2"))["tensorrt", "cuda"]
+    assert "needs TensorRT 10" in trt.reason and "flash JetPack 6.1 or later" in trt.install
+
+    jp5 = by_pair(replace(ORIN, l4t="35.4.1"))["onnxruntime", "cuda"]
+    assert jp5.install.startswith("flash JetPack 6") and "R35.4.1" in jp5.install
+
+
+def test_jetson_wheels_are_for_python_3_10():
+    v = by_pair(replace(ORIN, python="3.12.3"))["onnxruntime", "cuda"]
+    assert "Python 3.10" in v.reason and "3.12.3" in v.reason
+
+
+@pytest.mark.parametrize("driver, wheel", [("12.8", "cu128"), ("12.6", "cu126"),
+                                           ("13.1", "cu130"), (None, "cu128")])
+def test_desktop_torch_cuda_wheel_follows_the_driver(driver, wheel):
+    v = by_pair(replace(DESKTOP, cuda_driver=driver))["torch", "cuda"]
+    assert "CPU-only build" in v.reason
+    assert v.install == ("pip uninstall -y torch && pip install torch --index-url "
+                         f"https://download.pytorch.org/whl/{wheel}")
+
+
+def test_desktop_verdicts_and_install_steps():
+    v = by_pair(DESKTOP)
+    assert v["onnxruntime", "cuda"].install == ("pip uninstall -y onnxruntime && pip install "
+                                                "onnxruntime-gpu && sudo apt install "
+                                                "cudnn9-cuda-12")
+    assert v["tensorrt", "cuda"].install == "pip install tensorrt && pip install cuda-python"
+    old = by_pair(replace(DESKTOP, cuda_driver="12.2"))["torch", "cuda"]
+    assert old.install.startswith("update the NVIDIA driver to one for CUDA 12.6 or newer")
+    ready = replace(DESKTOP, cudnn="9.1.0", nvinfer=True, tensorrt="10.9.0", cuda_python=True,
+                    ort_providers=("TensorrtExecutionProvider", "CUDAExecutionProvider",
+                                   "CPUExecutionProvider"))
+    assert [x.ok for x in doctor.verdicts(ready)] == [True, False, True, True, True, True]
+
+
+def _total(pkg, dtype: str, rows: int, host: bool) -> float:
+    """The plan's formula as the report states it, written out independently."""
+    m, b = pkg.meta, doctor.PLAN_DTYPES[dtype]
+    t = max(p.T for p in m.plans)
+    weights = pkg.weight_bytes() * b // doctor.PLAN_DTYPES[m.dtype]
+    kv = 2 * m.num_layers * rows * m.num_kv_heads * m.head_dim * b
+    work = t * (12 * m.hidden_size * b + (m.num_heads * (rows + t) + m.vocab_size) * 4)
+    emb = (pkg.root / "embeddings.npy").stat().st_size if host else 0
+    return (weights + kv + work + emb) * 1.10
+
+
+@pytest.mark.parametrize("facts", [ORIN, DESKTOP], ids=["jetson", "desktop"])
+@pytest.mark.parametrize("available_kib", [2500, 3072, 8192])  # 2500: fp32 does not fit 256
+def test_memory_plan_max_context_is_the_largest_that_fits(stories_pkg, facts, available_kib):
+    avail = available_kib * 2**10
+    facts = replace(facts, host_available=avail,
+                    gpus=tuple(replace(g, free_bytes=avail) for g in facts.gpus))
+    pkg = load_package(stories_pkg, check_plans=False)
+    plan = doctor.memory_plan(pkg, facts)
+    assert plan.pool.available == avail and plan.pool.host == facts.jetson
+    for r in plan.rows:
+        assert r.total == math.ceil(_total(pkg, r.dtype, pkg.meta.max_context, facts.jetson))
+        assert r.fits == (r.total <= avail)
+        assert r.max_context > plan.block, "every size here fits the largest plan"
+        assert _total(pkg, r.dtype, r.max_context, facts.jetson) <= avail
+        assert _total(pkg, r.dtype, r.max_context + 1, facts.jetson) > avail
+        assert r.fits == (r.max_context >= pkg.meta.max_context)
+    text = "\n".join(doctor.describe_plan(plan))
+    assert ("shared CPU/GPU memory" in text) == facts.jetson
+    assert ("GPU 0 (NVIDIA GeForce RTX 4090) free memory" in text) == (not facts.jetson)
+
+
+def test_memory_plan_when_nothing_fits(stories_pkg):
+    pkg = load_package(stories_pkg, check_plans=False)
+    plan = doctor.memory_plan(pkg, replace(ORIN, host_available=2**20))
+    assert [(r.fits, r.max_context, r.max_prompt) for r in plan.rows] == [(False, 0, 0)] * 2
