@@ -3,8 +3,10 @@ sequence-major KV cache per session. CPU, and CUDA when present."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -12,12 +14,16 @@ import torch
 
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import ConfigError, ModelLoadError
-from edgemtp.models.decoder import TreeDecoder
+from edgemtp.models.static_decoder import StaticTreeDecoder
 from edgemtp.models.families import family_for, max_context
 from edgemtp.runtimes.gguf_source import check_gguf, resolve_model
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MASK_CACHE = 512  # device copies of plan masks kept (oldest out first)
+SLACK = 64        # cache rows past the max context where a block's K/V wait for their commit
+PAD_TO = 64       # blocks longer than this (prefill) are padded to a multiple of it, so one
+                  # step shape (and one CUDA graph) serves many prompt lengths
+BUCKET = {"cuda": 256, "cpu": 64}  # attention spans the cache in buckets of this many rows
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
@@ -50,7 +56,13 @@ def _check_hf_folder(path: str) -> None:
 
 class TorchBackend:
     """A Hugging Face causal LM in PyTorch: the weights once; each :meth:`session` owns a
-    preallocated, sequence-major KV cache ``[L, max_context, H_kv, D]`` on the device."""
+    KV cache preallocated on the device at the max context and written in place.
+
+    ``static_cache`` (default) runs every step over fixed shapes (one per block size and
+    cache bucket), replayed as CUDA graphs on a CUDA device (``cuda_graphs``, default on
+    there); ``static_cache=False`` is the reference session that concatenates the past and
+    the block's K/V in every layer, as the exported graph does.
+    """
 
     name = "torch"
     has_tokenizer = True
@@ -58,7 +70,8 @@ class TorchBackend:
 
     def __init__(self, model: str, device: str = "cpu", dtype: str | None = None,
                  max_context: int | None = None, trust_remote_code: bool = False,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, static_cache: bool = True,
+                 cuda_graphs: bool | None = None) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -85,22 +98,34 @@ class TorchBackend:
             raise ModelLoadError(f"cannot load {model!r} as a causal LM: {first}") from None
         self.family = family_for(hf.config)
         self.source = str(Path(model).resolve()) if Path(model).exists() else model
-        self._init(hf, device, max_context)
+        self._init(hf, device, max_context, static_cache, cuda_graphs)
 
     @classmethod
-    def from_model(cls, hf_model, device: str = "cpu", max_context: int | None = None):
-        """Wrap an already loaded ``transformers`` causal LM (tests, notebooks)."""
+    def from_model(cls, hf_model, device: str = "cpu", max_context: int | None = None,
+                   static_cache: bool = True, cuda_graphs: bool | None = None):
+        """Wrap an already loaded ``transformers`` causal LM (tests, notebooks, benchmarks)."""
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' asked, but this PyTorch build sees no CUDA device")
         self = cls.__new__(cls)
         self.family = family_for(hf_model.config)
         self.source = None
-        self._init(hf_model, device, max_context)
+        self._init(hf_model, device, max_context, static_cache, cuda_graphs)
         return self
 
-    def _init(self, hf, device: str, requested_context: int | None) -> None:
+    def _init(self, hf, device: str, requested_context: int | None, static_cache: bool,
+              cuda_graphs: bool | None) -> None:
         self.device = torch.device(device)
         self.hf = hf.to(self.device).eval()
         cfg = hf.config
-        self.decoder = TreeDecoder(self.hf, self.family)
+        self.decoder = StaticTreeDecoder(self.hf, self.family)
+        cuda = self.device.type == "cuda"
+        self.static_cache = bool(static_cache)
+        self.cuda_graphs = cuda and self.static_cache and cuda_graphs is not False
+        self.bucket = BUCKET["cuda" if cuda else "cpu"]
+        # one CUDA stream does the work of every session: steps of concurrent sessions take
+        # turns (their graphs share one memory pool); on CPU they run side by side
+        self.lock = threading.Lock() if cuda else contextlib.nullcontext()
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.vocab_size = int(cfg.vocab_size)
         self.hidden_size = int(cfg.hidden_size)
         self.max_context = max_context(cfg, self.family, requested_context)
@@ -115,8 +140,8 @@ class TorchBackend:
         self._table = hf.get_input_embeddings().weight.detach()
         self._masks: dict = {}
 
-    def session(self) -> "TorchSession":
-        return TorchSession(self)
+    def session(self) -> "TorchSession | ConcatSession":
+        return TorchSession(self) if self.static_cache else ConcatSession(self)
 
     @torch.inference_mode()
     def device_mask(self, tree_mask: np.ndarray) -> torch.Tensor:
@@ -124,13 +149,13 @@ class TorchBackend:
         # once and reuse it in every session (keyed by the buffer, held so the address
         # cannot be recycled)
         if tree_mask.flags.writeable:
-            return torch.as_tensor(tree_mask, dtype=torch.bool, device=self.device)[None, None]
+            return torch.as_tensor(tree_mask, dtype=torch.bool, device=self.device)
         key = tree_mask.__array_interface__["data"][0], tree_mask.shape
         hit = self._masks.get(key)
         if hit is None:
             if len(self._masks) >= MASK_CACHE:  # lookup drafters make a new tree most steps
                 del self._masks[next(iter(self._masks))]
-            t = torch.tensor(tree_mask, dtype=torch.bool, device=self.device)[None, None]
+            t = torch.tensor(tree_mask, dtype=torch.bool, device=self.device)
             hit = self._masks[key] = (tree_mask, t)
         return hit[1]
 
@@ -144,9 +169,177 @@ class TorchBackend:
 
 
 class TorchSession:
-    """One generation's KV cache on a :class:`TorchBackend`'s device."""
+    """One generation's KV cache on a :class:`TorchBackend`'s device, static: preallocated
+    ``[L, H_kv, S, D]`` (``S`` = the max context plus scratch rows for a block), written in
+    place, and one :class:`StepGraph` per step shape (see
+    :mod:`edgemtp.models.static_decoder`)."""
 
-    last_run_s = None  # the torch forward is all run: no binding to tell apart
+    last_run_s = None  # the torch step is all run: no binding to tell apart
+
+    def __init__(self, backend: TorchBackend) -> None:
+        self.backend = backend
+        self.cache_len = 0
+        self.rows = 0
+        self._grow(backend.max_context + SLACK)
+
+    def _grow(self, rows: int) -> None:
+        # a block's K/V land at [P, P + T) before its commit: a block past the scratch rows
+        # reallocates (rare: blocks over SLACK rows near the end of the context) and drops
+        # the graphs, which hold the old buffers' addresses
+        b = self.backend
+        shape = (b.cache_shape[0], b.cache_shape[2], rows, b.cache_shape[3])
+        k = torch.zeros(shape, dtype=b.dtype, device=b.device)
+        v = torch.zeros(shape, dtype=b.dtype, device=b.device)
+        if self.rows:
+            k[:, :, :self.cache_len] = self.k_cache[:, :, :self.cache_len]
+            v[:, :, :self.cache_len] = self.v_cache[:, :, :self.cache_len]
+        self.k_cache, self.v_cache, self.rows = k, v, rows
+        self._graphs: dict[tuple, StepGraph] = {}
+
+    @torch.inference_mode()
+    def forward(self, input_ids, position_ids, tree_mask, mask_embeds, topk: int = 0,
+                full_logits: bool = False, hidden: bool = False) -> StepOut:
+        b, p, t = self.backend, self.cache_len, len(input_ids)
+        tp = t if t <= PAD_TO else -(-t // PAD_TO) * PAD_TO  # long blocks (prefill) padded
+        if p + tp > self.rows:
+            self._grow(-(-(p + tp) // PAD_TO) * PAD_TO)
+        width = min(-(-(p + tp) // b.bucket) * b.bucket, self.rows)
+        k = 1 if mask_embeds is None else len(mask_embeds)
+        topk = min(int(topk), b.vocab_size)
+        key = (tp, width, k, topk)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = StepGraph(self, tp, width, k, topk)
+        with b.lock:
+            g.load(input_ids, position_ids, tree_mask, mask_embeds, p)
+            g.run()
+            return g.read(t, full_logits, hidden)
+
+    @torch.inference_mode()
+    def commit(self, rows) -> None:
+        rows = np.asarray(rows, dtype=np.int64)
+        r, p = len(rows), self.cache_len
+        if p + r > self.backend.max_context:
+            raise ConfigError(f"committing {r} rows overruns the KV cache "
+                              f"({p} of {self.backend.max_context} rows used)")
+        if r and (rows[-1] != r - 1 or np.any(rows != np.arange(r))):
+            # the accepted rows sit at P + rows; move them down to [P, P + r) (a path that is
+            # a prefix of the block, as in plain decoding and prefill, is already in place)
+            src = torch.as_tensor(p + rows, device=self.backend.device)
+            with self.backend.lock:
+                self.k_cache[:, :, p:p + r] = self.k_cache.index_select(2, src)
+                self.v_cache[:, :, p:p + r] = self.v_cache.index_select(2, src)
+        self.cache_len += r
+
+    def reset(self) -> None:
+        self.cache_len = 0
+
+
+class StepGraph:
+    """The static buffers of one step shape ``(T, B, k, K)`` on one session's cache, and the
+    step over them: on CUDA captured once as a CUDA graph (at its second use, after an eager
+    run and a warm-up) and replayed; elsewhere the same code, run eagerly."""
+
+    def __init__(self, session: TorchSession, t: int, width: int, k: int, topk: int) -> None:
+        b = session.backend
+        dev = b.device
+        self.session, self.t, self.width, self.topk = session, t, width, topk
+        self.idpos = torch.zeros((2, t), dtype=torch.long, device=dev)  # ids, positions
+        self.mask = torch.zeros((t, t), dtype=torch.bool, device=dev)
+        self.embeds = torch.zeros((k, b.hidden_size), dtype=b.dtype, device=dev)
+        self.p = torch.zeros((), dtype=torch.long, device=dev)
+        self.cuda = dev.type == "cuda"
+        if self.cuda:  # host staging for one copy of ids and positions per step
+            self.staging = torch.zeros((2, t), dtype=torch.long).pin_memory()
+        self.graph = None
+        self.uses = 0
+
+    def load(self, ids, positions, tree_mask, mask_embeds, p: int) -> None:
+        t, tp = len(ids), self.t
+        b = self.session.backend
+        if self.cuda:
+            host = self.staging.numpy()
+        else:
+            host = self.idpos.numpy()
+        host[0, :t], host[1, :t] = ids, positions
+        if tp != t:  # padding rows: token 0 at the last position, each sees only itself
+            host[:, t:] = 0
+            host[1, t:] = positions[-1]
+        if self.cuda:
+            self.idpos.copy_(self.staging, non_blocking=True)
+        if tp == t:
+            self.mask.copy_(b.device_mask(tree_mask))
+        else:
+            m = np.eye(tp, dtype=bool)
+            m[:t, :t] = tree_mask
+            self.mask.copy_(torch.from_numpy(m))
+        if mask_embeds is None:
+            self.embeds.zero_()
+        else:
+            self.embeds.copy_(torch.from_numpy(np.asarray(mask_embeds, dtype=np.float32)))
+        self.p.fill_(p)
+
+    def _compute(self) -> None:
+        s = self.session
+        h, logits = s.backend.decoder.step(self.idpos[0], self.idpos[1], self.mask, self.embeds,
+                                           self.p, s.k_cache, s.v_cache, self.width)
+        self.hidden, self.logits = h, logits.float()
+        self.argmax = self.logits.argmax(-1)
+        if self.topk:
+            self.topk_lp, self.topk_ids = torch.log_softmax(self.logits, -1).topk(self.topk, -1)
+
+    def run(self) -> None:
+        self.uses += 1
+        b = self.session.backend
+        if not (self.cuda and b.cuda_graphs) or self.uses == 1:
+            self._compute()  # CPU; and on CUDA a shape's first use (most never recur)
+            return
+        if self.graph is None:
+            side = torch.cuda.Stream(device=b.device)
+            side.wait_stream(torch.cuda.current_stream(b.device))
+            with torch.cuda.stream(side):
+                self._compute()
+            torch.cuda.current_stream(b.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=b.graph_pool,
+                                  capture_error_mode="thread_local"):
+                self._compute()
+        self.graph.replay()
+
+    def read(self, t: int, full_logits: bool, hidden: bool) -> StepOut:
+        """The first ``t`` rows' outputs on the host: argmax and top-K, logits and hidden
+        states only when asked; one synchronisation."""
+        parts = [self.argmax[:t]]
+        if self.topk:
+            parts += [self.topk_ids[:t], self.topk_lp[:t]]
+        if full_logits:
+            parts.append(self.logits[:t])
+        if hidden:
+            parts.append(self.hidden[:t].float())
+        if self.cuda:
+            parts = [x.to("cpu", non_blocking=True) for x in parts]
+            torch.cuda.current_stream(self.session.backend.device).synchronize()
+        else:  # eager buffers are new tensors every step: no copy needed
+            parts = list(parts)
+        arrays = iter([x.numpy() for x in parts])
+        out = StepOut(argmax=next(arrays), topk_ids=np.zeros((t, 0), dtype=np.int64),
+                      topk_logprobs=np.zeros((t, 0), dtype=np.float32))
+        if self.topk:
+            out.topk_ids, out.topk_logprobs = next(arrays), next(arrays)
+        if full_logits:
+            out.logits = next(arrays)
+        if hidden:
+            out.hidden = next(arrays)
+        return out
+
+
+class ConcatSession:
+    """The reference session: the past K/V sliced from the cache and concatenated with the
+    block's in every layer (:class:`~edgemtp.models.decoder.TreeDecoder`, what the export
+    traces), no graphs. ``TorchBackend(..., static_cache=False)``; tests hold the static
+    session to it."""
+
+    last_run_s = None
 
     def __init__(self, backend: TorchBackend) -> None:
         self.backend = b = backend
@@ -162,7 +355,7 @@ class TorchSession:
         dev = b.device
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=dev)[None]
         pos = torch.as_tensor(position_ids, dtype=torch.long, device=dev)[None]
-        mask = b.device_mask(tree_mask)
+        mask = b.device_mask(tree_mask)[None, None]
         if mask_embeds is None:
             mask_embeds = np.zeros((1, b.hidden_size), dtype=np.float32)
         m = torch.as_tensor(mask_embeds, device=dev)

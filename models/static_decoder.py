@@ -1,0 +1,71 @@
+"""The tree decoder over a static KV cache: fixed shapes per step, so a CUDA graph can replay it.
+
+:class:`~edgemtp.models.decoder.TreeDecoder` concatenates the past and the block's K/V in
+every layer, an O(P) copy per step whose shapes change with P. Here, in the spirit of
+gpt-fast, each session owns a cache ``[L, H_kv, S, D]`` preallocated on the device, and one
+step
+
+- writes the block's K/V in place at rows ``[P, P + T)`` (``index_copy_``; a commit later
+  moves the accepted rows down to ``[P, P + r)``, nothing when they already are a prefix),
+- attends over the first ``B`` cache rows (``B`` a length bucket >= ``P + T``): the committed
+  columns ``< P`` are visible to every row, the block's columns follow the tree mask, the
+  rest is masked; ``P`` is a device scalar, so the step's shapes depend on ``(T, B)`` only,
+- groups the query heads by their KV head (``[1, H_kv, G * T, D]``) instead of repeating
+  K/V ``G`` times: the same attention, no copy of the cache,
+- reduces in the step (argmax, top-K log-probs), so the host reads back O(T * K).
+
+Every input and output is a preallocated buffer of a :class:`StepGraph`; on CUDA the step is
+captured once as a CUDA graph and replayed, elsewhere the same code runs eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from .decoder import TreeDecoder
+
+
+class StaticTreeDecoder(TreeDecoder):
+    """:class:`TreeDecoder` with a step over a preallocated cache (see the module doc)."""
+
+    def step(self, ids, pos, tree_mask, mask_embeds, p, k_cache, v_cache, width: int):
+        """One block: ``ids``/``pos`` [T] int64, ``tree_mask`` [T, T] bool, ``mask_embeds``
+        [k, d], ``p`` a 0-d int64 tensor (committed rows), caches ``[L, H_kv, S, D]``.
+        Writes the block's K/V at rows ``[p, p + T)`` and returns the final hidden states
+        [T, d] (after the norm) and the logits [T, V] in the model's dtype."""
+        t = ids.shape[0]
+        x = self.embed(ids[None], mask_embeds)
+        cos, sin = self.model.rotary_emb(x, pos[None])
+        rows = p + torch.arange(t, device=ids.device)
+        col = torch.arange(width, device=ids.device)
+        rel = col - p
+        in_block = (rel >= 0) & (rel < t)
+        mask = (col < p) | (in_block & tree_mask[:, rel.clamp(0, t - 1)])       # [T, B]
+        groups = self.n_heads // self.n_kv
+        mask = mask.repeat(groups, 1)[None, None]                     # [1, 1, G * T, B]
+        for i, layer in enumerate(self.model.layers):
+            x = x + self._static_attention(layer, x, cos, sin, mask, rows, k_cache[i],
+                                           v_cache[i], width, groups)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.model.norm(x)[0]
+        return h, self.lm_head(h)
+
+    def _static_attention(self, layer, x, cos, sin, mask, rows, k_cache, v_cache, width, groups):
+        attn, t, d = layer.self_attn, x.shape[1], self.head_dim
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(1, t, self.n_heads, d)
+        k = attn.k_proj(h).view(1, t, self.n_kv, d)
+        v = attn.v_proj(h).view(1, t, self.n_kv, d)
+        if self.family.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        k_cache.index_copy_(1, rows, k[0].to(k_cache.dtype))                # [H_kv, S, D]
+        v_cache.index_copy_(1, rows, v[0].transpose(0, 1).to(v_cache.dtype))
+        # query head h reads KV head h // G: [1, H, T, D] -> [1, H_kv, G * T, D]
+        q = q.reshape(1, self.n_kv, groups * t, d)
+        out = F.scaled_dot_product_attention(q, k_cache[None, :, :width], v_cache[None, :, :width],
+                                             attn_mask=mask, scale=attn.scaling)
+        out = out.reshape(1, self.n_heads, t, d).transpose(1, 2).reshape(1, t, -1)
+        return attn.o_proj(out)

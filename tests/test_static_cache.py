@@ -1,0 +1,147 @@
+"""The torch backend's static KV cache (in-place writes, fixed step shapes, one StepGraph per
+shape: a CUDA graph on a GPU, the same code eagerly here) against the reference session that
+concatenates past and block K/V, step by step and over whole generations."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import QUICK, family_configs
+from edgemtp.config import GenerationConfig
+from edgemtp.engine import Generation
+from edgemtp.plans import dynamic_plans
+from edgemtp.runtimes.torch_backend import PAD_TO, SLACK, ConcatSession, TorchBackend, TorchSession
+
+
+def _pair(hf, max_context=None):
+    static = TorchBackend.from_model(hf, max_context=max_context)
+    reference = TorchBackend.from_model(hf, max_context=max_context, static_cache=False)
+    return static, reference
+
+
+def _same(a, b, what):
+    np.testing.assert_array_equal(a.argmax, b.argmax, err_msg=what)
+    np.testing.assert_array_equal(a.topk_ids, b.topk_ids, err_msg=what)
+    np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, atol=2e-5, err_msg=what)
+    np.testing.assert_allclose(a.logits, b.logits, atol=2e-5, err_msg=what)
+    np.testing.assert_allclose(a.hidden, b.hidden, atol=2e-5, err_msg=what)
+
+
+def _steps(static, reference, prompt_len, rng, steps=6, bc=30, k=1):
+    """Prefill then tree steps with the plans' masks and random accepted paths; both
+    sessions see the same blocks and commits; outputs compared at every step."""
+    s, r = static.session(), reference.session()
+    assert isinstance(s, TorchSession) and isinstance(r, ConcatSession)
+    vocab, d = static.vocab_size, static.hidden_size
+    ids = rng.integers(0, vocab, size=prompt_len)
+    ids = np.concatenate([ids, vocab + np.arange(k)])
+    causal = np.tril(np.ones((len(ids), len(ids)), dtype=bool))
+    embeds = rng.normal(size=(k, d)).astype(np.float32)
+    args = dict(topk=4, full_logits=True, hidden=True)
+    _same(s.forward(ids, np.arange(len(ids)), causal, embeds, **args),
+          r.forward(ids, np.arange(len(ids)), causal, embeds, **args), "prefill")
+    for sess in (s, r):
+        sess.commit(np.arange(prompt_len))
+    plans = list(dynamic_plans(bc, k).table.values())
+    for step in range(steps):
+        plan = plans[(7 * step) % len(plans)]
+        t = plan.bc
+        block = rng.integers(0, vocab + k, size=t)
+        pos = plan.positions + s.cache_len
+        out = s.forward(block, pos, plan.tree_mask, embeds, **args)
+        _same(out, r.forward(block, pos, plan.tree_mask, embeds, **args), f"step {step}")
+        # an accepted path: the root, then a walk down the plan's parents
+        node, path = int(rng.integers(0, plan.n_nodes)), []
+        while node > 0:
+            path.append(node)
+            node = int(plan.parents[node])
+        path = np.array([0, *reversed(path)], dtype=np.int64)
+        if s.cache_len + len(path) > static.max_context:
+            break
+        for sess in (s, r):
+            sess.commit(path)
+        assert s.cache_len == r.cache_len
+    return s, r
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral"])
+def test_static_steps_equal_the_reference_session(family):
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(family_configs()[family]).eval()
+    static, reference = _pair(hf)
+    rng = np.random.default_rng(3)
+    # 90 prompt rows: the padded prefill (T > PAD_TO); then k = 1 and k = 2 tree steps
+    s, _ = _steps(static, reference, 90, rng, bc=30, k=1)
+    assert {g.t for g in s._graphs.values()} >= {2 * PAD_TO, 30}
+    _steps(static, reference, 5, rng, bc=60, k=2)
+
+
+def test_static_cache_is_written_in_place_and_grows_for_long_blocks():
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(family_configs()["llama3"]).eval()
+    static, reference = _pair(hf, max_context=120)
+    s, r = static.session(), reference.session()
+    ptr, rows = s.k_cache.data_ptr(), s.rows
+    assert rows == 120 + SLACK
+    rng = np.random.default_rng(0)
+    d = static.hidden_size
+    for t in (40, 1, 1, 30):  # every step's K/V land in the same buffer
+        ids = rng.integers(0, static.vocab_size, size=t)
+        mask = np.tril(np.ones((t, t), dtype=bool))
+        pos = s.cache_len + np.arange(t)
+        _same(s.forward(ids, pos, mask, None, topk=2, full_logits=True, hidden=True),
+              r.forward(ids, pos, mask, None, topk=2, full_logits=True, hidden=True), f"T={t}")
+        s.commit(np.arange(t))
+        r.commit(np.arange(t))
+    assert s.k_cache.data_ptr() == ptr
+    # a block of 100 rows (padded to 128) after 72 cached ones needs 200 > 184 rows: the
+    # cache grows, keeps its committed rows, and the step still equals the reference
+    t = 100
+    ids = rng.integers(0, static.vocab_size, size=t)
+    mask = np.tril(np.ones((t, t), dtype=bool))
+    pos = s.cache_len + np.arange(t)
+    embeds = rng.normal(size=(1, d)).astype(np.float32)
+    _same(s.forward(ids, pos, mask, embeds, topk=2, full_logits=True, hidden=True),
+          r.forward(ids, pos, mask, embeds, topk=2, full_logits=True, hidden=True), "grown")
+    assert s.rows > rows and s.k_cache.data_ptr() != ptr
+
+
+def test_step_shapes_are_reused_on_cpu_as_eager_code(stories_path, stories_refs):
+    hf, prompts, refs = stories_refs
+    backend = TorchBackend(stories_path)
+    assert backend.static_cache and not backend.cuda_graphs  # no CUDA here: eager replays
+    session = backend.session()
+    for ids, ref in zip(prompts[:QUICK // 2], refs[:QUICK // 2]):
+        for bc in (10, 30, 60):
+            config = GenerationConfig(max_new_tokens=128, bc=bc)
+            out = Generation(backend, config, ids, session=session).run()
+            assert out.token_ids == ref, bc
+    # one StepGraph per (block size, cache bucket, mask slots, top-K): few shapes, many uses
+    graphs = list(session._graphs.values())
+    assert all(g.graph is None for g in graphs)
+    assert sum(g.uses for g in graphs) > 10 * len(graphs)
+    assert {g.width % backend.bucket for g in graphs if g.width < session.rows} == {0}
+
+
+def test_cuda_without_a_gpu_is_one_line_and_exit_2(stories_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    for backend in ("torch",):
+        run = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model",
+                              stories_path, "--backend", backend, "--device", "cuda",
+                              "--prompt", "Once", "--max-new-tokens", "4"],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2, run.stderr
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and "no CUDA device" in lines[0], run.stderr
+        assert "Traceback" not in run.stderr
+    with pytest.raises(Exception, match="no CUDA device"):
+        TorchBackend.from_model(stories_refs_model(stories_path), device="cuda")
+
+
+def stories_refs_model(path):
+    return AutoModelForCausalLM.from_pretrained(path)
