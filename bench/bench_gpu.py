@@ -162,12 +162,9 @@ def stories_model(path: str, device: str, dtype: str):
 
 
 def make_backend(hf, device: str, max_context: int, graphs: bool):
-    kwargs = {}
-    if not graphs:
-        if "cuda_graphs" not in inspect.signature(TorchBackend.from_model).parameters:
-            raise SystemExit("bench_gpu: --no-graphs needs a TorchBackend with cuda_graphs")
-        kwargs["cuda_graphs"] = False
-    return TorchBackend.from_model(hf, device=device, max_context=max_context, **kwargs)
+    # the static-cache session; on CUDA one graph per step shape unless --no-graphs
+    return TorchBackend.from_model(hf, device=device, max_context=max_context,
+                                   cuda_graphs=None if graphs else False)
 
 
 class StepSizes:
@@ -260,9 +257,8 @@ def hf_run(hf, prompts: list[list[int]], new_tokens: int, device: str, static: b
         kwargs["cache_implementation"] = "static"
 
     def generate(ids):
-        x = torch.tensor([ids], device=device)
-        with torch.inference_mode():
-            y = hf.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+        x = torch.tensor([ids], device=device)  # (generate runs under no_grad itself)
+        y = hf.generate(x, attention_mask=torch.ones_like(x), **kwargs)
         return y[0, len(ids):].tolist()
 
     generate(prompts[order[0]])
@@ -347,85 +343,93 @@ def expected_speedup(t_ms: dict, steps: dict | None, decode_tokens: int, be: flo
 
 # -- one entry --------------------------------------------------------------------------------
 
-def run_entry(name: str, dtype: str, a, progress: Progress, summary: dict) -> dict:
-    stamp = {}
-
-    def stage(label, t0):
-        stamp[label] = round(time.perf_counter() - t0, 1)
-        progress.say(f"{name}/{dtype}: {label} done in {stamp[label]} s")
-
-    t0 = time.perf_counter()
-    is_stories = name == STORIES
-    if is_stories:
+def load(name: str, dtype: str, a):
+    """The model, its prompts and the entry to fill."""
+    if name == STORIES:
         hf = stories_model(a.stories, a.device, dtype)
-        pool = json.loads(PROMPTS_FILE.read_text())["prompts"]
-        prompts = pool[:a.prompts]
+        prompts = json.loads(PROMPTS_FILE.read_text())["prompts"][:a.prompts]
     else:
         hf = random_model(name, a.device, dtype, a.quick, a.seed)
         rng = np.random.default_rng(a.seed)
         prompts = [rng.integers(3, hf.config.vocab_size, a.prompt_len).tolist()
                    for _ in range(a.random_prompts)]
-    backend = make_backend(hf, a.device, a.max_context, not a.no_graphs)
-    sizes = StepSizes(backend) if is_stories else None
-    model = Model(sizes or backend)
     cfg = hf.config
     entry = dict(model=name, dtype=dtype, device=device_name(a.device),
-                 weights=STORIES if is_stories else "random",
+                 weights=STORIES if name == STORIES else "random",
                  shape=dict(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
                             heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
                             vocab=cfg.vocab_size,
                             params=sum(p.numel() for p in hf.parameters())),
-                 prompts=len(prompts), new_tokens=a.new_tokens, cuda_graphs=getattr(
-                     backend, "cuda_graphs", False), t_ms={}, tps={}, be={}, be_measured={},
-                 tokens={}, forward_calls={}, speedup={}, identical={}, divergences=[], elapsed_s=stamp,
-                 date=time.strftime("%Y-%m-%d %H:%M"), warmup=a.warmup)
-    stage("load", t0)
+                 prompts=len(prompts), new_tokens=a.new_tokens, warmup=a.warmup,
+                 date=time.strftime("%Y-%m-%d %H:%M"), t_ms={}, tps={}, be={},
+                 be_measured={}, tokens={}, forward_calls={}, speedup={}, identical={},
+                 divergences=[], elapsed_s={})
+    return hf, prompts, entry
 
-    if "t_ms" not in a.skip:
-        t0 = time.perf_counter()
-        entry["t_ms"] = latency_ms(backend, a.device, a.repeats)
-        stage("t_ms", t0)
 
+def run_entry(key: str, a, progress: Progress, summary: dict, checkpoint) -> None:
+    """Measure one entry into ``summary["entries"][key]``; ``checkpoint()`` saves the summary
+    after each long stage. Order: edgemtp first, transformers last (its compile is the stage
+    most likely to run long or fail)."""
+    name, dtype = key.split("/")
     t0 = time.perf_counter()
+
+    def stage(label):
+        nonlocal t0
+        entry["elapsed_s"][label] = round(time.perf_counter() - t0, 1)
+        progress.say(f"{key}: {label} done in {entry['elapsed_s'][label]} s")
+        t0 = time.perf_counter()
+
+    hf, prompts, entry = load(name, dtype, a)
+    summary["entries"][key] = entry
+    backend = make_backend(hf, a.device, a.max_context, not a.no_graphs)
+    entry["cuda_graphs"] = bool(getattr(backend, "cuda_graphs", False))
+    sizes = StepSizes(backend) if name == STORIES else None
+    model = Model(sizes or backend)
+    stage("load")
+    if "t_ms" not in a.skip:
+        entry["t_ms"] = latency_ms(backend, a.device, a.repeats)
+        stage("t_ms")
     greedy = GenerationConfig(drafter="none", max_new_tokens=a.new_tokens)
     plain = edgemtp_run(model, prompts, greedy, a.device, a.warmup)
     entry["tps"]["plain"] = round(rate(plain), 2)
-    stage("plain", t0)
-
-    hf_n = min(a.hf_prompts, len(prompts))
-    entry["tps_plain_on_hf_prompts"] = round(rate(plain, hf_n), 2)
-    for label, static in (("eager", False), ("static", True)):
-        if label in a.skip or (dtype == "fp32" and not a.quick):
-            continue  # fp32 entries check identity; transformers runs on the fast dtypes
-        t0 = time.perf_counter()
-        try:
-            run = hf_run(hf, prompts[:hf_n], a.new_tokens, a.device, static)
-        except Exception as e:  # noqa: BLE001  compile failures come in many types
-            entry[f"transformers_{label}_error"] = f"{type(e).__name__}: {e}"[:300]
-            progress.say(f"{name}/{dtype}: transformers {label} failed: {type(e).__name__}")
-            continue
-        entry["tps"][f"transformers_{label}"] = round(rate(run), 2)
-        entry[f"transformers_{label}_equal_plain"] = [
-            sum(o == p for o, p in zip(run["outputs"], plain["outputs"])), hf_n]
-        if static:
-            entry["transformers_static_compiled"] = run["compiled"]
-        stage(f"transformers_{label}", t0)
-
+    entry["tps_plain_on_hf_prompts"] = round(rate(plain, min(a.hf_prompts, len(prompts))), 2)
+    stage("plain")
     if "drafters" not in a.skip:
-        t0 = time.perf_counter()
-        run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progress)
-        stage("drafters", t0)
-    if not is_stories:
+        run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progress,
+                      checkpoint)
+        stage("drafters")
+    if name != STORIES:
         add_real_be(entry, summary["entries"], a)
+    checkpoint()
+    for label in ("eager", "static"):
+        if label not in a.skip and (dtype != "fp32" or a.quick):  # fp32: identity only
+            transformers_stage(entry, hf, prompts, plain, label, a, progress)
+            stage(f"transformers_{label}")
     del model, backend, sizes, hf
     gc.collect()
     if a.device.startswith("cuda"):
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-    return entry
 
 
-def run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progress) -> None:
+def transformers_stage(entry, hf, prompts, plain, label: str, a, progress) -> None:
+    n = min(a.hf_prompts, len(prompts))
+    try:
+        run = hf_run(hf, prompts[:n], a.new_tokens, a.device, static=label == "static")
+    except Exception as e:  # noqa: BLE001  compile failures come in many types
+        entry[f"transformers_{label}_error"] = f"{type(e).__name__}: {e}"[:300]
+        progress.say(f"transformers {label} failed: {type(e).__name__}")
+        return
+    entry["tps"][f"transformers_{label}"] = round(rate(run), 2)
+    entry[f"transformers_{label}_equal_plain"] = [
+        sum(o == p for o, p in zip(run["outputs"], plain["outputs"])), n]
+    if label == "static":
+        entry["transformers_static_compiled"] = run["compiled"]
+
+
+def run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progress,
+                  checkpoint) -> None:
     plan = methods(a.drafters, a.bcs, greedy)
     same, total, block_sizes = 0, 0, {}
     base = rate(plain)
@@ -450,6 +454,7 @@ def run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progre
         if run["block_sizes"] is not None:
             block_sizes.setdefault(drafter, {})[b] = {str(t): n for t, n in
                                                      run["block_sizes"].items()}
+        checkpoint()  # a row at a time: a timeout loses one row at most
         if progress.tqdm is None:
             progress.say(f"  {drafter} BC {bc}: BE {be:.2f}, {rate(run):.0f} tok/s, "
                          f"identical {ok}/{len(prompts)} ({time.perf_counter() - t0:.1f} s)")
@@ -699,11 +704,14 @@ def main(argv=None) -> int:
     progress.say(f"bench_gpu on {summary['meta']['device']}, edgemtp from "
                  f"{summary['meta']['edgemtp_source']}; {len(a.models)} entries")
     # stories260K first: its real BE is what the random shapes' speculative rows rest on
+    def checkpoint():
+        return save(summary, out, summary["meta"]["device"])
+
     for name, dtype in sorted(a.models, key=lambda m: m[0] != STORIES):
         key = f"{name}/{dtype}"
         progress.say(f"{key}: start")
-        entries[key] = run_entry(name, dtype, a, progress, summary)
-        md = save(summary, out, summary["meta"]["device"])
+        run_entry(key, a, progress, summary, checkpoint)
+        md = checkpoint()
         progress.say(f"{key}: saved to {out / 'gpu_summary.json'} and {md}")
     for t in summary["targets"]:
         print(f"{'PASS' if t['passed'] else 'FAIL'}  {t['target']}: {t['detail']}")
