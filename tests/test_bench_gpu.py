@@ -1,0 +1,192 @@
+"""bench/bench_gpu.py on CPU: the whole script end to end in --quick mode (as a machine
+without edgemtp installed runs it), and its parts that decide what the GPU results say: the
+shipped prompt ids, the divergence report, the targets and the expected speed-up."""
+
+import doctest
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import STORIES, story_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "bench_gpu.py"
+# run the script with the editable install's finder removed, as on a machine where edgemtp
+# is not installed: the script must find edgemtp (and edgemtp.runtimes, .models, .tools) in
+# the source tree by itself
+BARE = ("import runpy, sys\n"
+        "sys.meta_path = [f for f in sys.meta_path\n"
+        "                 if '__editable__' not in getattr(f, '__module__', '')]\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_quick_cpu_run_writes_every_key(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", BARE, str(SCRIPT), "--device", "cpu",
+                           "--quick", "--stories", str(STORIES), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "gpu_summary.json").read_text())
+    meta = summary["meta"]
+    assert meta["edgemtp_source"] == str(ROOT / "edgemtp")
+    assert meta["runtimes_source"] == str(ROOT / "runtimes")
+    entries = summary["entries"]
+    assert set(entries) == {"stories260K/fp32", "smollm2-135m/fp32", "qwen3-0.6b/fp32",
+                            "llama3.2-1b/fp32"}
+    drafters = ["probe", "auto", "pld", "stand", "lade", "hybrid"]
+    for key, e in entries.items():
+        assert e["device"].startswith("cpu") and e["dtype"] == "fp32", key
+        assert list(e["t_ms"]) == ["1", "2", "4", "8", "16", "32", "64"], key
+        assert all(v > 0 for v in e["t_ms"].values()), key
+        tps = e["tps"]
+        for name in ("transformers_eager", "transformers_static", "plain"):
+            assert tps[name] > 0, (key, name)
+        for d in drafters:
+            assert sorted(tps[d], key=int) == ["10", "30", "60"], (key, d)
+            assert all(v > 0 for v in tps[d].values()), (key, d)
+            assert all(v >= 1.0 for v in e["be"][d].values()), (key, d)
+            assert all(v >= 1.0 for v in e["be_measured"][d].values()), (key, d)
+            assert all(n == e["prompts"] for _, n in e["identical"]["rows"][d].values())
+        ident = e["identical"]
+        assert ident["total"] == len(drafters) * 3 * e["prompts"] == 36
+        assert ident["count"] == ident["total"], e["divergences"]  # fp32: lossless
+        assert e["divergences"] == []
+    stories = entries["stories260K/fp32"]
+    assert stories["be"] == stories["be_measured"] and stories["weights"] == "stories260K"
+    assert stories["block_sizes"]["probe"]["10"] == {"10": stories["forward_calls"]["probe"]["10"]
+                                                    - stories["prompts"]}
+    for key in ("smollm2-135m/fp32", "qwen3-0.6b/fp32", "llama3.2-1b/fp32"):
+        e = entries[key]
+        assert e["weights"] == "random" and "stories260K/fp32" in e["be_source"]
+        assert e["be"] == stories["be"]  # the real BE, not the random model's
+        assert all(v > 0 for by in e["expected_speedup"].values() for v in by.values())
+    names = [t["target"] for t in summary["targets"]]
+    assert "fp32 identical on every prompt [stories260K/fp32]" in names
+    assert "auto >= 1.3x plain on story prompts [stories260K/fp32]" in names
+    for t in summary["targets"]:  # and one PASS/FAIL line each on stdout
+        assert f"{'PASS' if t['passed'] else 'FAIL'}  {t['target']}: {t['detail']}" in proc.stdout
+    md = (tmp_path / "gpu_cpu.md").read_text()
+    assert "## llama3.2-1b/fp32" in md and "BE means nothing" in md
+
+
+def test_bad_arguments_end_in_one_line(bench, tmp_path, capsys):
+    for args, says in ((["--models", "gpt2:fp16"], "--models takes name:dtype"),
+                       (["--skip", "plain"], "--skip takes some of"),
+                       (["--stories", str(tmp_path)], "is not a model folder")):
+        with pytest.raises(SystemExit) as stop:
+            bench.parse(["--device", "cpu", *args])
+        assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_shipped_prompt_ids_are_the_tokenizers():
+    from edgemtp.tokenizer import Tokenizer
+
+    ids = json.loads((ROOT / "bench" / "data" / "gpu_prompts.json").read_text())["prompts"]
+    texts = story_prompts()
+    assert len(ids) == len(texts) == 48
+    tok = Tokenizer(str(STORIES))
+    assert ids == [tok.encode(t) for t in texts]
+
+
+def test_doctests(bench):
+    result = doctest.testmod(bench, report=False)
+    assert result.attempted >= 3 and result.failed == 0
+
+
+def test_divergence_names_position_tokens_and_logit_gap(bench):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from edgemtp import Model
+    from edgemtp.runtimes.torch_backend import TorchBackend
+
+    hf = AutoModelForCausalLM.from_pretrained(STORIES).eval()
+    backend = TorchBackend.from_model(hf, max_context=256)
+    prompts = json.loads((ROOT / "bench" / "data" / "gpu_prompts.json").read_text())["prompts"][:2]
+    plain = [Model(backend).generate(p, drafter="none", max_new_tokens=12).token_ids
+             for p in prompts]
+    pos = 5
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompts[1] + plain[1][:pos]])).logits[0, -1]
+    top2 = logits.topk(2).indices.tolist()
+    assert top2[0] == plain[1][pos]
+    other = plain[1][:pos] + [top2[1]] + plain[1][pos + 1:]
+    rows = bench.divergences(backend, prompts, plain, [plain[0], other], "probe", 30)
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["drafter"], row["bc"], row["prompt"], row["position"]) == ("probe", 30, 1, pos)
+    assert (row["plain_token"], row["token"], row["top1_here"]) == (top2[0], top2[1], top2[0])
+    want = (logits[top2[0]] - logits[top2[1]]).item()
+    assert row["logit_gap"] == pytest.approx(want, abs=1e-4) and row["logit_gap"] > 0
+    # a shorter output: the position where it ends, no second token to compare
+    rows = bench.divergences(backend, prompts, plain, [plain[0], plain[1][:4]], "pld", 10)
+    assert (rows[0]["position"], rows[0]["token"]) == (4, None)
+
+
+def entry(dtype="fp16", weights="random", **changes):
+    e = dict(dtype=dtype, weights=weights, device="gpu", t_ms={"1": 1.0, "64": 1.2},
+             tps={"plain": 300.0, "transformers_eager": 100.0, "transformers_static": 250.0},
+             tps_plain_on_hf_prompts=300.0, be_measured={"pld": {"10": 2.0}},
+             speedup={"pld": {"10": 1.7}}, identical=dict(count=99, total=100),
+             divergences=[{}])
+    e.update(changes)
+    return e
+
+
+def test_targets_pass_and_fail_where_the_issue_says(bench):
+    entries = {"smollm2-135m/fp16": entry(),
+               "qwen3-0.6b/fp16": entry(tps_plain_on_hf_prompts=199.0, t_ms={"1": 1.0},
+                                        speedup={"pld": {"10": 1.5}},
+                                        identical=dict(count=98, total=100)),
+               "stories260K/fp32": entry("fp32", "stories260K", tps={"plain": 1.0},
+                                         speedup={"auto": {"10": 1.2, "60": 1.31}},
+                                         be_measured={"auto": {"10": 1.3, "60": 1.5}},
+                                         identical=dict(count=35, total=36))}
+    got = {t["target"]: t["passed"] for t in bench.targets(entries)}
+    assert got == {
+        "plain >= 2x transformers_eager [smollm2-135m/fp16]": True,
+        "plain >= 1x transformers_static [smollm2-135m/fp16]": True,
+        "plain >= 2x transformers_eager [qwen3-0.6b/fp16]": False,      # 1.99x
+        "plain >= 1x transformers_static [qwen3-0.6b/fp16]": False,     # 0.80x
+        "t(64)/t(1) <= 1.3 [smollm2-135m/fp16]": True,
+        "speed-up >= 0.8 x BE, every drafter [smollm2-135m/fp16]": True,    # 1.7 / 2.0
+        "speed-up >= 0.8 x BE, every drafter [qwen3-0.6b/fp16]": False,     # 1.5 / 2.0
+        "speed-up >= 0.8 x BE, every drafter [stories260K/fp32]": True,     # 0.92, 0.87
+        "auto >= 1.3x plain on story prompts [stories260K/fp32]": True,     # BC 60: 1.31
+        "fp16 identical >= 99% [smollm2-135m/fp16]": True,
+        "fp16 identical >= 99% [qwen3-0.6b/fp16]": False,
+        "fp32 identical on every prompt [stories260K/fp32]": False,
+    }
+
+
+def test_step_recorder_counts_decode_blocks_only(bench):
+    from transformers import AutoModelForCausalLM
+
+    from edgemtp import Model
+    from edgemtp.runtimes.torch_backend import TorchBackend
+
+    hf = AutoModelForCausalLM.from_pretrained(STORIES).eval()
+    sizes = bench.StepSizes(TorchBackend.from_model(hf, max_context=256))
+    model = Model(sizes)
+    model.generate([1, 300, 301], drafter="probe", bc=10, max_new_tokens=8)
+    assert not sizes.counts  # off
+    sizes.on = True
+    r = model.generate([1, 300, 301], drafter="probe", bc=10, max_new_tokens=8)
+    assert sizes.counts == {10: r.stats.forward_calls - 1}  # prefill left out
+    assert np.all(np.asarray(r.token_ids) < 512)
