@@ -9,6 +9,10 @@ Graph contract (``../shared/DESIGN.md``)::
              tree_mask [1, 1, T, T] bool   the block only; the graph adds the cache columns
              mask_embeds [k, d] float32
              past_key_i, past_value_i [1, P, H_kv, D]     per layer, sequence-major
+             past_len [1] int64             the first past_len of the P rows are the cache;
+                                            the rest are masked (a backend may bind a fixed
+                                            or bucketed view of its cache: fewer rebinds, and
+                                            fixed shapes for CUDA graphs)
     outputs  topk_ids [1, T, K] int64, topk_logprobs [1, T, K] float32
              argmax [1, T] int64           first maximal index, as torch.argmax / np.argmax
              logits [1, T, V] float32      bind it only when sampling needs it
@@ -80,9 +84,10 @@ class ExportDecoder(nn.Module):
         self.decoder, self.topk = decoder, topk
 
     def forward(self, input_ids, position_ids, tree_mask, mask_embeds, *past):
-        # past: past_key_0, past_value_0, past_key_1, ... each [1, P, H_kv, D]
+        # past: past_key_0, past_value_0, past_key_1, ... each [1, P, H_kv, D], then past_len
+        past, past_len = past[:-1], past[-1]
         logits, keys, values = self.decoder(input_ids, position_ids, tree_mask, mask_embeds,
-                                            list(past[0::2]), list(past[1::2]))
+                                            list(past[0::2]), list(past[1::2]), past_len)
         logits = logits.float()                                     # [1, T, V]
         top, ids = logits.topk(self.topk, dim=-1)
         # log-softmax of the top-K only: no second [T, V] tensor
@@ -115,13 +120,13 @@ def example_inputs(decoder: TreeDecoder, dtype: torch.dtype, t: int = 5, p: int 
     layers = len(decoder.model.layers)
     past = [torch.zeros(1, p, decoder.n_kv, decoder.head_dim, dtype=dtype)
             for _ in range(2 * layers)]
-    return (ids, pos, mask, embeds, *past)
+    return (ids, pos, mask, embeds, *past, torch.tensor([p - 1]))
 
 
 def dynamic_axes(layers: int) -> dict[str, dict[int, str]]:
     axes = {"input_ids": {1: "T"}, "position_ids": {1: "T"}, "tree_mask": {2: "T", 3: "T"},
             "mask_embeds": {0: "k"}}
-    for name in graph_inputs(layers)[len(FIXED_INPUTS):]:
+    for name in graph_inputs(layers)[len(FIXED_INPUTS):-1]:  # past K/V; past_len is [1]
         axes[name] = {1: "P"}
     for name in graph_outputs(layers):
         axes[name] = {1: "T"}

@@ -5,8 +5,10 @@ the model's; only the attention plumbing (block tree mask + cache columns, seque
 K/V, mask slots) is ours.
 
 Shapes: ``input_ids [1, T]``, ``position_ids [1, T]``, ``tree_mask [1, 1, T, T]`` bool,
-``mask_embeds [k, d]``, past K/V per layer ``[1, P, H_kv, D]``; outputs logits ``[1, T, V]``
-and the block's new K/V per layer ``[1, T, H_kv, D]``.
+``mask_embeds [k, d]``, past K/V per layer ``[1, P, H_kv, D]``, optionally ``past_len [1]``
+(only the first ``past_len`` past rows are cache, the rest are masked: a backend may bind a
+longer, fixed-size view of its cache); outputs logits ``[1, T, V]`` and the block's new K/V
+per layer ``[1, T, H_kv, D]``.
 """
 
 from __future__ import annotations
@@ -38,19 +40,26 @@ class TreeDecoder(nn.Module):
         slot = (input_ids - self.vocab_size).clamp(min=0, max=mask_embeds.shape[0] - 1)
         return torch.where(is_mask.unsqueeze(-1), mask_embeds.to(tok.dtype)[slot], tok)
 
-    def forward(self, input_ids, position_ids, tree_mask, mask_embeds, past_keys, past_values):
+    def forward(self, input_ids, position_ids, tree_mask, mask_embeds, past_keys, past_values,
+                past_len=None):
         hidden, new_keys, new_values = self.body(input_ids, position_ids, tree_mask, mask_embeds,
-                                                 past_keys, past_values)
+                                                 past_keys, past_values, past_len)
         return self.lm_head(hidden), new_keys, new_values
 
-    def body(self, input_ids, position_ids, tree_mask, mask_embeds, past_keys, past_values):
+    def body(self, input_ids, position_ids, tree_mask, mask_embeds, past_keys, past_values,
+             past_len=None):
         """The decoder without its LM head: the last hidden states ``[1, T, d]`` (after the
         final norm, what the LM head reads) and the block's new K/V per layer."""
         x = self.embed(input_ids, mask_embeds)
         cos, sin = self.model.rotary_emb(x, position_ids)
-        past_len = past_keys[0].shape[1]
-        # the cache is visible to every block row: prepend all-true columns in-graph
-        cache_cols = torch.ones_like(tree_mask[..., :1]).expand(-1, -1, -1, past_len)
+        rows = past_keys[0].shape[1]
+        # the cache is visible to every block row: prepend all-true columns in-graph (the
+        # first past_len of the bound rows when it is given)
+        if past_len is None:
+            cache_cols = torch.ones_like(tree_mask[..., :1]).expand(-1, -1, -1, rows)
+        else:
+            cache_cols = (torch.arange(rows, device=tree_mask.device) < past_len)
+            cache_cols = cache_cols[None, None, None].expand(1, 1, tree_mask.shape[2], rows)
         mask = torch.cat([cache_cols, tree_mask], dim=-1)
         new_keys, new_values = [], []
         for layer, pk, pv in zip(self.model.layers, past_keys, past_values):

@@ -26,10 +26,12 @@ import numpy as np
 
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
-from edgemtp.runtimes.package import COMMIT, FIXED_INPUTS, kv_names, load_package
+from edgemtp.runtimes.package import COMMIT, FIXED_INPUTS, PAST_LEN, kv_names, load_package
 
 _INT64, _BOOL, _FLOAT32 = np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.float32)
 _KEEP_MASK = 256  # largest block whose mask the backend keeps a bound copy of
+PAST_BUCKET = 64  # a graph with past_len sees the cache in views of this many rows: the
+                  # 2 x layers past bindings change once every 64 tokens, not every step
 
 # --device -> (execution provider, OrtValue device type, how to get it)
 DEVICES = {
@@ -230,6 +232,8 @@ class OrtBackend:
         self.graph = self._session(ort, device, threads)
         self._check_graph()
         self.supports_hidden = "hidden_states" in m["graph"]["outputs"]
+        # format 2 graphs take past_len: the past may be bound as a longer view of the cache
+        self.past_len = PAST_LEN in m["graph"]["inputs"]
         self.commit_graph = None
         if device_cache if device_cache is not None else device != "cpu":
             self.commit_graph = self._session(ort, device, threads, pkg.root / COMMIT,
@@ -363,6 +367,8 @@ class OrtSession:
         self._embeds_t = np.zeros((0, 0), dtype=np.float32)
         self._fed_t = -1  # the block size the inputs are bound for
         self._views, self._views_for = None, None
+        self._past_len = np.zeros(1, dtype=np.int64)  # bound while the binding lasts
+        self._past_width = -1  # rows of the cache the past inputs are bound to
         self.last_run_s = 0.0  # seconds the last forward spent in InferenceSession's run
         self._argmax = np.zeros((1, 0), dtype=np.int64)
         self._top_ids = np.zeros((1, 0, b.topk), dtype=np.int64)
@@ -385,8 +391,16 @@ class OrtSession:
         if hidden and not b.supports_hidden:
             raise ConfigError(f"the package {str(b.package.root)!r} does not export the last "
                               f"hidden states; re-export it with them to run learned heads")
+        p = self.cache_len
+        self._past_len[0] = p  # before _feed: a device provider copies it when bound
         self._feed(t, input_ids, position_ids, tree_mask, mask_embeds)
-        self.kv.bind_past(self._kv_bind, self.cache_len)
+        if b.past_len:  # the past is a bucket of the cache, rebound when the bucket changes
+            width = min(-(-p // PAST_BUCKET) * PAST_BUCKET, self.kv.rows)
+            if width != self._past_width:
+                self.kv.bind_past(self._kv_bind, width)
+                self._past_width = width
+        else:
+            self.kv.bind_past(self._kv_bind, p)
         if (t, topk > 0, full_logits, hidden) != self._outputs_for:
             self._bind_outputs(t, topk > 0, full_logits, hidden)
         if (t, topk) != self._views_for:  # this block's rows of the output buffers
@@ -419,6 +433,8 @@ class OrtSession:
         if fresh:
             bind("input_ids", _INT64, [1, t], self._ids.ctypes.data)
             bind("position_ids", _INT64, [1, t], self._pos.ctypes.data)
+            if self.backend.past_len:
+                bind(PAST_LEN, _INT64, [1], self._past_len.ctypes.data)
             self._fed_t = t
         if getattr(tree_mask, "shape", None) != (t, t):
             tree_mask = np.asarray(tree_mask, dtype=np.bool_).reshape(t, t)

@@ -38,7 +38,7 @@ import numpy as np
 from edgemtp.errors import ModelLoadError
 from edgemtp.plans import DynamicPlans, Plan, dynamic_plans, install, static_plan
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the graph takes past_len (format 1 graphs attend to all past rows)
 MANIFEST = "edgemtp.json"
 GRAPH = "model.onnx"
 COMMIT = "kv_commit.onnx"  # gathers accepted K/V rows into a device-resident cache
@@ -51,6 +51,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "vocab.txt", "spiece.model", "merges.txt")
 
 FIXED_INPUTS = ("input_ids", "position_ids", "tree_mask", "mask_embeds")
+PAST_LEN = "past_len"  # [1] int64 after the past K/V: rows of the bound past that are cache
 FIXED_OUTPUTS = ("topk_ids", "topk_logprobs", "argmax", "logits")
 
 
@@ -60,7 +61,7 @@ def kv_names(prefix: str, layers: int) -> list[str]:
 
 
 def graph_inputs(layers: int) -> list[str]:
-    return [*FIXED_INPUTS, *kv_names("past", layers)]
+    return [*FIXED_INPUTS, *kv_names("past", layers), PAST_LEN]
 
 
 def graph_outputs(layers: int) -> list[str]:
@@ -339,11 +340,14 @@ class Manifest:
         _check(self.max_context >= 2, f"'max_context' must be >= 2, got {self.max_context}")
         _check(1 <= self.topk <= self.vocab_size,
                f"'topk' must lie in [1, vocab_size {self.vocab_size}], got {self.topk}")
+        inputs = graph_inputs(self.num_layers)
+        if self.format_version < 2:  # format 1 graphs have no past_len
+            inputs.remove(PAST_LEN)
         _check((list(self.graph.inputs), list(self.graph.outputs))
-               == (graph_inputs(self.num_layers), graph_outputs(self.num_layers)),
+               == (inputs, graph_outputs(self.num_layers)),
                f"the graph inputs/outputs do not follow the contract for {self.num_layers} "
                f"layers (input_ids, position_ids, tree_mask, mask_embeds, past_key_i/"
-               f"past_value_i)")
+               f"past_value_i, past_len)")
         self._check_plans()
         _check(len(self.embeddings.mu) == len(self.embeddings.sigma) == self.hidden_size,
                f"'embeddings.mu' and 'sigma' must have hidden_size = {self.hidden_size} "

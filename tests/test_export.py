@@ -68,7 +68,7 @@ def test_package_layout_and_manifest(pkg):
             "tokenizer.json"} <= names
     assert not list(pkg.parent.glob(".stories.*")), "temporary export folders left behind"
     m = json.loads((pkg / "edgemtp.json").read_text())
-    assert m["format_version"] == 1 and m["family"] == "llama" and m["dtype"] == "fp32"
+    assert m["format_version"] == 2 and m["family"] == "llama" and m["dtype"] == "fp32"
     assert (m["hidden_size"], m["num_layers"], m["num_heads"], m["num_kv_heads"],
             m["head_dim"], m["vocab_size"]) == (64, 5, 8, 4, 8, 512)
     assert m["eos_token_ids"] == [2] and m["max_context"] == 128
