@@ -22,6 +22,9 @@ LADE_CONFIGS = {10: (3, 4, 1), 30: (4, 5, 5), 60: (5, 8, 7)}
 # beat 2-4 levels at every budget on story prompts 24-47 (bench: BC 60 BE 2.197 without a
 # window, 2.358 with (1, 12), 2.329 with (2, 12), 2.246 with (3, 12))
 HYBRID_WINDOWS = ((60, (1, 12)), (30, (1, 8)), (10, (1, 3)))
+# budgets at which ``auto`` keeps whole drafters (hybrid, LADE, k = 2 probing) ready to run,
+# each capped by its own budget: a narrow and a wide block, so the latency curve can choose
+AUTO_BUDGETS = (10, 30)
 
 
 def check_bc(bc, what: str = "block complexity (bc)") -> int:
@@ -112,6 +115,18 @@ def probe_draft_nodes(bc: int) -> int:
     (0, 1, 29)
     """
     return max(check_bc(bc) // 2 - 1, 0)
+
+
+def auto_budgets(bc: int) -> tuple[int, ...]:
+    """Budgets of the whole drafters ``auto`` weighs next to its own plans (none below 6:
+    a k = 2 plan needs 6 positions, and narrower blocks are covered by auto's own plans).
+
+    >>> auto_budgets(4), auto_budgets(8), auto_budgets(30), auto_budgets(60)
+    ((), (8,), (10, 30), (10, 30))
+    """
+    if check_bc(bc) < 6:
+        return ()
+    return tuple(sorted({min(bc, b) for b in AUTO_BUDGETS}))
 
 
 # -- lookup drafters ------------------------------------------------------------------------------

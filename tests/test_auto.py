@@ -1,5 +1,6 @@
-"""The auto drafter: probes only when the device's latency curve says it pays, never exceeds
-the budget, and stays lossless whatever it picks."""
+"""The auto drafter: weighs plain steps, probing, lookup chains, STAND trees and whole hybrid /
+LADE / k = 2 drafters by the device's latency curve, never exceeds the budget, and stays
+lossless whatever it picks."""
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from edgemtp.runtimes.torch_backend import TorchBackend
 # the curve) is zero and the curve alone decides
 STEEP = LatencyCurve((1, 2, 60), (1e-2, 3e-2, 1.0))      # no draft can pay for its block
 FLAT = LatencyCurve((1, 60), (1e-2, 1.05e-2))            # wide blocks are almost free
+SLOW_FLAT = LatencyCurve((1, 60), (0.2, 0.21))           # the same, slower than any host time
 
 
 class RecordingBackend:
@@ -86,6 +88,47 @@ def test_auto_probes_when_wide_blocks_are_cheap(setup):
     assert [r.token_ids for r in results] == refs
     be = sum(r.stats.new_tokens for r in results) / sum(r.stats.forward_calls for r in results)
     assert be > 1.2, f"auto should probe with a flat latency curve, got BE {be:.3f}"
+
+
+def _generations(backend, prompts, config, memory):
+    gens = [Generation(backend, config, ids, memory=memory) for ids in prompts]
+    return [g.run().token_ids for g in gens], [g.drafter.picked for g in gens]
+
+
+@pytest.mark.parametrize("name", ["hybrid", "lade", "probe k=2", "stand"])
+def test_auto_runs_a_source_that_is_clearly_best_and_stays_lossless(setup, name):
+    """Every candidate source auto weighs, made clearly best by its running statistics on a
+    flat curve: auto runs it (its plans go through the one lossless walk) and the output is
+    still exactly greedy, whatever runs next."""
+    backend, prompts, refs = setup
+    memory = {}
+    if name == "stand":  # every STAND node "always right" so far
+        memory["auto-stand"] = {"hits": np.full(8, 1e3), "seen": np.full(8, 1e3)}
+    else:  # 8 tokens a step at 10 positions, seen often
+        memory[("auto-whole", name, 10)] = {f: [8.0, 10.0, 1e3] for f in range(4)}
+    config = GenerationConfig(drafter="auto", bc=10, max_new_tokens=96, latency=SLOW_FLAT)
+    outs, picked = _generations(backend, prompts[:3], config, memory)
+    assert outs == refs[:3]
+    key = "stand" if name == "stand" else f"{name} BC=10"
+    assert sum(p.get(key, 0) for p in picked) >= 5, (key, picked)
+
+
+def test_auto_weighs_every_source_by_the_curve(setup):
+    """A flat curve: wide blocks cost what one position does, so what runs is wide (the
+    whole drafters, STAND and probing trees) and BE beats any one-token chain's; a steep
+    curve (above): plain decoding only."""
+    backend, prompts, refs = setup
+    config = GenerationConfig(drafter="auto", bc=30, max_new_tokens=96, latency=SLOW_FLAT)
+    memory = {}
+    _generations(backend, prompts, config, memory)  # learn this model's acceptance
+    rec = RecordingBackend(backend)
+    outs, picked = _generations(rec, prompts, config, memory)
+    assert outs == refs
+    kinds = {k for p in picked for k in p}
+    assert {"hybrid BC=30", "stand"} & kinds, kinds
+    assert np.mean(rec.sizes) >= 8, f"mean block {np.mean(rec.sizes):.1f} on a flat curve"
+    be = sum(len(o) for o in outs) / (len(rec.sizes) + len(outs))
+    assert be > 1.4, f"BE {be:.3f} on a flat curve"
 
 
 @pytest.mark.parametrize("bc", [1, 3, 4, 10, 30])

@@ -3,7 +3,8 @@
 Per step it picks, among plain decoding (T = 1), a mask-only step (root + 1 mask, T = 2, which
 still emits one token but keeps the acceptance estimate fresh), k = 1 probing plans with
 ``m`` draft nodes (T = 2(m + 1) <= budget) and prompt-lookup chains of ``L`` tokens
-(T = L + 1 <= budget), the one with the most expected tokens per second::
+(T = L + 1 <= budget) and whole drafters (below), the one with the most expected tokens
+per second::
 
     probe:  (1 + P(the next token is among the mask's top m)) / t(2(m + 1))
     lookup: (1 + sum_{d <= L} P(the chain's first d tokens are right)) / t(L + 1)
@@ -17,25 +18,48 @@ comes from the ranks at which the true tokens appeared among the mask token's ca
 far, and from how far every lookup chain (used or not) agreed with the tokens that followed,
 per matched n-gram length and weighted to the recent past (a code prompt's chains fare worse
 than a story's).
+Two more kinds of candidate come from whole drafters:
+
+- **STAND trees** (``T = r`` for the first ``r`` nodes of a best-first lookup tree grown
+  from the model's stored distributions): ``1 + sum_{i < r} P(node i is on the true path)``,
+  each node's chance read from the hit rate of its cumulative-score bin. Every tree grown
+  is scored against the tokens that followed (used or not), as lookup chains are.
+- **hybrid, LADE and k = 2 probing**, each at a narrow and a wide budget
+  (:func:`~edgemtp.budgets.auto_budgets`), run as they are when picked:
+  ``E[tokens per step] / t(E[T])`` from running means of what their steps committed and the
+  blocks they used, per feature of their next draft (LADE: does the pool hold guesses for
+  the root; hybrid: mask candidates, a lookup match). A drafter not run lately is tried
+  now and then while an optimistic estimate of it could still beat the best choice.
+  Every one of them observes every step, so its n-gram pool, stored distributions and mask
+  embeddings stay current when another plan runs.
+
 Where speculation cannot pay (a mid-size model on a 2-core CPU) it decodes plainly, so it
-is never much slower than plain decoding.
+is never much slower than plain decoding. Verification is the engine's one lossless walk,
+whoever drafted.
 """
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
+from dataclasses import replace
 from functools import lru_cache
+from math import sqrt
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..backend import Backend, StepOut
-from ..budgets import chain_length, probe_draft_nodes
+from ..budgets import MAX_DEPTH, auto_budgets, chain_length, probe_draft_nodes
 from ..embeddings import MaskEmbeddings
 from ..errors import ConfigError
 from ..latency import measure_latency
 from ..plans import Plan
 from ..tree import prune, static_tree
-from .ngram_index import MAX_NGRAM, NgramIndex, chain_plan
+from .hybrid import HybridDrafter
+from .lookahead import LookaheadDrafter
+from .ngram_index import (MAX_NGRAM, P_EDGES, GrownTree, NgramIndex, chain_plan, grow,
+                          layout, tree_plan)
+from .probe import ProbeDrafter
 from .prompt_lookup import lookup
 
 if TYPE_CHECKING:
@@ -43,6 +67,8 @@ if TYPE_CHECKING:
 
 PLAIN = Plan.root_only()
 MASK_ONLY = Plan((-1,), 1)  # root + its mask: one token, and candidates for the next step
+MASK_ONLY_2 = Plan((-1,), 2)  # the same with 2 masks: candidates for a k = 2 plan
+STAND_NODES = 16  # widest STAND tree auto grows (its best prefix is what runs)
 
 
 @lru_cache(maxsize=16)
@@ -51,14 +77,53 @@ def _probe_plans(m_max: int) -> dict[int, Plan]:
     return {m: Plan.top1((m,), 1) for m in range(1, max(m_max, 0) + 1)}
 
 
+class WholeDrafter:
+    """A whole drafter auto may run for a step, with running means of what its steps gave
+    per feature of its next draft: ``stats[feature] = [tokens per step, positions, steps]``.
+
+    ``best`` caps its optimistic estimate while it has run few steps: the most tokens a step
+    of it could commit (k = 2 probing: 3; LADE: its n-gram size), or, for the hybrid, 3 (a
+    good lookup step; its 11-deep ceiling would have it tried on curves where it cannot
+    pay).
+    """
+
+    ema = 0.1
+
+    def __init__(self, name: str, drafter, best: float, stats: dict) -> None:
+        self.name, self.drafter, self.best, self.stats = name, drafter, best, stats
+        self.bc = 0  # widest block it may use, set by the caller
+
+    def feature(self, root: int) -> int:
+        d = self.drafter
+        if isinstance(d, LookaheadDrafter):  # guesses to verify, or only the window
+            return int(bool(d.pool.get(root)))
+        if isinstance(d, HybridDrafter):
+            tail = tuple(d.context.tokens[-MAX_NGRAM:])
+            return 2 * int(d.has_mask_guesses) + int(d.context.next_tokens(tail).n > 0)
+        return 0
+
+    def estimate(self, feature: int) -> list[float]:
+        # a drafter not yet run: one token a step (no gain) at its full width
+        return self.stats.setdefault(feature, [1.0, float(self.bc), 0.0])
+
+    def record(self, feature: int, tokens: int, positions: int) -> None:
+        s = self.estimate(feature)
+        w = max(self.ema, 1.0 / (s[2] + 2.0))  # the first steps count more than a prior
+        s[0] += w * (tokens - s[0])
+        s[1] += w * (positions - s[1])
+        s[2] += 1.0
+
+
 class AutoDrafter:
     """Picks the plan with the best expected tokens/s each step (see module docstring)."""
 
     mask_tokens = 1
     explore_every = 8  # in plain mode, a mask-only step this often keeps acceptance known
+    try_every = 16     # steps between tries of a whole drafter not run lately
     decay = 0.98  # weight of a lookup chain's record per newer chain of its n-gram length
     host_ema = 0.1     # weight of the newest step in the host-time estimates
     refresh = 8        # steps between recomputations of the lookup-chain rate table
+    stand_every = 4    # steps between STAND trees while they lose (grown each step they win)
 
     def __init__(self, backend: Backend, config: GenerationConfig,
                  memory: dict | None = None) -> None:
@@ -69,6 +134,12 @@ class AutoDrafter:
             raise ConfigError(f"a plan of {m_max + 1} nodes needs a vocabulary of at least "
                               f"{m_max + 2} tokens, the model has {backend.vocab_size}")
         self.width = m_max + 1  # candidates a probing step needs
+        self.wholes = self._wholes(backend, config, memory)
+        self.hybrid = next((w.drafter for w in self.wholes if w.name.startswith("hybrid")),
+                           None)
+        self.k2 = [w for w in self.wholes if w.name.startswith("probe k=2")]
+        if self.k2:
+            self.mask_tokens = 2  # prefill carries 2 masks: a k = 2 plan may run first
         # a sparse grid (interpolated between): powers of two up to the budget, and the budget
         top = max([MASK_ONLY.bc, *(p.bc for p in self.plans.values())])
         sizes = sorted({1, top, *(2 ** i for i in range(1, top.bit_length()) if 2 ** i <= top)})
@@ -83,7 +154,8 @@ class AutoDrafter:
         # a pessimistic prior (a few misses), so an unknown model decodes plainly first
         self.rank_hits = memory.setdefault(("auto-ranks", self.width),
                                            {"hits": np.zeros(self.width), "steps": 4.0})
-        self.topk = self.width  # what the next forward must return (0 on plain steps)
+        # every step asks for the candidates any source reads (stored distributions too)
+        self.topk = max([self.width, *(w.drafter.topk for w in self.wholes)])
         self.prune = config.prune
         self._lat = np.array([self.latency(max(t, 1)) for t in range(max(config.bc, 4) + 1)])
         # mask-only steps only where probing could ever pay: even a sure accept doubles the
@@ -95,53 +167,146 @@ class AutoDrafter:
                                      vector=None if config.mask_vector is None
                                      else np.asarray(config.mask_vector), seed=config.seed)
         self._cand: tuple[np.ndarray, np.ndarray] | None = None
+        self._k2_ready = False  # the last step left 2 masks' candidates (a k = 2 plan may run)
         self.n_chain = chain_length(config.bc)
         # per matched n-gram length n (row n - 1): chains tried / right up to depth d
         self.chain_hits = memory.setdefault(("auto-chain", self.n_chain), {
             "hits": np.zeros((MAX_NGRAM, self.n_chain)),
             "tries": np.full((MAX_NGRAM, self.n_chain), 4.0)})
-        # host seconds per step beyond t(T): [plain steps, speculative steps]
-        self.host = memory.setdefault("auto-host", [0.0, -1.0])  # -1: not measured yet
+        # STAND tree nodes seen / on the true path, per cumulative-score bin (a prior of a
+        # few half-misses: a bin's rate starts at half its middle score)
+        edges = (0.0, *P_EDGES, 1.0)
+        self.stand_hits = memory.setdefault("auto-stand", {
+            "hits": np.array([(a + b) / 4 * 4.0 for a, b in zip(edges, edges[1:])]),
+            "seen": np.full(len(edges) - 1, 4.0)})
+        self.stand_nodes = min(config.bc, STAND_NODES) if self.hybrid is not None else 0
+        # host seconds per step beyond t(T), per kind of step ("plain", "probe", "pld",
+        # "stand", or a whole drafter's name): binding new shapes and drafting
+        self.host = memory.setdefault("auto-host-by-kind", {})
         self._t_step: float | None = None
-        self._last_t = 1
+        self._last: tuple[str, int] = ("plain", 1)  # kind and T of the last step
         self.index = NgramIndex()
         self._chains: list[tuple[int, int, list[int]]] = []  # (position, n, chain) to score
+        self._trees: list[tuple[int, GrownTree]] = []  # (position, STAND tree) to score
         self._chain: list[int] = []
         self._chain_n = 0
         self._chain_table: list | None = None
         self._steps = 0
         self._root = -1
         self._plain_steps = 0
+        self._stand_next = 0  # the step at which a STAND tree is next grown
+        self._tried = -self.try_every  # the step a whole drafter was last tried
+        self._whole: tuple[WholeDrafter, int] | None = None  # running now, and its feature
+        self._embeds_from = self.k2[0].drafter if self.k2 else self.embeds  # prefill's masks
         self.choices: dict[int, int] = {}  # plan BC -> steps, for reports
+        self.picked: dict[str, int] = {}   # kind of step -> steps, for reports
+
+    @staticmethod
+    def _wholes(backend: Backend, config: GenerationConfig, memory: dict
+                ) -> list[WholeDrafter]:
+        out = []
+        for bc in auto_budgets(config.bc):
+            for name, make, best, sub in (
+                    ("hybrid", HybridDrafter, 3.0, dict(drafter="hybrid")),
+                    ("lade", LookaheadDrafter, None, dict(drafter="lade")),
+                    ("probe k=2", ProbeDrafter, 3.0,
+                     dict(drafter="probe", mask_tokens=2, tree="dynamic", branching=None))):
+                c = replace(config, bc=bc, **sub)
+                d = make(backend, c, memory)
+                w = WholeDrafter(f"{name} BC={bc}", d, best if best else float(d.n),
+                                 memory.setdefault(("auto-whole", name, bc), {}))
+                w.bc = bc
+                out.append(w)
+        return out
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)
         self.index.extend(prompt_ids)
+        for w in self.wholes:
+            w.drafter.start(prompt_ids)
         self._t_step = None
+        self._embeds_from = self.k2[0].drafter if self.k2 else self.embeds
 
-    def choose(self) -> Plan:
+    def _host(self, kind: str) -> float:
+        # a step's host time beyond its forward: measured per kind, a kind not measured yet
+        # charged the dearest one seen, and never less than a plain step's
+        h = self.host
+        mine = h.get(kind)
+        return max(h.get("plain", 0.0), max(h.values(), default=0.0) if mine is None else mine)
+
+    def _lat_at(self, t: float) -> float:
+        return self._lat[min(max(int(round(t)), 1), len(self._lat) - 1)]
+
+    def choose(self, root: int) -> tuple:
+        """The next step's kind and what it needs: ``("plain", PLAIN)``, ``("mask", plan)``,
+        ``("pld", L)``, ``("probe", m)``, ``("stand", (tree, r))`` or ``(whole, feature)``."""
         lat = self._lat  # t(T) for T = 0..budget, looked up once
-        # whole step costs: the forward plus the host time measured around it (a speculative
-        # step's is at least a plain one's: it also binds new shapes and drafts)
-        plain_s, spec_s = self.host[0], max(self.host)
-        best, best_rate = PLAIN, 1.0 / (lat[1] + plain_s)
+        best, best_rate = ("plain", PLAIN), 1.0 / (lat[1] + self._host("plain"))
         if self._chain:  # prompt lookup: the chain prefix with the best rate (T = n + 1)
             if self._steps % self.refresh == 0 or self._chain_table is None:
-                self._chain_table = self._chain_rates(spec_s)
+                self._chain_table = self._chain_rates(self._host("pld"))
             i, rate = self._chain_table[self._chain_n - 1][len(self._chain) - 1]
             if rate > best_rate:
-                best, best_rate = chain_plan(i), rate
+                best, best_rate = ("pld", i), rate
         if self._cand is not None and self.plans:  # probing with m nodes (T = 2(m + 1))
             m = np.arange(1, len(self.plans) + 1)
             rates = (1.0 + np.cumsum(self.rank_hits["hits"])[m - 1] / self.rank_hits["steps"]
-                     ) / (lat[2 * (m + 1)] + spec_s)
+                     ) / (lat[2 * (m + 1)] + self._host("probe"))
             i = int(rates.argmax())
             if rates[i] > best_rate:
-                best, best_rate = self.plans[i + 1], rates[i]
-        elif best is PLAIN:  # nothing to probe from: now and then a mask-only step
+                best, best_rate = ("probe", i + 1), rates[i]
+        if self.stand_nodes and self._steps >= self._stand_next:
+            best, best_rate = self._stand(root, best, best_rate)
+        best = self._whole_or(root, best, best_rate)
+        if best[0] == "plain" and self._cand is None:  # now and then a mask-only step
             self._plain_steps += 1
             if self.explore and self._plain_steps % self.explore_every == 0:
-                best = MASK_ONLY
+                two = self.k2 and (self._plain_steps // self.explore_every) % 2
+                best = ("mask", MASK_ONLY_2 if two else MASK_ONLY)
+        return best
+
+    def _stand(self, root: int, best: tuple, best_rate: float) -> tuple[tuple, float]:
+        """A STAND tree from the stored distributions, its best prefix if that beats
+        ``best``; grown every step while it wins, every ``stand_every`` steps while not."""
+        cm = self.hybrid.context  # the hybrid keeps the model's stored distributions
+        tail = tuple(cm.tokens[-MAX_NGRAM:])
+        self._stand_next = self._steps + self.stand_every
+        if cm.next_tokens(tail).n == 0:
+            return best, best_rate
+        tree = grow(GrownTree(root, tail, MAX_NGRAM),
+                    lambda t, v: cm.next_tokens(t.tails[v]).guesses, self.stand_nodes, MAX_DEPTH)
+        if len(tree) < 2:
+            return best, best_rate
+        self._trees.append((len(self.index.tokens), tree))
+        h = self.stand_hits
+        p = (h["hits"] / h["seen"])[[bisect_right(P_EDGES, s) for s in tree.scores[1:]]]
+        rates = (1.0 + np.cumsum(p)) / (self._lat[2:len(tree) + 1] + self._host("stand"))
+        i = int(rates.argmax())
+        if rates[i] <= best_rate:
+            return best, best_rate
+        self._stand_next = self._steps + 1
+        return ("stand", (tree, i + 2)), float(rates[i])
+
+    def _whole_or(self, root: int, best: tuple, best_rate: float) -> tuple:
+        """The whole drafter with the best expected rate if it beats ``best``; else, once
+        every ``try_every`` steps, one whose optimistic estimate could."""
+        hope = None
+        trying = self._steps - self._tried >= self.try_every
+        for w in self.wholes:
+            if w in self.k2 and not self._k2_ready:
+                continue  # a k = 2 plan needs the last step's 2 masks
+            f = w.feature(root)
+            e, t, n = w.estimate(f)
+            cost = self._lat_at(t) + self._host(w.name)
+            if e / cost > best_rate:
+                best, best_rate = (w, f), e / cost
+            elif trying:  # the least tried of those that could still win
+                rate = (e + (w.best - e) / sqrt(1.0 + n)) / cost
+                if rate > best_rate and (hope is None or (n, -rate) < hope[0]):
+                    hope = ((n, -rate), w, f)
+        if hope is not None and not isinstance(best[0], WholeDrafter):
+            self._tried = self._steps
+            return hope[1:]
         return best
 
     def _chain_rates(self, spec_s: float) -> list[list[tuple[int, float]]]:
@@ -163,32 +328,54 @@ class AutoDrafter:
         self._steps += 1
         now = time.perf_counter()
         if self._t_step is not None:  # the last step's host time beyond its forward
-            i = int(self._last_t > 1)
-            extra = now - self._t_step - self._lat[min(self._last_t, len(self._lat) - 1)]
+            kind, t = self._last
+            extra = now - self._t_step - self._lat_at(t)
             # clipped: a pause (GC, a busy consumer) must not swing the estimate
-            extra = min(max(extra, 0.0), 2.0 * max(self.host) + self._lat[1])
-            h = self.host[i]
-            self.host[i] = extra if h < 0 else h + self.host_ema * (extra - h)
+            extra = min(max(extra, 0.0), 2.0 * max(self.host.values(), default=0.0)
+                        + self._lat[1])
+            h = self.host.get(kind)
+            self.host[kind] = extra if h is None else h + self.host_ema * (extra - h)
         self._t_step = now
         # the index holds the context up to the root: a chain guesses what follows it
         self._chain_n, self._chain = lookup(self.index, self.n_chain)
         if self._chain:
             self._chains.append((len(self.index.tokens), self._chain_n, self._chain))
-        plan = self.choose()
-        self._last_t = plan.bc
-        self.topk = self.width if plan.k else 0
+        kind, arg = self.choose(root)
+        plan, tokens = self._draft(kind, arg, root)
+        name = kind.name if isinstance(kind, WholeDrafter) else kind
+        self._last = (name, plan.bc)
         self.choices[plan.bc] = self.choices.get(plan.bc, 0) + 1
+        self.picked[name] = self.picked.get(name, 0) + 1
         self._root = root
-        if plan.k == 0 and plan.n_nodes > 1:  # a lookup chain
-            return plan, np.array([root, *self._chain[:plan.n_nodes - 1]], dtype=np.int64)
-        if plan.n_nodes == 1:
-            return plan, np.array([root], dtype=np.int64)
+        return plan, tokens
+
+    def _draft(self, kind, arg, root: int) -> tuple[Plan, np.ndarray]:
+        """The plan and node tokens of the chosen step; sets whose mask embeddings it reads."""
+        self._embeds_from, self._whole = None, None
+        if isinstance(kind, WholeDrafter):
+            self._whole = (kind, arg)
+            self._embeds_from = kind.drafter
+            return kind.drafter.propose(root)
+        if kind == "pld":  # a lookup chain of arg tokens
+            return chain_plan(arg), np.array([root, *self._chain[:arg]], dtype=np.int64)
+        if kind == "stand":
+            parents, tokens, _ = layout(*arg)
+            return tree_plan(parents), tokens
+        if kind == "plain":
+            return PLAIN, np.array([root], dtype=np.int64)
+        self._embeds_from = self.k2[0].drafter if kind == "mask" and arg.k == 2 else self.embeds
+        if kind == "mask":
+            return arg, np.array([root], dtype=np.int64)
         ids, lp = self._cand
+        plan = self.plans[arg]
         return plan, static_tree(plan, root, ids, lp, self.prune)
 
     def mask_embeds(self) -> np.ndarray | None:
         # only a step that carries masks reads them (and folds in the EMA)
-        return self.embeds.value if self.topk else None
+        src = self._embeds_from
+        if src is None:
+            return None
+        return src.value if isinstance(src, MaskEmbeddings) else src.mask_embeds()
 
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
                 path_rows: np.ndarray) -> None:
@@ -199,13 +386,39 @@ class AutoDrafter:
             self.rank_hits["steps"] += 1.0
             if rank.size:
                 self.rank_hits["hits"][rank[0]] += 1.0
-        if len(mask_rows):
-            self._cand = out.topk_ids[mask_rows], out.topk_logprobs[mask_rows]
-        else:
-            self._cand = None
+        first = mask_rows[:1]  # depth 1 of a k = 2 step is what a k = 1 plan reads
+        self._cand = (out.topk_ids[first], out.topk_logprobs[first]) if len(first) else None
+        self._k2_ready = len(mask_rows) == 2
+        if self._whole is not None:
+            w, f = self._whole
+            w.record(f, len(new_tokens), self._last[1])
+            self._whole = None
+        for w in self.wholes:  # every drafter sees every step: pools and contexts stay current
+            w.drafter.observe(out, mask_rows, new_tokens, path_rows)
         self.embeds.update(new_tokens)
         self.index.extend(new_tokens)
         self._score_chains()
+        self._score_trees()
+
+    def _score_trees(self) -> None:
+        # which nodes of each STAND tree (used or not) lay on the path that followed
+        ctx, h, waiting = self.index.tokens, self.stand_hits, []
+        for start, tree in self._trees:
+            node, on = 0, set()
+            for tok in ctx[start:start + MAX_DEPTH]:
+                node = tree.child.get((node, tok))
+                if node is None:
+                    break
+                on.add(node)
+            if node is not None and node in tree.parents:
+                waiting.append((start, tree))  # right so far, and the tree goes deeper
+                continue
+            bins = [bisect_right(P_EDGES, s) for s in tree.scores[1:]]
+            h["hits"] *= self.decay
+            h["seen"] *= self.decay
+            np.add.at(h["seen"], bins, 1.0)
+            np.add.at(h["hits"], bins, [float(i in on) for i in range(1, len(tree))])
+        self._trees = waiting
 
     def _score_chains(self) -> None:
         # how far each chain agreed with what followed, once that is known (used or not)

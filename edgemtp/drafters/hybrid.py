@@ -162,6 +162,11 @@ class HybridDrafter:
     def mask_embeds(self) -> np.ndarray:
         return self.embeds.value
 
+    @property
+    def has_mask_guesses(self) -> bool:
+        """The last step left mask candidates for the next tree (auto's estimate reads it)."""
+        return self._cand is not None
+
     def propose(self, root: int) -> tuple[Plan, np.ndarray]:
         tree = GrownTree(root, tuple(self.context.tokens[-self.max_ngram:]), self.max_ngram)
         rates = self.rates.rates().tolist() if self.calibrate else None
@@ -188,15 +193,17 @@ class HybridDrafter:
 
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
                 path_rows: np.ndarray) -> None:
-        if self._tree is not None:  # a step: our masks are leaves of our own tree
+        if self._tree is not None:  # a step of our tree: our masks are leaves of it
             self._learn(new_tokens)
             mask_rows = self._masks_of.get(int(path_rows[-1]), mask_rows[:0])
             if isinstance(self._plan, LookaheadPlan):
                 self.jacobi.advance(self._plan, out.argmax)
+            self._tree = None  # a step someone else planned (auto) only feeds the context
         self._cand = None
         if len(mask_rows):
-            self._cand = (out.topk_ids[mask_rows].tolist(),
-                          np.exp(out.topk_logprobs[mask_rows]).tolist())
+            k = self.topk  # a step may carry more candidates than ours (auto asks for more)
+            self._cand = (out.topk_ids[mask_rows, :k].tolist(),
+                          np.exp(out.topk_logprobs[mask_rows, :k]).tolist())
         self.context.extend(new_tokens, out.topk_ids[path_rows], out.topk_logprobs[path_rows])
         self.embeds.update(new_tokens)
 
