@@ -160,6 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smol-repeats", type=int, default=2)
     ap.add_argument("--before", default=BEFORE_REV)
     ap.add_argument("--methods", default="", help="comma-separated labels (default: all)")
+    ap.add_argument("--smol-methods", default="", help="the same for SmolLM2 (default: --methods)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "auto_cpu"))
     a = ap.parse_args(argv)
     register_before(a.before)
@@ -178,7 +179,8 @@ def main(argv=None) -> int:
     if a.smollm2:
         model = Model.load(a.smollm2, threads=a.threads)
         tasks = chat_turns(model, {k: v for k, v in prompt_sets(["spec_bench"], a.per_category).items()})
-        report["SmolLM2-135M fp32"] = measure(model, tasks, methods, 64, a.smol_repeats)
+        smol = [m for m in METHODS if m[0] in a.smol_methods.split(",")] or methods
+        report["SmolLM2-135M fp32"] = measure(model, tasks, smol, 64, a.smol_repeats)
     lines = ["# auto vs plain greedy, the previous auto and every fixed drafter (onnxruntime CPU)",
              "", f"{time.strftime('%Y-%m-%d')}, {a.threads} threads, a shared 2-core machine; "
              "median tok/s over repeats (methods interleaved, order reversed every other "
