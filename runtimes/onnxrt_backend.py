@@ -261,6 +261,16 @@ class OrtBackend:
         self._stats = (np.asarray(m["embeddings"]["mu"], dtype=np.float32),
                        np.asarray(m["embeddings"]["sigma"], dtype=np.float32))
 
+    def check_step(self, topk: int, hidden: bool) -> None:
+        """What a step asks of the graph: top-K within what it exports, hidden states only
+        if it has them."""
+        if topk > self.topk:
+            raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
+                              f"top-{self.topk}; re-export with a larger --bc")
+        if hidden and not self.supports_hidden:
+            raise ConfigError(f"the package {str(self.package.root)!r} does not export the "
+                              f"last hidden states; re-export it with them to run learned heads")
+
     def session(self) -> "OrtSession | GraphSession":
         return GraphSession(self) if self.cuda_graphs else OrtSession(self)
 
@@ -361,7 +371,24 @@ class OrtBackend:
                                      f"{got}, the manifest implies {dims}")
 
 
-class OrtSession:
+class _CacheCommits:
+    """Commit and reset over ``self.kv`` (a :class:`KVCache`), shared by the sessions."""
+
+    cache_len = 0
+
+    def commit(self, rows) -> None:
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if self.cache_len + len(rows) > self.backend.max_context:
+            raise ConfigError(f"committing {len(rows)} rows overruns the KV cache "
+                              f"({self.cache_len} of {self.backend.max_context} rows used)")
+        self.kv.commit(rows, self.cache_len)
+        self.cache_len += len(rows)
+
+    def reset(self) -> None:
+        self.cache_len = 0
+
+
+class OrtSession(_CacheCommits):
     """One generation on an :class:`OrtBackend`: its KV cache (host or device memory), its
     own IOBinding and the input/output buffers bound to it."""
 
@@ -406,12 +433,7 @@ class OrtSession:
                 full_logits: bool = False, hidden: bool = False) -> StepOut:
         # input_ids, position_ids: [T]; tree_mask: [T, T] bool; mask_embeds: [k, d] or None
         t, b = len(input_ids), self.backend
-        if topk > b.topk:
-            raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
-                              f"top-{b.topk}; re-export with a larger --bc")
-        if hidden and not b.supports_hidden:
-            raise ConfigError(f"the package {str(b.package.root)!r} does not export the last "
-                              f"hidden states; re-export it with them to run learned heads")
+        b.check_step(topk, hidden)
         p = self.cache_len
         self._past_len[0] = p  # before _feed: a device provider copies it when bound
         self._feed(t, input_ids, position_ids, tree_mask, mask_embeds)
@@ -506,16 +528,6 @@ class OrtSession:
             out("hidden_states", _FLOAT32, [1, t, b.hidden_size], self._hidden.ctypes.data)
         self._outputs_for = (t, with_topk, logits, hidden)
 
-    def commit(self, rows) -> None:
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
-        if self.cache_len + len(rows) > self.backend.max_context:
-            raise ConfigError(f"committing {len(rows)} rows overruns the KV cache "
-                              f"({self.cache_len} of {self.backend.max_context} rows used)")
-        self.kv.commit(rows, self.cache_len)
-        self.cache_len += len(rows)
-
-    def reset(self) -> None:
-        self.cache_len = 0
 
 
 class _ShapeIO:
@@ -556,7 +568,7 @@ class _ShapeIO:
         self.run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
 
 
-class GraphSession:
+class GraphSession(_CacheCommits):
     """One generation on CUDA with captured graphs: the cache, the block's inputs and every
     output live on the device at fixed addresses per block shape; the past is always the
     whole cache (format 2's ``past_len`` masks the unused rows), so each shape's run is the
@@ -593,12 +605,7 @@ class GraphSession:
     def forward(self, input_ids, position_ids, tree_mask, mask_embeds, topk: int = 0,
                 full_logits: bool = False, hidden: bool = False) -> StepOut:
         b, t = self.backend, len(input_ids)
-        if topk > b.topk:
-            raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
-                              f"top-{b.topk}; re-export with a larger --bc")
-        if hidden and not b.supports_hidden:
-            raise ConfigError(f"the package {str(b.package.root)!r} does not export the last "
-                              f"hidden states; re-export it with them to run learned heads")
+        b.check_step(topk, hidden)
         if t > self.kv.cap:
             raise ConfigError(f"a block of {t} rows exceeds the context ({b.max_context})")
         embeds = (np.zeros((1, b.hidden_size), dtype=np.float32) if mask_embeds is None
@@ -626,13 +633,3 @@ class GraphSession:
             out.hidden = io.hidden.numpy()[0]
         return out
 
-    def commit(self, rows) -> None:
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
-        if self.cache_len + len(rows) > self.backend.max_context:
-            raise ConfigError(f"committing {len(rows)} rows overruns the KV cache "
-                              f"({self.cache_len} of {self.backend.max_context} rows used)")
-        self.kv.commit(rows, self.cache_len)
-        self.cache_len += len(rows)
-
-    def reset(self) -> None:
-        self.cache_len = 0
