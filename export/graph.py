@@ -36,6 +36,7 @@ from edgemtp.runtimes.package import FIXED_INPUTS, graph_inputs, graph_outputs
 # rotary types whose frequencies change with the sequence length at run time: a traced graph
 # would freeze one branch of that data-dependent update
 DYNAMIC_ROPE = ("dynamic", "longrope")
+MASKED = -65504.0  # the additive bias of a masked key: fp16's lowest finite value
 
 
 class ExportTreeDecoder(TreeDecoder):
@@ -64,7 +65,9 @@ class ExportTreeDecoder(TreeDecoder):
         keys = torch.cat([past_k, k_new], dim=1).permute(0, 2, 3, 1)     # [1, H_kv, D, S]
         values = torch.cat([past_v, v], dim=1).transpose(1, 2)           # [1, H_kv, S, D]
         # query head h = kv * g + j reads KV head kv (as repeat_interleave): rows j * T + t
-        bias = torch.where(mask, 0.0, float("-inf")).repeat(1, 1, g, 1)  # [1, 1, g*T, S]
+        # a finite mask value: -inf makes a fully masked row NaN, and -65504 (fp16's lowest)
+        # stays finite in fp16 too; exp() of it underflows to exactly 0 in the fp32 softmax
+        bias = torch.where(mask, 0.0, MASKED).repeat(1, 1, g, 1)         # [1, 1, g*T, S]
         scores = torch.matmul(q.reshape(1, self.n_kv, -1, hd), keys).float()
         probs = torch.softmax(scores * attn.scaling + bias, dim=-1).to(values.dtype)
         out = torch.matmul(probs, values).reshape(1, self.n_heads, -1, hd)
