@@ -89,11 +89,11 @@ def plan_profiles(meta: Manifest) -> tuple[EngineProfile, ...]:
 
 def envelope(meta: Manifest) -> EngineProfile:
     """One profile covering every step of a generation (for onnxruntime's TensorRT EP, whose
-    execution context stays on profile 0)."""
+    execution context stays on profile 0); P up to a full cache, as the EP had it before."""
     ctx = meta.max_context
     k_max = max(p.k for p in meta.plans)
     return EngineProfile(name="all", T=(1, max(p.T for p in meta.plans), ctx),
-                         P=(0, min(TYPICAL_PAST, ctx - 1), ctx - 1), k=(1, k_max, k_max))
+                         P=(0, min(TYPICAL_PAST, ctx - 1), ctx), k=(1, k_max, k_max))
 
 
 def select_profile(profiles, t: int, p: int, k: int) -> int:
@@ -144,9 +144,10 @@ def ort_profile_options(meta: Manifest, profiles=None) -> dict[str, str]:
 
 def ort_trt_options(pkg: Package) -> dict[str, str]:
     """The TensorRT EP's provider options for a package: its profile, fp16 for an fp16
-    package, an engine and timing cache under the package's ``engines/ort_trt`` (or the
-    user's cache folder when the package is read-only)."""
-    cache = pkg.root / ENGINES / "ort_trt"
+    package, an engine and timing cache in the package's ``engines/`` (the EP names its files
+    ``TensorrtExecutionProvider_*``, apart from ours; the user's cache folder when the
+    package is read-only)."""
+    cache = pkg.root / ENGINES
     if not os.access(pkg.root, os.W_OK):
         cache = Path.home() / ".cache" / "edgemtp" / "ort_trt" / pkg.root.name
     return {"trt_engine_cache_enable": "True", "trt_engine_cache_path": str(cache),

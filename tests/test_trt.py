@@ -116,7 +116,7 @@ def test_ort_tensorrt_ep_options_parse_back(stories_pkg):
     assert len(one) == 1 and one[0]["input_ids"] == (1, meta.max_context)
     assert _parse(options["trt_profile_min_shapes"])[0]["past_key_0"][1] == 0  # empty cache
     assert options["trt_fp16_enable"] == "False"
-    assert options["trt_engine_cache_path"] == str(pkg.root / "engines" / "ort_trt")
+    assert options["trt_engine_cache_path"] == str(pkg.root / "engines")
 
 
 def _with_engine(stories_pkg, tmp_path, keep_file: bool = True):
