@@ -40,6 +40,7 @@ from edgemtp.runtimes.package import FIXED_INPUTS, graph_inputs, graph_outputs
 # rotary types whose frequencies change with the sequence length at run time: a traced graph
 # would freeze one branch of that data-dependent update
 DYNAMIC_ROPE = ("dynamic", "longrope")
+MASKED = -65504.0  # the additive bias of a masked key: fp16's lowest finite value
 
 
 class ExportTreeDecoder(TreeDecoder):
@@ -75,7 +76,9 @@ class ExportTreeDecoder(TreeDecoder):
         past = past_k.shape[1]
         scores = torch.cat([torch.matmul(q, past_k.squeeze(0).permute(1, 2, 0)),   # [H_kv, g*T, P]
                             torch.matmul(q, k[0].transpose(1, 2))], dim=-1).float()
-        bias = torch.where(mask, 0.0, float("-inf")).repeat(1, 1, g, 1)[0]  # [1, g*T, P+T]
+        # a finite mask value: -inf makes a fully masked row NaN, and -65504 (fp16's lowest)
+        # stays finite in fp16 too; exp() of it underflows to exactly 0 in the fp32 softmax
+        bias = torch.where(mask, 0.0, MASKED).repeat(1, 1, g, 1)[0]       # [1, g*T, P+T]
         probs = torch.softmax(scores * attn.scaling + bias, dim=-1).to(v.dtype)
         out = (torch.matmul(probs[..., :past], past_v.squeeze(0).permute(1, 0, 2))
                + torch.matmul(probs[..., past:], v[0].transpose(0, 1)))   # [H_kv, g*T, D]

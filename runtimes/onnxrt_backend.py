@@ -328,26 +328,12 @@ class OrtBackend:
     def _provider_options(self, device: str) -> dict:
         if device != "tensorrt":
             return {}
-        # one optimisation profile over every shape a generation feeds (T up to a prefill of
-        # the whole context, P from an empty cache to a full one); without it the TensorRT
-        # EP would build a new engine for every new cache length
-        m = self.package.manifest
-        plan_t = max((e["T"] for e in m["plans"]), default=1)
-        k = max((e["k"] for e in m["plans"]), default=1)
-        ctx, kv = self.max_context, f"{m['num_kv_heads']}x{m['head_dim']}"
+        # one optimisation profile over every shape a generation feeds (the EP's execution
+        # context stays on profile 0), planned with the package's TensorRT engines; without
+        # it the EP would build a new engine for every new cache length
+        from edgemtp.runtimes.trt_engine import ort_trt_options
 
-        def shapes(t: int, p: int, kk: int) -> str:
-            dims = {"input_ids": f"1x{t}", "position_ids": f"1x{t}",
-                    "tree_mask": f"1x1x{t}x{t}", "mask_embeds": f"{kk}x{m['hidden_size']}"}
-            dims.update({n: f"1x{p}x{kv}" for n in m["graph"]["inputs"][len(FIXED_INPUTS):]})
-            return ",".join(f"{n}:{d}" for n, d in dims.items())
-
-        return {"trt_engine_cache_enable": "True",
-                "trt_engine_cache_path": str(self.package.root / "engines"),
-                "trt_fp16_enable": str(m["dtype"] == "fp16"),
-                "trt_profile_min_shapes": shapes(1, 0, 1),
-                "trt_profile_opt_shapes": shapes(plan_t, ctx // 2, k),
-                "trt_profile_max_shapes": shapes(ctx, ctx, k)}
+        return ort_trt_options(self.package)
 
     def _check_graph(self) -> None:
         # the manifest describes the graph the package ships; disagreement means a mixed-up
