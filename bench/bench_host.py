@@ -8,6 +8,10 @@ a fresh child process, alternating, and the table reports medians over rounds, s
 drift hits every version alike.
 
     python bench/bench_host.py --src before=/path/to/old/checkout --src after=. [--rounds 5]
+    python bench/bench_host.py --src now=. --package v1=PKG1 --package v2=PKG2  # packages
+
+Every (source tree, package) pair is one column; with several ``--package NAME=PATH`` the
+same code runs on packages of different formats or exports.
 
 Writes out/bench_host/host.json (``--out`` to change) and prints a Markdown table.
 """
@@ -82,8 +86,9 @@ def tree_for(src: Path, work: Path) -> Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--src", action="append", required=True, metavar="NAME=PATH")
-    ap.add_argument("--package", default=None, help="an exported stories260K package "
-                    "(default: export one into out/bench_host/)")
+    ap.add_argument("--package", action="append", default=None, metavar="[NAME=]PATH",
+                    help="an exported stories260K package, repeatable "
+                         "(default: export one into out/bench_host/)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--stream", action="store_true", help="generate through Model.stream")
@@ -91,30 +96,34 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    pkg = a.package
-    if pkg is None:
+    if a.package is None:
         pkg = str(out / "stories260K")
         if not Path(pkg, "edgemtp.json").is_file():
             from edgemtp.export.onnx_export import export_package
 
             export_package(str(SHARED / "models" / "stories260K"), pkg, max_context=512,
                            force=True, progress=False)
+        a.package = [pkg]
+    packages = dict(p.split("=", 1) if "=" in p else ("", p) for p in a.package)
     with open(SHARED / "data" / "stories_prompts.jsonl") as f:
         prompts = [json.loads(line)["prompt"] for line in f][:a.prompts]
     versions = dict(s.split("=", 1) for s in a.src)
-    runs: dict[str, list[dict]] = {v: [] for v in versions}
+    columns = {(f"{v}@{n}" if n else v): (v, pkg) for v in versions
+               for n, pkg in packages.items()}
+    runs: dict[str, list[dict]] = {c: [] for c in columns}
     with tempfile.TemporaryDirectory() as tmp:
         trees = {v: tree_for(Path(p), Path(tmp) / v) for v, p in versions.items()}
         for r in range(a.rounds):
-            for v, tree in trees.items():
-                env = dict(os.environ, PYTHONPATH=str(tree))
-                res = subprocess.run([sys.executable, "-c", CHILD, pkg, json.dumps(prompts),
-                                      json.dumps(CONFIGS), "1" if a.stream else "0"],
+            for col, (v, pkg) in columns.items():
+                env = dict(os.environ, PYTHONPATH=str(trees[v]))
+                res = subprocess.run([sys.executable, "-c", CHILD, str(Path(pkg).resolve()),
+                                      json.dumps(prompts), json.dumps(CONFIGS),
+                                      "1" if a.stream else "0"],
                                      capture_output=True, text=True, env=env, check=True,
-                                     cwd=tree)
-                runs[v].append(json.loads(res.stdout.strip().splitlines()[-1]))
-                print(f"round {r + 1}/{a.rounds}: {v} done", file=sys.stderr)
-    names = list(versions)
+                                     cwd=trees[v])
+                runs[col].append(json.loads(res.stdout.strip().splitlines()[-1]))
+                print(f"round {r + 1}/{a.rounds}: {col} done", file=sys.stderr)
+    names = list(columns)
     table = {label: {v: {key: statistics.median(run[label][key] for run in runs[v])
                          for key in ("host_us_per_step", "tokens_per_second")}
                      for v in names} for label in CONFIGS}
@@ -129,7 +138,8 @@ def main(argv=None) -> int:
         lines.append(f"| {label} | {cells}{ratio} |")
     text = "\n".join(lines)
     print(text)
-    (out / "host.json").write_text(json.dumps(dict(versions=versions, rounds=a.rounds,
+    (out / "host.json").write_text(json.dumps(dict(versions=versions, packages=packages,
+                                                   rounds=a.rounds,
                                                    prompts=a.prompts, stream=a.stream,
                                                    table=table, runs=runs), indent=1))
     return 0

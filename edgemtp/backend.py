@@ -121,6 +121,7 @@ def check_options(device, dtype, max_context, threads) -> None:
 BACKENDS: dict[str, str] = {
     "torch": "edgemtp.runtimes.torch_backend:TorchBackend",
     "onnxruntime": "edgemtp.runtimes.onnxrt_backend:OrtBackend",
+    "tensorrt": "edgemtp.runtimes.trt_backend:TrtBackend",  # imports tensorrt when loading
 }
 
 

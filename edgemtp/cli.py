@@ -44,8 +44,9 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True,
         p.add_argument("--model", required=model_required,
                        help="Hugging Face model folder, exported package, or hub id (online)")
     p.add_argument("--backend", default="auto",
-                   help="torch or onnxruntime (default: auto, onnxruntime for an exported "
-                        "package, torch for a Hugging Face folder)")
+                   help="torch, onnxruntime or tensorrt (a package's built engine; default: "
+                        "auto, onnxruntime for an exported package, torch for a Hugging Face "
+                        "folder)")
     p.add_argument("--device", default="cpu",
                    help="cpu or cuda; onnxruntime also tensorrt (default: cpu)")
     p.add_argument("--dtype", default=None, choices=("fp32", "fp16", "bf16"),
@@ -189,11 +190,35 @@ def _read_turn() -> str | None:
 def cmd_export(a: argparse.Namespace) -> int:
     from edgemtp.export.onnx_export import export_package
 
+    if a.trt:  # fail before a long export when the engine could not be built after it
+        from edgemtp.runtimes.trt_backend import cuda_device
+        from edgemtp.runtimes.trt_engine import import_tensorrt
+
+        import_tensorrt("edgemtp export --trt")
+        cuda_device()
     report = export_package(a.model, a.output, dtype=a.dtype, max_context=a.max_context,
                             bc=a.bc, mask_tokens=a.mask_tokens, opset=a.opset, force=a.force,
                             trust_remote_code=a.trust_remote_code, progress=not a.quiet)
     print(report.summary())
+    if a.trt:
+        _build_engine(a.output, a.workspace, None, not a.quiet)
     return 0
+
+
+def cmd_build_engine(a: argparse.Namespace) -> int:
+    _build_engine(a.package, a.workspace, a.timing_cache, not a.quiet)
+    return 0
+
+
+def _build_engine(package, workspace: float, timing_cache, progress: bool) -> None:
+    from edgemtp.runtimes.trt_engine import build_engine
+
+    if not workspace > 0:
+        raise EdgeMTPError(f"--workspace must be a number of GiB > 0, got {workspace}")
+    info = build_engine(package, workspace_gib=workspace, timing_cache=timing_cache,
+                        progress=progress)
+    print(f"built {info.label}: {info.bytes / 2**20:.1f} MiB, {len(info.profiles)} profiles "
+          f"({', '.join(p.name for p in info.profiles)})")
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -283,7 +308,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model folder's own Python code to run")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.add_argument("--trt", action="store_true",
+                   help="then build a TensorRT engine for this machine's GPU (as build-engine)")
+    e.add_argument("--workspace", type=float, default=2.0,
+                   help="with --trt: TensorRT builder workspace in GiB (default: 2)")
     e.set_defaults(func=cmd_export)
+
+    t = sub.add_parser("build-engine", help="build a package's TensorRT engine for this "
+                                            "machine's GPU (one profile per plan size) and list "
+                                            "it in the manifest")
+    t.add_argument("package", help="package folder written by 'edgemtp export'")
+    t.add_argument("--workspace", type=float, default=2.0,
+                   help="TensorRT builder workspace in GiB (default: 2)")
+    t.add_argument("--timing-cache", default=None,
+                   help="timing cache file to read and update (default: beside the engine)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_build_engine)
 
     i = sub.add_parser("inspect", help="print an exported package's manifest, plans and memory")
     i.add_argument("package", help="package folder written by 'edgemtp export'")

@@ -40,6 +40,7 @@ from edgemtp.runtimes.package import FIXED_INPUTS, graph_inputs, graph_outputs
 # rotary types whose frequencies change with the sequence length at run time: a traced graph
 # would freeze one branch of that data-dependent update
 DYNAMIC_ROPE = ("dynamic", "longrope")
+MASKED = -65504.0  # the additive bias of a masked key: fp16's lowest finite value
 
 
 class ExportTreeDecoder(TreeDecoder):
@@ -51,11 +52,14 @@ class ExportTreeDecoder(TreeDecoder):
       (``[1, H, T, D] -> [1, H_kv, g*T, D]``), instead of ``repeat_interleave``, which copies
       the whole cache ``g`` times per layer per step;
     - reshapes with ``-1`` instead of traced sizes (no Shape/Gather/Concat chains);
+    - the past K/V read where they lie: attention over the past and over the block as two
+      MatMuls each (no concatenation of the cache, an O(P) copy per layer per step, and no
+      transposed copy of it: onnxruntime fuses the permutes into FusedMatMul);
     - an additive mask applied in float32, instead of SDPA's decomposition (IsNaN guards).
     """
 
     def _attention(self, layer, x, cos, sin, mask, past_k, past_v):
-        # x: [1, T, d]; mask: [1, 1, T, S] bool with S = P + T; past_k/v: [1, P, H_kv, D]
+        # x: [1, T, d]; mask: [1, 1, T, P + T] bool; past_k/v: [1, P, H_kv, D]
         attn, hd, g = layer.self_attn, self.head_dim, self.n_heads // self.n_kv
         h = layer.input_layernorm(x)
         q = attn.q_proj(h).view(1, -1, self.n_heads, hd)
@@ -64,16 +68,23 @@ class ExportTreeDecoder(TreeDecoder):
         if self.family.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        k_new = k.transpose(1, 2)                                        # [1, T, H_kv, D]
-        keys = torch.cat([past_k, k_new], dim=1).permute(0, 2, 3, 1)     # [1, H_kv, D, S]
-        values = torch.cat([past_v, v], dim=1).transpose(1, 2)           # [1, H_kv, S, D]
         # query head h = kv * g + j reads KV head kv (as repeat_interleave): rows j * T + t
-        bias = torch.where(mask, 0.0, float("-inf")).repeat(1, 1, g, 1)  # [1, 1, g*T, S]
-        scores = torch.matmul(q.reshape(1, self.n_kv, -1, hd), keys).float()
-        probs = torch.softmax(scores * attn.scaling + bias, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values).reshape(1, self.n_heads, -1, hd)
-        out = attn.o_proj(out.transpose(1, 2).reshape(1, -1, self.n_heads * hd))
-        return out, k_new, v
+        q = q.reshape(self.n_kv, -1, hd)                                  # [H_kv, g*T, D]
+        # the past is never copied: its sequence-major [P, H_kv, D] is read in place by
+        # MatMuls onnxruntime fuses with the permutes (FusedMatMul, transBatchB); only the
+        # block's own K/V and the [H_kv, g*T, P + T] scores are new tensors
+        past = past_k.shape[1]
+        scores = torch.cat([torch.matmul(q, past_k.squeeze(0).permute(1, 2, 0)),   # [H_kv, g*T, P]
+                            torch.matmul(q, k[0].transpose(1, 2))], dim=-1).float()
+        # a finite mask value: -inf makes a fully masked row NaN, and -65504 (fp16's lowest)
+        # stays finite in fp16 too; exp() of it underflows to exactly 0 in the fp32 softmax
+        bias = torch.where(mask, 0.0, MASKED).repeat(1, 1, g, 1)[0]       # [1, g*T, P+T]
+        probs = torch.softmax(scores * attn.scaling + bias, dim=-1).to(v.dtype)
+        out = (torch.matmul(probs[..., :past], past_v.squeeze(0).permute(1, 0, 2))
+               + torch.matmul(probs[..., past:], v[0].transpose(0, 1)))   # [H_kv, g*T, D]
+        out = attn.o_proj(out.reshape(1, self.n_heads, -1, hd).transpose(1, 2)
+                          .reshape(1, -1, self.n_heads * hd))
+        return out, k.transpose(1, 2), v
 
 
 class ExportDecoder(nn.Module):

@@ -179,7 +179,12 @@ class DeviceKV(KVCache):
             [self.layers, rows, *self.tail], self.dtype, self.device, 0)
 
     def _alloc_cache(self):
-        self.k, self.v = self._alloc(self.rows), self._alloc(self.rows)
+        # zeroed: a format 2 graph reads rows past P (masked, but 0 x NaN is NaN, and fresh
+        # device memory may hold any bit pattern)
+        # (on CPU an OrtValue wraps the array it is made from: one array each)
+        shape = [self.layers, self.rows, *self.tail]
+        self.k, self.v = (self.ort.OrtValue.ortvalue_from_numpy(
+            np.zeros(shape, dtype=self.dtype), self.device, 0) for _ in range(2))
         return self.k.data_ptr(), self.v.data_ptr()
 
     def _alloc_new(self, cap: int):
@@ -204,14 +209,17 @@ class OrtBackend:
     by every :meth:`session`. ``dtype`` must be the package's own (or None): a package's
     dtype is fixed at export. ``trust_remote_code`` is accepted for interface parity: a
     package runs no model code. ``device_cache`` forces the device-resident cache path
-    (default: off on CPU)."""
+    (default: off on CPU). ``cuda_graphs`` (default: on for ``device="cuda"`` with a format 2
+    package) runs every step on device buffers at fixed addresses, one CUDA graph per block
+    shape (:class:`GraphSession`); if onnxruntime refuses it for this graph, the backend
+    runs without and says why in :attr:`graphs_off`."""
 
     name = "onnxruntime"
 
     def __init__(self, package_dir, device: str = "cpu", threads: int | None = None,
                  max_context: int | None = None, dtype: str | None = None,
                  trust_remote_code: bool = False, device_cache: bool | None = None,
-                 public_binding: bool = False) -> None:
+                 public_binding: bool = False, cuda_graphs: bool | None = None) -> None:
         check_options(device, dtype, max_context, threads)
         self.public_binding = public_binding  # onnxruntime's public bind methods only
         ort = self.ort = _ort()
@@ -229,13 +237,23 @@ class OrtBackend:
         self.source = source if source and (Path(source) / "config.json").is_file() else None
         self.max_context = self._context(m["max_context"], max_context)
         self.device = device
-        self.graph = self._session(ort, device, threads)
+        self.past_len = PAST_LEN in m["graph"]["inputs"]  # format 2: past views, past_len
+        self.cuda_graphs, self.graphs_off = False, "not asked"
+        if device == "cuda" and cuda_graphs is not False:
+            if not self.past_len:
+                self.graphs_off = "the package is format 1 (no past_len input): re-export it"
+            else:
+                try:
+                    self.graph = self._session(ort, device, threads, cuda_graph=True)
+                    self.cuda_graphs, self.graphs_off = True, ""
+                except ModelLoadError as e:
+                    self.graphs_off = str(e)
+        if not self.cuda_graphs:
+            self.graph = self._session(ort, device, threads)
         self._check_graph()
         self.supports_hidden = "hidden_states" in m["graph"]["outputs"]
-        # format 2 graphs take past_len: the past may be bound as a longer view of the cache
-        self.past_len = PAST_LEN in m["graph"]["inputs"]
         self.commit_graph = None
-        if device_cache if device_cache is not None else device != "cpu":
+        if self.cuda_graphs or (device_cache if device_cache is not None else device != "cpu"):
             self.commit_graph = self._session(ort, device, threads, pkg.root / COMMIT,
                                               graph="commit")
         # a plain ndarray over the memory map: indexing a np.memmap costs a subclass wrap
@@ -243,8 +261,18 @@ class OrtBackend:
         self._stats = (np.asarray(m["embeddings"]["mu"], dtype=np.float32),
                        np.asarray(m["embeddings"]["sigma"], dtype=np.float32))
 
-    def session(self) -> "OrtSession":
-        return OrtSession(self)
+    def check_step(self, topk: int, hidden: bool) -> None:
+        """What a step asks of the graph: top-K within what it exports, hidden states only
+        if it has them."""
+        if topk > self.topk:
+            raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
+                              f"top-{self.topk}; re-export with a larger --bc")
+        if hidden and not self.supports_hidden:
+            raise ConfigError(f"the package {str(self.package.root)!r} does not export the "
+                              f"last hidden states; re-export it with them to run learned heads")
+
+    def session(self) -> "OrtSession | GraphSession":
+        return GraphSession(self) if self.cuda_graphs else OrtSession(self)
 
     def embed(self, token_ids) -> np.ndarray:
         ids = token_ids if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int64 \
@@ -266,7 +294,7 @@ class OrtBackend:
         return min(limit, int(requested))
 
     def _session(self, ort, device: str, threads: int | None, path: Path | None = None,
-                 graph: str = "model"):
+                 graph: str = "model", cuda_graph: bool = False):
         if device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
         provider, _, install = DEVICES[device]
@@ -279,6 +307,9 @@ class OrtBackend:
             (provider, self._provider_options(device)), "CPUExecutionProvider"]
         if graph == "commit" and device == "tensorrt":
             providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        if cuda_graph:
+            providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),
+                         "CPUExecutionProvider"]
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -297,26 +328,12 @@ class OrtBackend:
     def _provider_options(self, device: str) -> dict:
         if device != "tensorrt":
             return {}
-        # one optimisation profile over every shape a generation feeds (T up to a prefill of
-        # the whole context, P from an empty cache to a full one); without it the TensorRT
-        # EP would build a new engine for every new cache length
-        m = self.package.manifest
-        plan_t = max((e["T"] for e in m["plans"]), default=1)
-        k = max((e["k"] for e in m["plans"]), default=1)
-        ctx, kv = self.max_context, f"{m['num_kv_heads']}x{m['head_dim']}"
+        # one optimisation profile over every shape a generation feeds (the EP's execution
+        # context stays on profile 0), planned with the package's TensorRT engines; without
+        # it the EP would build a new engine for every new cache length
+        from edgemtp.runtimes.trt_engine import ort_trt_options
 
-        def shapes(t: int, p: int, kk: int) -> str:
-            dims = {"input_ids": f"1x{t}", "position_ids": f"1x{t}",
-                    "tree_mask": f"1x1x{t}x{t}", "mask_embeds": f"{kk}x{m['hidden_size']}"}
-            dims.update({n: f"1x{p}x{kv}" for n in m["graph"]["inputs"][len(FIXED_INPUTS):]})
-            return ",".join(f"{n}:{d}" for n, d in dims.items())
-
-        return {"trt_engine_cache_enable": "True",
-                "trt_engine_cache_path": str(self.package.root / "engines"),
-                "trt_fp16_enable": str(m["dtype"] == "fp16"),
-                "trt_profile_min_shapes": shapes(1, 0, 1),
-                "trt_profile_opt_shapes": shapes(plan_t, ctx // 2, k),
-                "trt_profile_max_shapes": shapes(ctx, ctx, k)}
+        return ort_trt_options(self.package)
 
     def _check_graph(self) -> None:
         # the manifest describes the graph the package ships; disagreement means a mixed-up
@@ -340,7 +357,24 @@ class OrtBackend:
                                      f"{got}, the manifest implies {dims}")
 
 
-class OrtSession:
+class _CacheCommits:
+    """Commit and reset over ``self.kv`` (a :class:`KVCache`), shared by the sessions."""
+
+    cache_len = 0
+
+    def commit(self, rows) -> None:
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if self.cache_len + len(rows) > self.backend.max_context:
+            raise ConfigError(f"committing {len(rows)} rows overruns the KV cache "
+                              f"({self.cache_len} of {self.backend.max_context} rows used)")
+        self.kv.commit(rows, self.cache_len)
+        self.cache_len += len(rows)
+
+    def reset(self) -> None:
+        self.cache_len = 0
+
+
+class OrtSession(_CacheCommits):
     """One generation on an :class:`OrtBackend`: its KV cache (host or device memory), its
     own IOBinding and the input/output buffers bound to it."""
 
@@ -385,12 +419,7 @@ class OrtSession:
                 full_logits: bool = False, hidden: bool = False) -> StepOut:
         # input_ids, position_ids: [T]; tree_mask: [T, T] bool; mask_embeds: [k, d] or None
         t, b = len(input_ids), self.backend
-        if topk > b.topk:
-            raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
-                              f"top-{b.topk}; re-export with a larger --bc")
-        if hidden and not b.supports_hidden:
-            raise ConfigError(f"the package {str(b.package.root)!r} does not export the last "
-                              f"hidden states; re-export it with them to run learned heads")
+        b.check_step(topk, hidden)
         p = self.cache_len
         self._past_len[0] = p  # before _feed: a device provider copies it when bound
         self._feed(t, input_ids, position_ids, tree_mask, mask_embeds)
@@ -485,13 +514,108 @@ class OrtSession:
             out("hidden_states", _FLOAT32, [1, t, b.hidden_size], self._hidden.ctypes.data)
         self._outputs_for = (t, with_topk, logits, hidden)
 
-    def commit(self, rows) -> None:
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
-        if self.cache_len + len(rows) > self.backend.max_context:
-            raise ConfigError(f"committing {len(rows)} rows overruns the KV cache "
-                              f"({self.cache_len} of {self.backend.max_context} rows used)")
-        self.kv.commit(rows, self.cache_len)
-        self.cache_len += len(rows)
 
-    def reset(self) -> None:
+
+class _ShapeIO:
+    """Device buffers and the IOBinding of one block shape ``(T, k)`` in a
+    :class:`GraphSession`: every input and output at a fixed address, as a CUDA graph
+    replay needs (``gpu_graph_id`` is this shape's)."""
+
+    def __init__(self, s: "GraphSession", t: int, k: int, graph_id: int) -> None:
+        b, ort = s.backend, s.backend.ort
+        m = b.package.manifest
+
+        def buf(shape, dtype):
+            return ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, s.device, 0)
+
+        self.t, self.graph_id = t, graph_id
+        self.ids, self.pos = buf([1, t], np.int64), buf([1, t], np.int64)
+        self.mask = buf([1, 1, t, t], np.bool_)
+        self.embeds = buf([k, b.hidden_size], np.float32)
+        self.past_len = buf([1], np.int64)
+        self.argmax = buf([1, t], np.int64)
+        self.top_ids, self.top_lp = buf([1, t, b.topk], np.int64), buf([1, t, b.topk], np.float32)
+        self.logits = buf([1, t, b.vocab_size], np.float32)
+        self.hidden = buf([1, t, b.hidden_size], np.float32) if b.supports_hidden else None
+        io = self.io = b.graph.io_binding()
+        for name, value in (("input_ids", self.ids), ("position_ids", self.pos),
+                            ("tree_mask", self.mask), ("mask_embeds", self.embeds),
+                            (PAST_LEN, self.past_len)):
+            io.bind_ortvalue_input(name, value)
+        for name, value in (("argmax", self.argmax), ("topk_ids", self.top_ids),
+                            ("topk_logprobs", self.top_lp), ("logits", self.logits),
+                            ("hidden_states", self.hidden)):
+            if value is not None and name in m["graph"]["outputs"]:
+                io.bind_ortvalue_output(name, value)
+        bind = Binder(ort, io, s.device)
+        s.kv.bind_past(bind, s.kv.rows)   # the whole cache: past_len masks the unused rows
+        s.kv.bind_present(bind, t)        # the new K/V buffers never move (see GraphSession)
+        self.run_options = ort.RunOptions()
+        self.run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
+
+
+class GraphSession(_CacheCommits):
+    """One generation on CUDA with captured graphs: the cache, the block's inputs and every
+    output live on the device at fixed addresses per block shape; the past is always the
+    whole cache (format 2's ``past_len`` masks the unused rows), so each shape's run is the
+    same kernels on the same buffers and onnxruntime captures it once as a CUDA graph
+    (``gpu_graph_id``, one per shape) and replays it. A step copies ids, positions, mask and
+    mask embeddings in (a few KB) and argmax and top-K out; a commit is the package's
+    on-device gather. Blocks longer than ``GRAPH_MAX_T`` (a prefill) run uncaptured
+    (``gpu_graph_id -1``) on buffers of their own.
+
+    Written against onnxruntime-gpu's documented CUDA-graph contract; not yet run on a GPU
+    (see the README's table of what was measured on hardware). On CPU (tests) the same
+    buffers and bindings run, uncaptured."""
+
+    GRAPH_MAX_T = 256
+
+    def __init__(self, backend: OrtBackend) -> None:
+        self.backend = b = backend
+        m = b.package.manifest
+        if not b.past_len or b.commit_graph is None:
+            raise ConfigError("fixed-buffer sessions need a format 2 package and the "
+                              "device cache (device_cache=True)")
+        self.device = DEVICES[b.device][1]
+        self.kv = DeviceKV(b.ort, b.commit_graph, self.device, m["num_layers"], b.max_context,
+                           m["num_kv_heads"], m["head_dim"], b.package.np_dtype)
+        # the block's new K/V: allocated once for the longest block (a prefill of the whole
+        # context plus mask slots), so their addresses hold for every captured shape
+        self.kv.cap = b.max_context + 8
+        self.kv.new_k_ptr, self.kv.new_v_ptr = self.kv._alloc_new(self.kv.cap)
+        self._shapes: dict[tuple[int, int], _ShapeIO] = {}
+        self._next_id = 1  # 0 is onnxruntime's own
         self.cache_len = 0
+        self.last_run_s = 0.0
+
+    def forward(self, input_ids, position_ids, tree_mask, mask_embeds, topk: int = 0,
+                full_logits: bool = False, hidden: bool = False) -> StepOut:
+        b, t = self.backend, len(input_ids)
+        b.check_step(topk, hidden)
+        if t > self.kv.cap:
+            raise ConfigError(f"a block of {t} rows exceeds the context ({b.max_context})")
+        embeds = (np.zeros((1, b.hidden_size), dtype=np.float32) if mask_embeds is None
+                  else np.ascontiguousarray(mask_embeds, dtype=np.float32))
+        key = (t, len(embeds))
+        io = self._shapes.get(key)
+        if io is None:
+            gid = self._next_id if t <= self.GRAPH_MAX_T else -1
+            self._next_id += gid > 0
+            io = self._shapes[key] = _ShapeIO(self, t, len(embeds), gid)
+        io.ids.update_inplace(np.asarray(input_ids, dtype=np.int64).reshape(1, t))
+        io.pos.update_inplace(np.asarray(position_ids, dtype=np.int64).reshape(1, t))
+        io.mask.update_inplace(np.asarray(tree_mask, dtype=np.bool_).reshape(1, 1, t, t))
+        io.embeds.update_inplace(embeds)
+        io.past_len.update_inplace(np.array([self.cache_len], dtype=np.int64))
+        t0 = perf_counter()
+        b.graph.run_with_iobinding(io.io, io.run_options)
+        self.last_run_s = perf_counter() - t0
+        out = StepOut(argmax=io.argmax.numpy()[0],
+                      topk_ids=io.top_ids.numpy()[0, :, :topk],
+                      topk_logprobs=io.top_lp.numpy()[0, :, :topk])
+        if full_logits:
+            out.logits = io.logits.numpy()[0]
+        if hidden:
+            out.hidden = io.hidden.numpy()[0]
+        return out
+

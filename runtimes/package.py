@@ -13,6 +13,8 @@ reads. Numpy only, so a device that runs packages never imports torch.
       embeddings.npy   the input embedding table [V, d], for host-side mask initialisation
       plans/bc30_k1.npz   static and every dynamic plan of one budget: masks, positions, parents
       tokenizer.json, tokenizer_config.json, ...
+      engines/sm87_trt10.3.0.engine   TensorRT engines, one per GPU architecture and TensorRT
+                       version (``edgemtp build-engine``; optional, listed under ``engines``)
 
 :func:`load_package` verifies everything a generation would load (every recorded file whole,
 the embedding table, the tokenizer files, every plan) and says in one line what is wrong
@@ -43,6 +45,7 @@ MANIFEST = "edgemtp.json"
 GRAPH = "model.onnx"
 COMMIT = "kv_commit.onnx"  # gathers accepted K/V rows into a device-resident cache
 EMBEDDINGS = "embeddings.npy"
+ENGINES = "engines"  # TensorRT engines (and their timing caches) built on a device
 CACHE_LAYOUT = "[1, P, H_kv, D] per layer, sequence-major"
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 HASH_LIMIT = 4 * 2**20  # files up to this size get a sha256 in the manifest, checked at load
@@ -291,12 +294,74 @@ class GGUFSourceInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EngineProfile:
+    """One optimisation profile of a TensorRT engine: ``[min, opt, max]`` of the block rows
+    ``T``, the cached rows ``P`` and the mask tokens ``k``; every graph input's shape follows
+    from them (``runtimes.trt_engine.input_shapes``).
+
+    >>> EngineProfile(name="block T=8", T=(8, 8, 8), P=(1, 64, 248), k=(1, 1, 2)).covers(8, 0, 1)
+    False
+    """
+
+    name: str
+    T: tuple[int, ...]
+    P: tuple[int, ...]
+    k: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for key in ("T", "P", "k"):
+            r = getattr(self, key)
+            _check(len(r) == 3 and 0 <= r[0] <= r[1] <= r[2],
+                   f"engine profile {self.name!r}: {key} must be [min, opt, max] with "
+                   f"0 <= min <= opt <= max, got {list(r)}")
+        _check(self.T[0] >= 1 and self.k[0] >= 1,
+               f"engine profile {self.name!r}: T and k start at 1, got T {list(self.T)}, "
+               f"k {list(self.k)}")
+
+    def covers(self, t: int, p: int, k: int) -> bool:
+        return (self.T[0] <= t <= self.T[2] and self.P[0] <= p <= self.P[2]
+                and self.k[0] <= k <= self.k[2])
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineInfo:
+    """A TensorRT engine built from ``model.onnx`` on one device (``edgemtp build-engine``).
+    An engine runs only on the GPU architecture (compute capability) and TensorRT version that
+    built it, so a package may list one per pair."""
+
+    file: str
+    bytes: int
+    sha256: str
+    tensorrt_version: str
+    gpu: str
+    compute_capability: str
+    max_context: int
+    profiles: tuple[EngineProfile, ...]
+    timing_cache: str | None = None
+    built: str = ""
+
+    def __post_init__(self) -> None:
+        _relative(self.file, "engines.file")
+        if self.timing_cache is not None:
+            _relative(self.timing_cache, "engines.timing_cache")
+        FileInfo(bytes=self.bytes, sha256=self.sha256)  # the same checks as a package file
+        _check(len(self.profiles) > 0, f"engine {self.file} lists no optimisation profile")
+
+    @property
+    def label(self) -> str:
+        return (f"{self.file} (TensorRT {self.tensorrt_version}, {self.gpu}, "
+                f"sm {self.compute_capability})")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     """``edgemtp.json``, typed. The exporter builds it with keywords and writes
     :meth:`to_dict`; :func:`load_package` reads it with :meth:`from_dict`.
 
     ``files`` (every file the export wrote, by path inside the package) and
-    ``tokenizer_files`` are absent (None / empty) in packages from before they were recorded.
+    ``tokenizer_files`` are absent (None / empty) in packages from before they were recorded;
+    ``engines`` is empty until ``edgemtp build-engine`` adds one (their files are not among
+    ``files``: they are written after export, on the device).
     """
 
     format_version: int = FORMAT_VERSION
@@ -325,6 +390,7 @@ class Manifest:
     files: Mapping[str, FileInfo] | None = field(default=None, hash=False)
     self_check: SelfCheckInfo | None = None
     gguf: GGUFSourceInfo | None = field(default=None, hash=False)
+    engines: tuple[EngineInfo, ...] = ()  # absent before 'edgemtp build-engine' ran
 
     def __post_init__(self) -> None:
         _check_version(self.format_version)
@@ -567,6 +633,20 @@ class Package:
                                  f"different sha256): it is corrupt or was edited; re-export "
                                  f"the package")
 
+    def check_engines(self) -> None:
+        """Every listed TensorRT engine is there and whole (its sha256 checked when at most
+        ``HASH_LIMIT`` bytes, like the export's files)."""
+        for e in self.meta.engines:
+            path, rebuild = self.root / e.file, f"edgemtp build-engine {str(self.root)}"
+            if not path.is_file():
+                raise ModelLoadError(f"{self._where()} lists the TensorRT engine {e.label} but "
+                                     f"the file is missing; rebuild it: {rebuild}")
+            size = path.stat().st_size
+            if size != e.bytes or (size <= HASH_LIMIT and _sha256(path) != e.sha256):
+                what = f"{size} bytes, not {e.bytes}" if size != e.bytes else "its sha256 differs"
+                raise ModelLoadError(f"the TensorRT engine {str(path)!r} is not the one that was "
+                                     f"built ({what}); rebuild it: {rebuild}")
+
     def check_embeddings(self) -> None:
         """The table must be ``[vocab_size, hidden_size]`` of the recorded dtype."""
         m, e = self.meta, self.meta.embeddings
@@ -585,9 +665,10 @@ class Package:
                                  f"manifest and the table do not belong together: re-export")
 
 
-def load_package(path, check_plans: bool = True) -> Package:
+def load_package(path, check_plans: bool = True, check_engines: bool = True) -> Package:
     """Read and validate a package folder; one-line :class:`ModelLoadError` when it is bad.
-    With ``check_plans`` (the default), the plans read from it become the runtime's plans."""
+    With ``check_plans`` (the default), the plans read from it become the runtime's plans;
+    ``check_engines=False`` lets ``build-engine`` replace an engine that is gone or broken."""
     root = Path(path)
     if not root.is_dir():
         raise ModelLoadError(f"package folder {str(path)!r} does not exist")
@@ -605,6 +686,8 @@ def load_package(path, check_plans: bool = True) -> Package:
         raise ModelLoadError(f"the manifest {str(mpath)!r} is invalid: {e}") from None
     pkg = Package(root, raw, meta)
     pkg.check_files()
+    if check_engines:
+        pkg.check_engines()
     pkg.check_embeddings()
     if check_plans:
         for p in pkg.read_plans().values():
@@ -658,6 +741,11 @@ def describe(pkg: Package) -> str:
     for e in m.plans:
         lines.append(f"          {e.bc:>4} {e.k:>3} {e.T:>4} {e.n_nodes:>4}  "
                      f"{str(list(e.static_counts)):<14} {e.dynamic_shapes:>14}")
+    for e in m.engines:
+        names = ", ".join(p.name for p in e.profiles)
+        lines.append(f"engine    {e.file}, {_size(e.bytes)}: TensorRT {e.tensorrt_version} on "
+                     f"{e.gpu} (sm {e.compute_capability}), {len(e.profiles)} profiles "
+                     f"({names})")
     weights = pkg.weight_bytes()
     lines += ["", f"memory    weights {_size(weights)} ({m.dtype}, on disk)"]
     for dt in NP_DTYPES:

@@ -96,6 +96,23 @@ def test_device_cache_path_matches_host_cache(stories_case, stories_pkg):
     assert run(on_device, prompts[:2], drafter="none") == want[:2]
 
 
+def test_fixed_buffer_session_matches_transformers(stories_case, stories_pkg):
+    # the CUDA-graph session (GraphSession: every input and output at a fixed address per
+    # block shape, the past always the whole cache with past_len masking the unused rows),
+    # run here uncaptured on CPU memory; the cache starts zeroed, so masked rows are finite
+    from edgemtp.runtimes.onnxrt_backend import GraphSession
+
+    _, prompts, want = stories_case
+    backend = OrtBackend(stories_pkg, threads=1, device_cache=True)
+    assert not backend.cuda_graphs and backend.past_len  # CPU: asked only for CUDA
+    for opts in (dict(bc=30), dict(drafter="hybrid", bc=30), dict(drafter="none")):
+        config = GenerationConfig(max_new_tokens=128, **opts)
+        for ids, ref in zip(prompts[:3], want[:3]):
+            session = GraphSession(backend)
+            assert Generation(backend, config, ids, session=session).run().token_ids == ref
+            assert len(session._shapes) <= 6  # (T, k) shapes: prefill, the plans', T = 1
+
+
 def test_public_binding_path_gives_the_same_tokens(stories_case, stories_pkg):
     # the backend binds through onnxruntime's C++ binding where it can (faster per step);
     # the public IOBinding methods must give exactly the same generations

@@ -1,0 +1,303 @@
+"""TensorRT engines for a package: the optimisation profiles they need (planned from the
+manifest alone, numpy-free and testable anywhere) and the builder (TensorRT's Python API,
+imported only when an engine is built).
+
+One engine per GPU architecture and TensorRT version holds every profile of the package::
+
+    profile        T (block rows)          P (cached rows)          k (mask tokens)
+    prefill        1 .. ctx                0                        1 .. k_max
+    decode         1                       1 .. ctx - 1             1 .. k_max
+    block T=20     20                      1 .. ctx - 20            1 .. k_max    one per plan size
+    blocks         1 .. ctx - 1            1 .. ctx - 1             1 .. k_max    any other block
+
+(ctx = the package's max context.) A step runs on the covering profile with the narrowest T
+range (:func:`select_profile`): a plan's own size, plain decoding, the prompt (the only one
+with an empty cache: TensorRT supports empty tensors, so ``past_*`` of shape [1, 0, H, D] is
+a valid input) or, for blocks no plan has (prompt-lookup chains, lookahead windows), the
+catch-all. One engine rather than one per size: profiles share the weights, so the engine
+holds them once (one per size would hold them once per size, which an 8 GB Jetson cannot
+afford for a 1B model); a session switches profiles with one call when T changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from edgemtp.errors import BackendUnavailableError, EdgeMTPError, ModelLoadError
+from edgemtp.runtimes.package import (ENGINES, MANIFEST, EngineInfo, EngineProfile, Manifest,
+                                      PAST_LEN, Package, _plain, _sha256, kv_names,
+                                      load_package)
+
+TYPICAL_PAST = 512    # the opt of P: a prompt and a few hundred generated tokens
+TYPICAL_PROMPT = 128  # the opt of T for prefill
+WORKSPACE_GIB = 2.0   # builder scratch memory (tactics needing more are skipped)
+INSTALL = ("on JetPack 6: sudo apt install python3-libnvinfer; on a desktop: "
+           "pip install tensorrt")
+
+
+class EngineBuildError(EdgeMTPError):
+    """TensorRT could not parse the graph or build an engine."""
+
+
+def import_tensorrt(who: str = "backend 'tensorrt'"):
+    """The ``tensorrt`` module, or one line saying how to install it."""
+    try:
+        import tensorrt
+    except ModuleNotFoundError:
+        raise BackendUnavailableError(f"{who} needs the Python package 'tensorrt' "
+                                      f"({INSTALL})") from None
+    return tensorrt
+
+
+# -- the profile plan -------------------------------------------------------------------------
+
+
+def plan_profiles(meta: Manifest) -> tuple[EngineProfile, ...]:
+    """The optimisation profiles an engine for this package needs (see the module docstring).
+
+    >>> from types import SimpleNamespace as S
+    >>> m = S(max_context=256, plans=[S(T=8, k=1), S(T=20, k=1), S(T=21, k=2)])
+    >>> [(p.name, p.T, p.P) for p in plan_profiles(m)][:3]
+    [('prefill', (1, 128, 256), (0, 0, 0)), ('decode', (1, 1, 1), (1, 255, 255)), \
+('block T=8', (8, 8, 8), (1, 248, 248))]
+    >>> [p.name for p in plan_profiles(m)][3:]
+    ['block T=20', 'block T=21', 'blocks']
+    """
+    ctx, plans = meta.max_context, meta.plans
+    k_max = max(p.k for p in plans)
+    ks = (1, k_max, k_max)
+    sizes = sorted({p.T for p in plans if p.T < ctx})
+
+    def past(t: int) -> tuple[int, int, int]:
+        return 1, min(TYPICAL_PAST, ctx - t), ctx - t
+
+    profiles = [EngineProfile(name="prefill", T=(1, min(TYPICAL_PROMPT, ctx), ctx), P=(0, 0, 0),
+                              k=ks),
+                EngineProfile(name="decode", T=(1, 1, 1), P=past(1), k=(1, 1, k_max))]
+    for t in sizes:
+        k_opt = max(p.k for p in plans if p.T == t)
+        profiles.append(EngineProfile(name=f"block T={t}", T=(t, t, t), P=past(t),
+                                      k=(1, k_opt, k_max)))
+    profiles.append(EngineProfile(name="blocks", T=(1, max(sizes, default=1), ctx - 1),
+                                  P=past(1), k=ks))
+    return tuple(profiles)
+
+
+def envelope(meta: Manifest) -> EngineProfile:
+    """One profile covering every step of a generation (for onnxruntime's TensorRT EP, whose
+    execution context stays on profile 0); P up to a full cache, as the EP had it before."""
+    ctx = meta.max_context
+    k_max = max(p.k for p in meta.plans)
+    return EngineProfile(name="all", T=(1, max(p.T for p in meta.plans), ctx),
+                         P=(0, min(TYPICAL_PAST, ctx - 1), ctx), k=(1, k_max, k_max))
+
+
+def select_profile(profiles, t: int, p: int, k: int) -> int:
+    """Index of the covering profile with the narrowest T range (a plan's own size first).
+
+    >>> from types import SimpleNamespace as S
+    >>> ps = plan_profiles(S(max_context=256, plans=[S(T=8, k=1)]))
+    >>> [ps[select_profile(ps, t, p, 1)].name for t, p in [(9, 0), (1, 9), (8, 9), (5, 9)]]
+    ['prefill', 'decode', 'block T=8', 'blocks']
+    """
+    covering = [(q.T[2] - q.T[0], i) for i, q in enumerate(profiles) if q.covers(t, p, k)]
+    if not covering:
+        raise ModelLoadError(f"no optimisation profile of the engine covers a block of T={t} "
+                             f"rows after P={p} cached rows with k={k} mask tokens; rebuild "
+                             f"the engine (edgemtp build-engine)")
+    return min(covering)[1]
+
+
+def input_shapes(meta: Manifest, profile: EngineProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Every graph input's (min, opt, max) shape under ``profile``, in the graph's order."""
+    d, kv = meta.hidden_size, (meta.num_kv_heads, meta.head_dim)
+    past = kv_names("past", meta.num_layers)
+
+    def at(i: int) -> dict[str, tuple[int, ...]]:
+        t, p, k = profile.T[i], profile.P[i], profile.k[i]
+        shapes = {"input_ids": (1, t), "position_ids": (1, t), "tree_mask": (1, 1, t, t),
+                  "mask_embeds": (k, d)}
+        shapes.update({name: (1, p, *kv) for name in past})
+        if PAST_LEN in meta.graph.inputs:  # format 2
+            shapes[PAST_LEN] = (1,)
+        return shapes
+
+    lo, opt, hi = at(0), at(1), at(2)
+    return {name: (lo[name], opt[name], hi[name]) for name in lo}
+
+
+# -- onnxruntime's TensorRT execution provider --------------------------------------------------
+
+
+def ort_profile_options(meta: Manifest, profiles=None) -> dict[str, str]:
+    """``trt_profile_{min,opt,max}_shapes`` for onnxruntime's TensorRT EP: ``name:1x8x...``
+    joined by commas, a name repeated once per profile (default: the :func:`envelope`)."""
+    profiles = profiles or [envelope(meta)]
+    out = {}
+    for i, key in enumerate(("min", "opt", "max")):
+        out[f"trt_profile_{key}_shapes"] = ",".join(
+            f"{name}:{'x'.join(str(n) for n in shapes[i])}"
+            for profile in profiles for name, shapes in input_shapes(meta, profile).items())
+    return out
+
+
+def ort_trt_options(pkg: Package) -> dict[str, str]:
+    """The TensorRT EP's provider options for a package: its profile, fp16 for an fp16
+    package, an engine and timing cache in the package's ``engines/`` (the EP names its files
+    ``TensorrtExecutionProvider_*``, apart from ours; the user's cache folder when the
+    package is read-only)."""
+    cache = pkg.root / ENGINES
+    if not os.access(pkg.root, os.W_OK):
+        cache = Path.home() / ".cache" / "edgemtp" / "ort_trt" / pkg.root.name
+    return {"trt_engine_cache_enable": "True", "trt_engine_cache_path": str(cache),
+            "trt_timing_cache_enable": "True", "trt_timing_cache_path": str(cache),
+            "trt_fp16_enable": str(pkg.meta.dtype == "fp16"),
+            **ort_profile_options(pkg.meta)}
+
+
+# -- the builder --------------------------------------------------------------------------------
+
+
+def engine_name(version: str, capability: str) -> str:
+    """Where the engine for one TensorRT version and GPU architecture lives in a package.
+
+    >>> engine_name("10.3.0", "8.7")
+    'engines/sm87_trt10.3.0.engine'
+    """
+    return f"{ENGINES}/sm{capability.replace('.', '')}_trt{version}.engine"
+
+
+def build_engine(package, *, workspace_gib: float = WORKSPACE_GIB,
+                 timing_cache: str | Path | None = None, progress: bool = True) -> EngineInfo:
+    """Build a TensorRT engine from the package's ``model.onnx`` for this machine's GPU,
+    write it under ``engines/`` and list it in the manifest (replacing an engine for the same
+    GPU architecture and TensorRT version). The network is strongly typed: its precision is
+    the graph's (an fp16 package gives an fp16 engine, no builder precision flags). The
+    timing cache (default: beside the engine) is read first and saved after, so a rebuild
+    skips the kernel timing already done."""
+    from edgemtp.runtimes.trt_backend import cuda_device
+
+    trt = import_tensorrt("building a TensorRT engine")
+    pkg = package if isinstance(package, Package) else load_package(package, check_plans=False,
+                                                                    check_engines=False)
+    gpu, capability = cuda_device()
+    version = trt.__version__
+    name = engine_name(version, capability)
+    cache_path = Path(timing_cache) if timing_cache else pkg.root / name.replace(".engine",
+                                                                                  ".timing")
+    profiles = plan_profiles(pkg.meta)
+    serialized, cache_bytes = _build(trt, pkg, profiles, workspace_gib, cache_path, progress)
+    partial = pkg.root / ENGINES / f".partial-{os.getpid()}"
+    partial.mkdir(parents=True, exist_ok=True)
+    try:  # written aside, then renamed: a build that dies never leaves a complete-looking file
+        (partial / "engine").write_bytes(serialized)
+        (partial / "timing").write_bytes(cache_bytes)
+        info = EngineInfo(file=name, bytes=(partial / "engine").stat().st_size,
+                          sha256=_sha256(partial / "engine"), tensorrt_version=version, gpu=gpu,
+                          compute_capability=capability, max_context=pkg.meta.max_context,
+                          profiles=profiles, built=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                          timing_cache=_inside(pkg.root, cache_path))
+        os.replace(partial / "engine", pkg.root / name)
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(partial / "timing", cache_path)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    _list_engine(pkg.root, info)
+    return info
+
+
+def _inside(root: Path, path: Path) -> str | None:
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return None
+
+
+def _build(trt, pkg: Package, profiles, workspace_gib: float, cache_path: Path,
+           progress: bool) -> tuple[bytes, bytes]:
+    logger = _logger(trt)
+    builder = trt.Builder(logger)
+    # TensorRT 10.x: STRONGLY_TYPED is opt-in (EXPLICIT_BATCH is the default and deprecated);
+    # 11: always on, the flag kept and ignored
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    network = builder.create_network(0 if flag is None else 1 << int(flag))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(pkg.graph_path)):  # reads external weights beside it
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)] or ["no detail"]
+        raise EngineBuildError(f"TensorRT {trt.__version__} cannot parse "
+                               f"{str(pkg.graph_path)!r}: {errors[0].strip().splitlines()[0]}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * 2**30))
+    cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+    if not config.set_timing_cache(cache, False):  # another device's cache: start afresh
+        config.set_timing_cache(config.create_timing_cache(b""), False)
+    for profile in profiles:
+        shapes = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in input_shapes(pkg.meta, profile).items():
+            shapes.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(shapes)
+    monitor = _progress_monitor(trt) if progress and hasattr(trt, "IProgressMonitor") else None
+    if monitor is not None:
+        config.progress_monitor = monitor
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise EngineBuildError(f"TensorRT {trt.__version__} could not build an engine from "
+                               f"{str(pkg.graph_path)!r} (its log above says why; a larger "
+                               f"--workspace may help)")
+    return bytes(memoryview(serialized)), bytes(memoryview(config.get_timing_cache().serialize()))
+
+
+_LOGGERS: dict = {}
+
+
+def _logger(trt):
+    # TensorRT wants one logger per process
+    if "trt" not in _LOGGERS:
+        _LOGGERS["trt"] = trt.Logger(trt.Logger.WARNING)
+    return _LOGGERS["trt"]
+
+
+def _progress_monitor(trt):
+    """A tqdm bar per top-level build phase (TensorRT >= 10.0's IProgressMonitor)."""
+    from tqdm import tqdm
+
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self.bars: dict[str, tqdm] = {}
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            if parent_phase is None:  # nested phases would flicker
+                self.bars[phase_name] = tqdm(total=num_steps, desc=phase_name, leave=False)
+
+        def step_complete(self, phase_name, step):
+            if phase_name in self.bars:
+                self.bars[phase_name].update(1)
+            return True  # False would cancel the build
+
+        def phase_finish(self, phase_name):
+            bar = self.bars.pop(phase_name, None)
+            if bar is not None:
+                bar.close()
+
+    return Monitor()
+
+
+def _list_engine(root: Path, info: EngineInfo) -> None:
+    """Add ``info`` to the manifest's ``engines`` (replacing one with the same file, and
+    dropping entries whose file is gone), written to a temporary file and renamed over the
+    manifest, then loaded back to check it."""
+    path = root / MANIFEST
+    raw = json.loads(path.read_text())
+    engines = [e for e in raw.get("engines", []) if e.get("file") != info.file
+               and (root / str(e.get("file"))).is_file()]
+    raw["engines"] = engines + [_plain(info)]
+    tmp = root / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(raw, indent=2) + "\n")
+    os.replace(tmp, path)
+    load_package(root, check_plans=False)
+
