@@ -45,20 +45,21 @@ METHODS = ([("greedy", dict(drafter="none")), ("auto before BC<=60", dict(drafte
             ("auto BC<=60", dict(drafter="auto", bc=60))] + FIXED)
 
 
-def register_before(rev: str) -> None:
-    """The ``auto`` drafter of git revision ``rev``, registered as ``auto-before`` (this
-    process only), so old and new run interleaved in one sitting."""
+def register_before(rev: str, name: str = "auto-before") -> None:
+    """The ``auto`` drafter of git revision ``rev``, registered as ``name`` (this process
+    only), so old and new run interleaved in one sitting."""
     src = subprocess.run(["git", "show", f"{rev}:edgemtp/drafters/auto.py"], cwd=ROOT,
                          check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "auto_before.py"
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location("edgemtp.drafters.auto_before", path)
+    spec = importlib.util.spec_from_file_location(f"edgemtp.drafters.{name.replace('-', '_')}",
+                                                  path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     new = drafters.REGISTRY["auto"]
-    drafters.REGISTRY["auto-before"] = drafters.DrafterSpec(
-        "auto-before", f"auto at {rev}", module.AutoDrafter, new.budget)
+    drafters.REGISTRY[name] = drafters.DrafterSpec(name, f"auto at {rev}", module.AutoDrafter,
+                                                   new.budget)
 
 
 def measure(model, tasks: dict[str, list], methods, new_tokens: int, repeats: int) -> dict:
@@ -159,12 +160,16 @@ def main(argv=None) -> int:
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--smol-repeats", type=int, default=2)
     ap.add_argument("--before", default=BEFORE_REV)
+    ap.add_argument("--also", default="", help="a third auto, at this git revision, run too")
     ap.add_argument("--methods", default="", help="comma-separated labels (default: all)")
     ap.add_argument("--smol-methods", default="", help="the same for SmolLM2 (default: --methods)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "auto_cpu"))
     a = ap.parse_args(argv)
     register_before(a.before)
     methods = [m for m in METHODS if not a.methods or m[0] in a.methods.split(",")]
+    if a.also:
+        register_before(a.also, "auto-also")
+        methods.insert(2, (f"auto at {a.also} BC<=60", dict(drafter="auto-also", bc=60)))
     out = Path(a.out)
     old_json = out.with_suffix(".json")
     before = before_ratios(old_json)
@@ -176,6 +181,8 @@ def main(argv=None) -> int:
         model = Model.load(str(pkg), threads=a.threads)
         report["stories260K"] = measure(model, {"stories": story_prompts(a.prompts)}, methods,
                                         128, a.repeats)
+    if not a.smollm2 and "SmolLM2-135M fp32" in previous:  # not measured: the last run's kept
+        report["SmolLM2-135M fp32 (previous run)"] = previous["SmolLM2-135M fp32"]
     if a.smollm2:
         model = Model.load(a.smollm2, threads=a.threads)
         tasks = chat_turns(model, {k: v for k, v in prompt_sets(["spec_bench"], a.per_category).items()})
@@ -188,7 +195,8 @@ def main(argv=None) -> int:
              f"{a.before} (k = 1 probing and PLD chains only), run in the same process. "
              "`before: vs greedy` is the previous results file's ratio (issue 4, 1 thread). "
              "`draft us/step`: host time of propose + observe per decode step.", ""]
-    lines += table("stories260K (24 story prompts, 128 new tokens)", report["stories260K"], before)
+    lines += table(f"stories260K ({a.prompts} story prompts, 128 new tokens)",
+                   report["stories260K"], before)
     if "SmolLM2-135M fp32" in report:
         rows = report["SmolLM2-135M fp32"]
         lines += table(f"SmolLM2-135M-Instruct fp32 (Spec-Bench, {a.per_category} question(s) "

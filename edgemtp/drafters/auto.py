@@ -57,7 +57,7 @@ from ..plans import Plan
 from ..tree import prune, static_tree
 from .hybrid import HybridDrafter
 from .lookahead import LookaheadDrafter
-from .ngram_index import (MAX_NGRAM, P_EDGES, GrownTree, NgramIndex, chain_plan, grow,
+from .ngram_index import (MAX_NGRAM, P_EDGES, ContextModel, GrownTree, chain_plan, grow,
                           layout, tree_plan)
 from .probe import ProbeDrafter
 from .prompt_lookup import lookup
@@ -92,15 +92,43 @@ class WholeDrafter:
     def __init__(self, name: str, drafter, best: float, stats: dict) -> None:
         self.name, self.drafter, self.best, self.stats = name, drafter, best, stats
         self.bc = 0  # widest block it may use, set by the caller
+        # dormant: not weighed until step ``wake_at``; one that can catch up in bulk (LADE's
+        # pool, from the committed tokens) also stops observing while dormant
+        self.asleep, self.wake_at = True, 0
+        self.seen = 0  # committed tokens it has observed (it catches up from there when woken)
+        # upkeep: host seconds its observe takes per awake step, and the share of awake steps
+        # it runs; each step it runs is charged upkeep / share (a drafter kept current every
+        # step but picked once in 20 pays for 20 observes), so on a fast forward a drafter
+        # that seldom wins goes dormant and costs nothing, and on a slow one it stays
+        self.upkeep, self.share = 0.0, 0.25
+
+    def catch_up(self, tokens: list[int]) -> None:
+        if len(tokens) > self.seen:
+            self.drafter.catch_up(tokens[self.seen:])
+            self.seen = len(tokens)
+
+    def charge(self) -> float:
+        return self.upkeep / max(self.share, 0.02)
+
+    def kept(self, seconds: float, ran: bool) -> None:
+        """An awake step: its observe took ``seconds``; ``ran``: its own step."""
+        self.upkeep += 0.1 * (seconds - self.upkeep)
+        self.share += 0.05 * (float(ran) - self.share)
 
     def feature(self, root: int) -> int:
         d = self.drafter
         if isinstance(d, LookaheadDrafter):  # guesses to verify, or only the window
             return int(bool(d.pool.get(root)))
         if isinstance(d, HybridDrafter):
-            tail = tuple(d.context.tokens[-MAX_NGRAM:])
-            return 2 * int(d.has_mask_guesses) + int(d.context.next_tokens(tail).n > 0)
+            index = d.context.index
+            return 2 * int(d.has_mask_guesses) + int(index.match(index.tokens)[0] > 0)
         return 0
+
+    def hope(self, f: int, cost: float) -> float:
+        """The optimistic rate of feature ``f`` at this cost: its mean raised towards ``best``
+        while it has run few steps."""
+        e, _, n = self.estimate(f)
+        return (e + (self.best - e) / sqrt(1.0 + n)) / cost
 
     def estimate(self, feature: int) -> list[float]:
         # a drafter not yet run: one token a step (no gain) at its full width
@@ -123,7 +151,10 @@ class AutoDrafter:
     decay = 0.98  # weight of a lookup chain's record per newer chain of its n-gram length
     host_ema = 0.1     # weight of the newest step in the host-time estimates
     refresh = 8        # steps between recomputations of the lookup-chain rate table
-    stand_every = 4    # steps between STAND trees while they lose (grown each step they win)
+    stand_every = 4    # steps between STAND trees while they lose (grown each step they win),
+    stand_max = 64     # doubled after every losing tree up to this
+    stand_record = 16  # the stored distributions are recorded while STAND trees come this often
+    sleep_steps = 32   # steps a dormant whole drafter stays unweighed between checks
 
     def __init__(self, backend: Backend, config: GenerationConfig,
                  memory: dict | None = None) -> None:
@@ -138,6 +169,7 @@ class AutoDrafter:
         self.hybrid = next((w.drafter for w in self.wholes if w.name.startswith("hybrid")),
                            None)
         self.k2 = [w for w in self.wholes if w.name.startswith("probe k=2")]
+        self.hybrids = [w for w in self.wholes if w.name.startswith("hybrid")]
         if self.k2:
             self.mask_tokens = 2  # prefill carries 2 masks: a k = 2 plan may run first
         # a sparse grid (interpolated between): powers of two up to the budget, and the budget
@@ -155,7 +187,9 @@ class AutoDrafter:
         self.rank_hits = memory.setdefault(("auto-ranks", self.width),
                                            {"hits": np.zeros(self.width), "steps": 4.0})
         # every step asks for the candidates any source reads (stored distributions too)
-        self.topk = max([self.width, *(w.drafter.topk for w in self.wholes)])
+        # (prefill and steps with masks or a whole drafter; a step without either asks only
+        # for what the stored distributions keep, or nothing while no one reads them)
+        self.topk_max = self.topk = max([self.width, *(w.drafter.topk for w in self.wholes)])
         self.prune = config.prune
         self._lat = np.array([self.latency(max(t, 1)) for t in range(max(config.bc, 4) + 1)])
         # mask-only steps only where probing could ever pay: even a sure accept doubles the
@@ -180,12 +214,20 @@ class AutoDrafter:
             "hits": np.array([(a + b) / 4 * 4.0 for a, b in zip(edges, edges[1:])]),
             "seen": np.full(len(edges) - 1, 4.0)})
         self.stand_nodes = min(config.bc, STAND_NODES) if self.hybrid is not None else 0
+        # steps until the next STAND tree while they lose, kept across generations
+        self._stand_gap = memory.setdefault("auto-stand-gap", {"gap": self.stand_every})
         # host seconds per step beyond t(T), per kind of step ("plain", "probe", "pld",
         # "stand", or a whole drafter's name): binding new shapes and drafting
         self.host = memory.setdefault("auto-host-by-kind", {})
+        self._host_max = max(self.host.values(), default=0.0)
+        self._host_plain = self.host.get("plain", 0.0)
         self._t_step: float | None = None
         self._last: tuple[str, int] = ("plain", 1)  # kind and T of the last step
-        self.index = NgramIndex()
+        # the committed context, kept once for lookup chains, STAND trees and both hybrids
+        # (its stored distributions only where a hybrid reads them)
+        self._dists = self.hybrid is not None
+        self.context = ContextModel(self.hybrid.topk if self._dists else 1, MAX_NGRAM)
+        self.index = self.context.index
         self._chains: list[tuple[int, int, list[int]]] = []  # (position, n, chain) to score
         self._trees: list[tuple[int, GrownTree]] = []  # (position, STAND tree) to score
         self._chain: list[int] = []
@@ -221,18 +263,23 @@ class AutoDrafter:
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)
-        self.index.extend(prompt_ids)
+        self.context = ContextModel(self.context.dists.k, MAX_NGRAM)
+        self.context.extend(prompt_ids)
+        self.index = self.context.index
+        self.topk, self._record = self.topk_max, self._dists
         for w in self.wholes:
+            if isinstance(w.drafter, HybridDrafter):
+                w.drafter.shared = self.context
             w.drafter.start(prompt_ids)
+            w.asleep, w.wake_at, w.seen = True, 0, len(prompt_ids)
         self._t_step = None
         self._embeds_from = self.k2[0].drafter if self.k2 else self.embeds
 
     def _host(self, kind: str) -> float:
         # a step's host time beyond its forward: measured per kind, a kind not measured yet
         # charged the dearest one seen, and never less than a plain step's
-        h = self.host
-        mine = h.get(kind)
-        return max(h.get("plain", 0.0), max(h.values(), default=0.0) if mine is None else mine)
+        mine = self.host.get(kind)
+        return max(self._host_plain, self._host_max if mine is None else mine)
 
     def _lat_at(self, t: float) -> float:
         return self._lat[min(max(int(round(t)), 1), len(self._lat) - 1)]
@@ -268,11 +315,13 @@ class AutoDrafter:
     def _stand(self, root: int, best: tuple, best_rate: float) -> tuple[tuple, float]:
         """A STAND tree from the stored distributions, its best prefix if that beats
         ``best``; grown every step while it wins, every ``stand_every`` steps while not."""
-        cm = self.hybrid.context  # the hybrid keeps the model's stored distributions
+        cm = self.context
         tail = tuple(cm.tokens[-MAX_NGRAM:])
         self._stand_next = self._steps + self.stand_every
-        if cm.next_tokens(tail).n == 0:
+        if not cm.index.match(tail)[1]:
             return best, best_rate
+        gap = self._stand_gap["gap"]  # a losing tree waits longer each time
+        self._stand_next, self._stand_gap["gap"] = self._steps + gap, min(2 * gap, self.stand_max)
         tree = grow(GrownTree(root, tail, MAX_NGRAM),
                     lambda t, v: cm.next_tokens(t.tails[v]).guesses, self.stand_nodes, MAX_DEPTH)
         if len(tree) < 2:
@@ -284,30 +333,53 @@ class AutoDrafter:
         i = int(rates.argmax())
         if rates[i] <= best_rate:
             return best, best_rate
-        self._stand_next = self._steps + 1
+        self._stand_next, self._stand_gap["gap"] = self._steps + 1, self.stand_every
         return ("stand", (tree, i + 2)), float(rates[i])
 
     def _whole_or(self, root: int, best: tuple, best_rate: float) -> tuple:
         """The whole drafter with the best expected rate if it beats ``best``; else, once
-        every ``try_every`` steps, one whose optimistic estimate could."""
+        every ``try_every`` steps, one whose optimistic estimate could.
+
+        One whose optimistic estimate for any feature cannot beat ``best`` goes dormant for
+        ``sleep_steps`` steps: not weighed, not observing, caught up in bulk when it wakes
+        (the context they read is auto's own), so drafters that cannot win cost the host
+        nothing."""
         hope = None
         trying = self._steps - self._tried >= self.try_every
         for w in self.wholes:
             if w in self.k2 and not self._k2_ready:
                 continue  # a k = 2 plan needs the last step's 2 masks
+            if w.asleep:
+                if self._steps < w.wake_at:
+                    continue
+                if self._ceiling(w) <= best_rate:
+                    w.wake_at = self._steps + self.sleep_steps
+                    continue
+                w.asleep = False
+                w.catch_up(self.index.tokens)
             f = w.feature(root)
             e, t, n = w.estimate(f)
-            cost = self._lat_at(t) + self._host(w.name)
+            cost = self._lat_at(t) + self._host(w.name) + w.charge()
             if e / cost > best_rate:
                 best, best_rate = (w, f), e / cost
-            elif trying:  # the least tried of those that could still win
-                rate = (e + (w.best - e) / sqrt(1.0 + n)) / cost
-                if rate > best_rate and (hope is None or (n, -rate) < hope[0]):
-                    hope = ((n, -rate), w, f)
+                continue
+            rate = w.hope(f, cost)
+            if rate > best_rate:
+                if trying and (hope is None or (n, -rate) < hope[0]):
+                    hope = ((n, -rate), w, f)  # the least tried of those that could win
+            elif self._ceiling(w) <= best_rate:
+                w.asleep, w.wake_at = True, self._steps + self.sleep_steps
         if hope is not None and not isinstance(best[0], WholeDrafter):
             self._tried = self._steps
             return hope[1:]
         return best
+
+    def _ceiling(self, w: WholeDrafter) -> float:
+        # the best optimistic rate of any feature w has run with (its prior if none has): a
+        # feature never run stays hopeful, but only tries it when it comes up keep w awake
+        host = self._host(w.name) + w.charge()
+        ran = [(f, s) for f, s in w.stats.items() if s[2] > 0] or [(0, w.estimate(0))]
+        return max(w.hope(f, self._lat_at(s[1]) + host) for f, s in ran)
 
     def _chain_rates(self, spec_s: float) -> list[list[tuple[int, float]]]:
         """Per matched n-gram length and chain length L: the best prefix length and its
@@ -335,6 +407,7 @@ class AutoDrafter:
                         + self._lat[1])
             h = self.host.get(kind)
             self.host[kind] = extra if h is None else h + self.host_ema * (extra - h)
+            self._host_max, self._host_plain = max(self.host.values()), self.host.get("plain", 0.0)
         self._t_step = now
         # the index holds the context up to the root: a chain guesses what follows it
         self._chain_n, self._chain = lookup(self.index, self.n_chain)
@@ -342,6 +415,13 @@ class AutoDrafter:
             self._chains.append((len(self.index.tokens), self._chain_n, self._chain))
         kind, arg = self.choose(root)
         plan, tokens = self._draft(kind, arg, root)
+        # the stored distributions are recorded while a hybrid is awake or STAND trees are
+        # still grown often; else the positions are left empty and plain steps ask for no top-K
+        self._record = self._dists and (
+            self._stand_gap["gap"] <= self.stand_record
+            or any(not w.asleep for w in self.hybrids))
+        self.topk = (self.topk_max if plan.k or self._whole is not None
+                     else self.context.dists.k if self._record else 0)
         name = kind.name if isinstance(kind, WholeDrafter) else kind
         self._last = (name, plan.bc)
         self.choices[plan.bc] = self.choices.get(plan.bc, 0) + 1
@@ -389,14 +469,28 @@ class AutoDrafter:
         first = mask_rows[:1]  # depth 1 of a k = 2 step is what a k = 1 plan reads
         self._cand = (out.topk_ids[first], out.topk_logprobs[first]) if len(first) else None
         self._k2_ready = len(mask_rows) == 2
+        ran = None
         if self._whole is not None:
-            w, f = self._whole
-            w.record(f, len(new_tokens), self._last[1])
+            ran, f = self._whole
+            ran.record(f, len(new_tokens), self._last[1])
             self._whole = None
-        for w in self.wholes:  # every drafter sees every step: pools and contexts stay current
-            w.drafter.observe(out, mask_rows, new_tokens, path_rows)
         self.embeds.update(new_tokens)
-        self.index.extend(new_tokens)
+        if self._record:  # the model's top-K at the positions just committed, for STAND / hybrid
+            self.context.extend(new_tokens, out.topk_ids, out.topk_logprobs, path_rows)
+        else:
+            if self._dists:
+                self.context.dists.skip(len(path_rows))
+            self.context.extend(new_tokens)
+        tokens, k2_step = self.index.tokens, len(mask_rows) == 2
+        for w in self.wholes:  # every awake drafter sees every step; a dormant one catches up
+            if w.asleep and not (k2_step and w in self.k2):  # (k = 2: 2 masks' candidates)
+                continue
+            t0 = time.perf_counter()
+            w.catch_up(tokens[:len(tokens) - len(new_tokens)])
+            w.drafter.observe(out, mask_rows, new_tokens, path_rows)
+            w.seen = len(tokens)
+            if not w.asleep:
+                w.kept(time.perf_counter() - t0, w is ran)
         self._score_chains()
         self._score_trees()
 

@@ -141,6 +141,9 @@ class HybridDrafter:
         fresh = HitRates(max_ngram, self.topk, jacobi=0 if window is None else window[0])
         self.rates = fresh if memory is None else memory.setdefault(key, fresh)
         self.context = ContextModel(self.topk, max_ngram)
+        # a context someone else keeps current (auto: one for both hybrids, its STAND trees
+        # and lookup chains); set before ``start``, it is neither rebuilt nor extended here
+        self.shared: ContextModel | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -152,8 +155,11 @@ class HybridDrafter:
         self._plan: Plan | None = None
 
     def start(self, prompt_ids: np.ndarray) -> None:
-        self.context = ContextModel(self.topk, self.max_ngram)
-        self.context.extend(prompt_ids)
+        if self.shared is not None:
+            self.context = self.shared
+        else:
+            self.context = ContextModel(self.topk, self.max_ngram)
+            self.context.extend(prompt_ids)
         self.embeds.start(prompt_ids)
         if self.jacobi is not None:
             self.jacobi.start(prompt_ids)
@@ -204,8 +210,16 @@ class HybridDrafter:
             k = self.topk  # a step may carry more candidates than ours (auto asks for more)
             self._cand = (out.topk_ids[mask_rows, :k].tolist(),
                           np.exp(out.topk_logprobs[mask_rows, :k]).tolist())
-        self.context.extend(new_tokens, out.topk_ids[path_rows], out.topk_logprobs[path_rows])
+        if self.shared is None:
+            self.context.extend(new_tokens, out.topk_ids[path_rows],
+                                out.topk_logprobs[path_rows])
         self.embeds.update(new_tokens)
+
+    def catch_up(self, tokens) -> None:
+        """Tokens committed while not observing (auto's dormant drafters; the shared context
+        has them): fold them into the mask embeddings in bulk; no mask candidates are left."""
+        self.embeds.update(tokens)
+        self._cand, self._tree = None, None
 
     def _children(self, tree: GrownTree, node: int, j: int | None,
                   rates: list[float] | None) -> list[tuple[int, float]]:

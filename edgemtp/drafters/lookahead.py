@@ -254,6 +254,11 @@ class LookaheadDrafter:
         if self._plan is not None:  # a step (not prefill): the window's n-grams, then move
             self.jacobi.advance(self._plan, out.argmax)
             self._plan = None
+        self.catch_up(new_tokens)
+
+    def catch_up(self, tokens) -> None:
+        """Commit tokens and pool their n-grams, without a step's outputs: one call may
+        bring many (auto's dormant drafters catch up in bulk when woken)."""
         start = len(self.history) - self.n + 1
-        self.history.extend(new_tokens)
+        self.history.extend(tokens)
         self.pool.add_sequence(self.history, self.n, first=max(start, 0))

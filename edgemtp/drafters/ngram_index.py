@@ -99,16 +99,32 @@ class StoredDistributions:
         self.ids = np.zeros((256, k), dtype=np.int64)
         self.probs = np.zeros((256, k), dtype=np.float32)
 
-    def append(self, ids: np.ndarray, logprobs: np.ndarray) -> None:
-        # ids / logprobs: [n, >= K], the top-K of n newly committed positions
-        n = len(ids)
+    def append(self, ids: np.ndarray, logprobs: np.ndarray, rows=None) -> None:
+        # ids / logprobs: [n, >= K], the top-K of n newly committed positions (or of the
+        # block's ``rows``, taken here in one indexing)
+        n = len(ids) if rows is None else len(rows)
+        self._room(n)
+        k, s = self.k, slice(self.size, self.size + n)
+        if rows is None:
+            self.ids[s], self.probs[s] = ids[:, :k], logprobs[:, :k]
+        else:
+            self.ids[s], self.probs[s] = ids[rows, :k], logprobs[rows, :k]
+        np.exp(self.probs[s], out=self.probs[s])
+        self.size += n
+
+    def skip(self, n: int) -> None:
+        """``n`` positions whose distributions were not asked for: left empty (all-zero
+        probabilities, no guesses), at no cost."""
+        self._room(n)
+        self.size += n
+
+    def _room(self, n: int) -> None:
+        # grow by doubling; rows never written stay zero
         if self.size + n > len(self.ids):
             cap = max(2 * len(self.ids), self.size + n)
-            self.ids = np.resize(self.ids, (cap, self.k))
-            self.probs = np.resize(self.probs, (cap, self.k))
-        self.ids[self.size:self.size + n] = ids[:, :self.k]
-        self.probs[self.size:self.size + n] = np.exp(logprobs[:, :self.k])
-        self.size += n
+            ids, probs = np.zeros((cap, self.k), np.int64), np.zeros((cap, self.k), np.float32)
+            ids[:self.size], probs[:self.size] = self.ids[:self.size], self.probs[:self.size]
+            self.ids, self.probs = ids, probs
 
     def mixture(self, positions: list[int]) -> list[tuple[int, float]]:
         """The average distribution over these positions, as ``(token, probability)``."""
@@ -116,7 +132,8 @@ class StoredDistributions:
         w = 1.0 / len(positions)
         for t, q in zip(self.ids[positions].ravel().tolist(),
                         self.probs[positions].ravel().tolist()):
-            out[t] = out.get(t, 0.0) + w * q
+            if q > 0.0:  # (a skipped position's are all 0)
+                out[t] = out.get(t, 0.0) + w * q
         return list(out.items())
 
 
@@ -155,11 +172,11 @@ class ContextModel:
         return self.index.tokens
 
     def extend(self, tokens, ids: np.ndarray | None = None,
-               logprobs: np.ndarray | None = None) -> None:
+               logprobs: np.ndarray | None = None, rows=None) -> None:
         """Commit tokens, with the model's top-K at the positions that just became known
-        (all but the newest token's)."""
+        (all but the newest token's; ``rows``: those rows of ``ids`` / ``logprobs``)."""
         if ids is not None:
-            self.dists.append(ids, logprobs)
+            self.dists.append(ids, logprobs, rows)
         self.index.extend(tokens)
         assert self.dists.size in (0, len(self.index.tokens) - 1)
 
@@ -171,6 +188,9 @@ class ContextModel:
         hit = self._memo.get(key)
         if hit is None:
             guesses = sorted(self.dists.mixture(ends[-STAND_OCCURRENCES:]), key=lambda g: -g[1])
+            if not guesses:  # only skipped positions (auto recorded no distributions there)
+                hit = self._memo[key] = NO_MATCH
+                return hit
             hit = self._memo[key] = Lookup(n, guesses, [bisect_right(P_EDGES, p)
                                                         for _, p in guesses],
                                            self.index.tokens[ends[-1] + 1])

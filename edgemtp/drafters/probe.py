@@ -75,3 +75,9 @@ class ProbeDrafter:
             self._pools = None
         self._cand = out.topk_ids[mask_rows], out.topk_logprobs[mask_rows]
         self.embeds.update(new_tokens)
+
+    def catch_up(self, tokens) -> None:
+        """Tokens committed while not observing (auto's dormant drafters): folded into the
+        mask embeddings in bulk; no candidates are left until a step with masks."""
+        self.embeds.update(tokens)
+        self._cand, self._pools = None, None
