@@ -52,7 +52,16 @@ class ExportTreeDecoder(TreeDecoder):
       the whole cache ``g`` times per layer per step;
     - reshapes with ``-1`` instead of traced sizes (no Shape/Gather/Concat chains);
     - an additive mask applied in float32, instead of SDPA's decomposition (IsNaN guards).
+
+    ``softmax_dtype`` float64 (int4/int8 exports): the softmax of each row runs in float64 and
+    is rounded back. ONNX Runtime's float32 softmax sums its row in SIMD lanes chosen by
+    column index, and the columns are ``P + T``: a row alone and the same row inside a block
+    of T sum in different orders, and int8 activations (MatMulNBits accuracy level 4) turn
+    that last bit into logit differences of ~1. In float64 the rounded sums agree, so every
+    row's logits are bitwise the same at any T (``bench/results/quant_cpu.md``).
     """
+
+    softmax_dtype: torch.dtype | None = None  # None: float32
 
     def _attention(self, layer, x, cos, sin, mask, past_k, past_v):
         # x: [1, T, d]; mask: [1, 1, T, S] bool with S = P + T; past_k/v: [1, P, H_kv, D]
@@ -70,7 +79,10 @@ class ExportTreeDecoder(TreeDecoder):
         # query head h = kv * g + j reads KV head kv (as repeat_interleave): rows j * T + t
         bias = torch.where(mask, 0.0, float("-inf")).repeat(1, 1, g, 1)  # [1, 1, g*T, S]
         scores = torch.matmul(q.reshape(1, self.n_kv, -1, hd), keys).float()
-        probs = torch.softmax(scores * attn.scaling + bias, dim=-1).to(values.dtype)
+        logits = scores * attn.scaling + bias
+        if self.softmax_dtype is not None:
+            logits = logits.to(self.softmax_dtype)
+        probs = torch.softmax(logits, dim=-1).to(values.dtype)
         out = torch.matmul(probs, values).reshape(1, self.n_heads, -1, hd)
         out = attn.o_proj(out.transpose(1, 2).reshape(1, -1, self.n_heads * hd))
         return out, k_new, v

@@ -238,8 +238,10 @@ class OrtBackend:
         if device_cache if device_cache is not None else device != "cpu":
             self.commit_graph = self._session(ort, device, threads, pkg.root / COMMIT,
                                               graph="commit")
-        # a plain ndarray over the memory map: indexing a np.memmap costs a subclass wrap
-        self._table = np.asarray(np.load(pkg.root / m["embeddings"]["file"], mmap_mode="r"))
+        self._table = pkg.embedding_table()  # memory-mapped; block-quantized rows de-quantized
+        # int4 kernels take another path for one row than for a block: such a package runs a
+        # one-row forward as two rows, so plain decoding computes what verification does
+        self.min_rows = pkg.weights.min_rows
         self._stats = (np.asarray(m["embeddings"]["mu"], dtype=np.float32),
                        np.asarray(m["embeddings"]["sigma"], dtype=np.float32))
 
@@ -249,8 +251,7 @@ class OrtBackend:
     def embed(self, token_ids) -> np.ndarray:
         ids = token_ids if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int64 \
             else np.asarray(token_ids, dtype=np.int64)
-        rows = self._table[ids]  # fancy indexing: a fresh array, the caller's to keep
-        return rows if rows.dtype == np.float32 else rows.astype(np.float32)
+        return self._table.rows(ids)  # a fresh float32 array, the caller's to keep
 
     def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
         return self._stats
@@ -340,6 +341,13 @@ class OrtBackend:
                                      f"{got}, the manifest implies {dims}")
 
 
+def _pad_rows(input_ids, position_ids, rows: int):
+    """A one-row block as ``rows`` rows: copies of the row, each attending to itself only."""
+    ids = np.repeat(np.asarray(input_ids, dtype=np.int64)[:1], rows)
+    pos = np.repeat(np.asarray(position_ids, dtype=np.int64)[:1], rows)
+    return ids, pos, np.eye(rows, dtype=np.bool_)
+
+
 class OrtSession:
     """One generation on an :class:`OrtBackend`: its KV cache (host or device memory), its
     own IOBinding and the input/output buffers bound to it."""
@@ -391,9 +399,11 @@ class OrtSession:
         if hidden and not b.supports_hidden:
             raise ConfigError(f"the package {str(b.package.root)!r} does not export the last "
                               f"hidden states; re-export it with them to run learned heads")
-        p = self.cache_len
+        p, run_t = self.cache_len, max(t, b.min_rows)
+        if run_t > t:  # a throwaway copy of the row, seeing only itself; never committed
+            input_ids, position_ids, tree_mask = _pad_rows(input_ids, position_ids, run_t)
         self._past_len[0] = p  # before _feed: a device provider copies it when bound
-        self._feed(t, input_ids, position_ids, tree_mask, mask_embeds)
+        self._feed(run_t, input_ids, position_ids, tree_mask, mask_embeds)
         if b.past_len:  # the past is a bucket of the cache, rebound when the bucket changes
             width = min(-(-p // PAST_BUCKET) * PAST_BUCKET, self.kv.rows)
             if width != self._past_width:
@@ -401,8 +411,8 @@ class OrtSession:
                 self._past_width = width
         else:
             self.kv.bind_past(self._kv_bind, p)
-        if (t, topk > 0, full_logits, hidden) != self._outputs_for:
-            self._bind_outputs(t, topk > 0, full_logits, hidden)
+        if (run_t, topk > 0, full_logits, hidden) != self._outputs_for:
+            self._bind_outputs(run_t, topk > 0, full_logits, hidden)
         if (t, topk) != self._views_for:  # this block's rows of the output buffers
             self._views = (self._argmax[0, :t], self._top_ids[0, :t, :topk],
                            self._top_lp[0, :t, :topk])
