@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgemtp.runtimes.package import dequantize_rows
+from edgemtp.runtimes.host_table import dequantize_rows
 
 BLOCK_SIZE = 32
 
