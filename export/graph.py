@@ -53,12 +53,14 @@ class ExportTreeDecoder(TreeDecoder):
     - reshapes with ``-1`` instead of traced sizes (no Shape/Gather/Concat chains);
     - an additive mask applied in float32, instead of SDPA's decomposition (IsNaN guards).
 
-    ``softmax_dtype`` float64 (int4/int8 exports): the softmax of each row runs in float64 and
-    is rounded back. ONNX Runtime's float32 softmax sums its row in SIMD lanes chosen by
-    column index, and the columns are ``P + T``: a row alone and the same row inside a block
-    of T sum in different orders, and int8 activations (MatMulNBits accuracy level 4) turn
-    that last bit into logit differences of ~1. In float64 the rounded sums agree, so every
-    row's logits are bitwise the same at any T (``bench/results/quant_cpu.md``).
+    ``softmax_dtype`` float64 (int4/int8 exports): the softmax of each row and its product
+    with the values run in float64 and are rounded back. ONNX Runtime's float32 softmax sums
+    its row in SIMD lanes chosen by column index, and its GEMM sums ``probs @ values`` in
+    blocks of 256 columns: a row alone and the same row inside a block (its ancestors at
+    other columns, ``P + T`` columns in all) add the same numbers in different orders, and
+    int8 activations (MatMulNBits accuracy level 4) turn that last bit into logit
+    differences of ~1. In float64 the rounded results agree, so every row's logits are
+    bitwise the same at any T (``bench/results/quant_cpu.md``).
     """
 
     softmax_dtype: torch.dtype | None = None  # None: float32
@@ -80,10 +82,10 @@ class ExportTreeDecoder(TreeDecoder):
         bias = torch.where(mask, 0.0, float("-inf")).repeat(1, 1, g, 1)  # [1, 1, g*T, S]
         scores = torch.matmul(q.reshape(1, self.n_kv, -1, hd), keys).float()
         logits = scores * attn.scaling + bias
-        if self.softmax_dtype is not None:
-            logits = logits.to(self.softmax_dtype)
+        if self.softmax_dtype is not None:  # softmax and probs @ values, then rounded back
+            logits, values = logits.to(self.softmax_dtype), values.to(self.softmax_dtype)
         probs = torch.softmax(logits, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values).reshape(1, self.n_heads, -1, hd)
+        out = torch.matmul(probs, values).to(v.dtype).reshape(1, self.n_heads, -1, hd)
         out = attn.o_proj(out.transpose(1, 2).reshape(1, -1, self.n_heads * hd))
         return out, k_new, v
 
