@@ -12,12 +12,13 @@ lm_head's own blob through ``GatherBlockQuantized`` (the same bytes, viewed as
     h   --> MatMulNBits(blob, scales, zero_points)                   --> logits [1, T, V]
 
 Activations, the KV cache and the logits stay float32; the kernels quantize activations to
-int8 per block (``accuracy_level`` 4: about 3x faster than float32 activations on an AVX2
-CPU). Speculation is lossless only if a row's logits do not depend on the block it sits in;
+int8 per block (``accuracy_level`` 4: 2.7x faster than float32 activations at one row on an
+AVX2 CPU). Speculation is lossless only if a row's logits do not depend on the block it sits in;
 measured (``bench/results/quant_cpu.md``), each row against the same row alone:
 
-- the attention softmax summed in float32 depends on the row's column count: fixed by a
-  float64 softmax (``graph.ExportTreeDecoder.softmax_dtype``);
+- the attention's float32 softmax and ``probs @ values`` sum in orders that depend on the
+  row's column count and its ancestors' columns: fixed by running both in float64
+  (``graph.ExportTreeDecoder.softmax_dtype``);
 - int4 ``MatMulNBits`` take another kernel for one row than for two or more (every M >= 2
   agrees bitwise, M = 1 does not): the package says ``min_rows`` 2, and the runtime runs a
   one-row step (plain decoding) as two rows, the second a throwaway copy;
