@@ -296,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("model", help="Hugging Face model folder, llama.cpp .gguf file (or a folder "
                    "holding one), or hub id when online")
     e.add_argument("-o", "--output", required=True, help="package folder to write")
-    e.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"))
+    e.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "int4", "int8"),
+                   help="weights: fp32/fp16, or int4/int8 weight-only (MatMulNBits, blocks of "
+                        "32) with float32 activations")
     e.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
     e.add_argument("--bc", type=_int_list, default=(10, 30, 60),
