@@ -71,7 +71,8 @@ def command(a) -> int:
         load_dtype = None
         from edgemtp.export.onnx_export import export_package
 
-        run_path = str(Path(a.out) / Path(model_path).name)
+        run_path = str(Path(a.out) / (Path(model_path).name
+                                      + (f"-{export_dtype}" if a.chat else "")))
         if not (a.chat and is_package(run_path)):  # the chat model is exported once
             print(export_package(model_path, run_path, dtype=export_dtype,
                                  max_context=a.max_context or (2048 if a.chat else None),
