@@ -133,6 +133,7 @@ BENCH = ["bench", "--drafters", "probe,pld,auto", "--bc", "10,30", "--sets", "st
          "--no-hf-reference"]  # the reference has its own test below
 
 
+@pytest.mark.slow
 def test_bench_resumes_after_ctrl_c_without_measuring_kept_rows_again(stories_path, tmp_path):
     argv = [sys.executable, "-m", "edgemtp.cli", *BENCH, "--model", stories_path,
             "--out", str(tmp_path)]
