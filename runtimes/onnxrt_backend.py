@@ -26,7 +26,8 @@ import numpy as np
 
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
-from edgemtp.runtimes.package import COMMIT, FIXED_INPUTS, PAST_LEN, kv_names, load_package
+from edgemtp.runtimes.package import (COMMIT, FIXED_INPUTS, PAST_LEN, check_step, kv_names,
+                                      load_package)
 
 _INT64, _BOOL, _FLOAT32 = np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.float32)
 _KEEP_MASK = 256  # largest block whose mask the backend keeps a bound copy of
@@ -264,14 +265,7 @@ class OrtBackend:
                        np.asarray(m["embeddings"]["sigma"], dtype=np.float32))
 
     def check_step(self, topk: int, hidden: bool) -> None:
-        """What a step asks of the graph: top-K within what it exports, hidden states only
-        if it has them."""
-        if topk > self.topk:
-            raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
-                              f"top-{self.topk}; re-export with a larger --bc")
-        if hidden and not self.supports_hidden:
-            raise ConfigError(f"the package {str(self.package.root)!r} does not export the "
-                              f"last hidden states; re-export it with them to run learned heads")
+        check_step(self, topk, hidden)
 
     def session(self) -> "OrtSession | GraphSession":
         return GraphSession(self) if self.cuda_graphs else OrtSession(self)

@@ -39,7 +39,7 @@ from typing import ClassVar, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 
-from edgemtp.errors import ModelLoadError
+from edgemtp.errors import ConfigError, ModelLoadError
 from edgemtp.plans import DynamicPlans, Plan, dynamic_plans, install, static_plan
 from edgemtp.runtimes.host_table import EmbeddingTable
 
@@ -79,6 +79,17 @@ def graph_outputs(layers: int) -> list[str]:
 
 def plan_file(bc: int, k: int) -> str:
     return f"plans/bc{bc}_k{k}.npz"
+
+
+def check_step(backend, topk: int, hidden: bool) -> None:
+    """What a step asks of a package backend's graph: top-K within what it exports
+    (``backend.topk``), hidden states only if it has them (``backend.supports_hidden``)."""
+    if topk > backend.topk:
+        raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
+                          f"top-{backend.topk}; re-export with a larger --bc")
+    if hidden and not backend.supports_hidden:
+        raise ConfigError(f"the package {str(backend.package.root)!r} does not export the last "
+                          f"hidden states; re-export it with them to run learned heads")
 
 
 def is_package(path) -> bool:
