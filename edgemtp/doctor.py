@@ -532,7 +532,9 @@ def memory_plan(pkg, facts: Facts) -> MemoryPlan:
     device's memory; the largest context and the longest one-block prompt that fit."""
     m, pool = pkg.meta, device_pool(facts)
     t = max(p.T for p in m.plans)
-    emb = (pkg.root / m.embeddings.file).stat().st_size if pool.host else 0
+    # a quantized package's host table is the graph's own (in the weights already counted)
+    separate = getattr(m.embeddings, "layout", "npy") == "npy"
+    emb = (pkg.root / m.embeddings.file).stat().st_size if pool.host and separate else 0
     rows = []
     for dtype, nbytes in PLAN_DTYPES.items():
         weights = pkg.weight_bytes() * nbytes // PLAN_DTYPES[m.dtype]

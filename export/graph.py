@@ -56,7 +56,18 @@ class ExportTreeDecoder(TreeDecoder):
       MatMuls each (no concatenation of the cache, an O(P) copy per layer per step, and no
       transposed copy of it: onnxruntime fuses the permutes into FusedMatMul);
     - an additive mask applied in float32, instead of SDPA's decomposition (IsNaN guards).
+
+    ``softmax_dtype`` float64 (int4/int8 exports): the softmax of each row and its product
+    with the values run in float64 and are rounded back. ONNX Runtime's float32 softmax sums
+    its row in SIMD lanes chosen by column index, and its GEMM sums ``probs @ values`` in
+    blocks of 256 columns: a row alone and the same row inside a block (its ancestors at
+    other columns, ``P + T`` columns in all) add the same numbers in different orders, and
+    int8 activations (MatMulNBits accuracy level 4) turn that last bit into logit
+    differences of ~1. In float64 the rounded results agree, so every row's logits are
+    bitwise the same at any T (``bench/results/quant_cpu.md``).
     """
+
+    softmax_dtype: torch.dtype | None = None  # None: float32
 
     def _attention(self, layer, x, cos, sin, mask, past_k, past_v):
         # x: [1, T, d]; mask: [1, 1, T, P + T] bool; past_k/v: [1, P, H_kv, D]
@@ -77,11 +88,17 @@ class ExportTreeDecoder(TreeDecoder):
         scores = torch.cat([torch.matmul(q, past_k.squeeze(0).permute(1, 2, 0)),   # [H_kv, g*T, P]
                             torch.matmul(q, k[0].transpose(1, 2))], dim=-1).float()
         # a finite mask value: -inf makes a fully masked row NaN, and -65504 (fp16's lowest)
-        # stays finite in fp16 too; exp() of it underflows to exactly 0 in the fp32 softmax
+        # stays finite in fp16 too; exp() of it underflows to exactly 0 in the softmax
         bias = torch.where(mask, 0.0, MASKED).repeat(1, 1, g, 1)[0]       # [1, g*T, P+T]
-        probs = torch.softmax(scores * attn.scaling + bias, dim=-1).to(v.dtype)
-        out = (torch.matmul(probs[..., :past], past_v.squeeze(0).permute(1, 0, 2))
-               + torch.matmul(probs[..., past:], v[0].transpose(0, 1)))   # [H_kv, g*T, D]
+        logits = scores * attn.scaling + bias
+        v_past, v_new = past_v.squeeze(0).permute(1, 0, 2), v[0].transpose(0, 1)
+        if self.softmax_dtype is not None:  # softmax and probs @ values, then rounded back
+            # (the float64 copy of the past values is the price of bitwise invariance)
+            logits = logits.to(self.softmax_dtype)
+            v_past, v_new = v_past.to(self.softmax_dtype), v_new.to(self.softmax_dtype)
+        probs = torch.softmax(logits, dim=-1).to(v_past.dtype)
+        out = (torch.matmul(probs[..., :past], v_past)
+               + torch.matmul(probs[..., past:], v_new)).to(v.dtype)     # [H_kv, g*T, D]
         out = attn.o_proj(out.reshape(1, self.n_heads, -1, hd).transpose(1, 2)
                           .reshape(1, -1, self.n_heads * hd))
         return out, k.transpose(1, 2), v

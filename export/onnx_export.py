@@ -35,8 +35,9 @@ from edgemtp.plans import static_plan
 from edgemtp.runtimes.gguf_source import GGUFInfo, ModelSource, check_gguf, resolve_model
 from edgemtp.runtimes.package import (COMMIT, EMBEDDINGS, GRAPH, MANIFEST, TOKENIZER_FILES,
                                       CacheInfo, EmbeddingInfo, GGUFSourceInfo, GraphInfo,
-                                      Manifest, PlanInfo, SelfCheckInfo, Tolerance, graph_inputs,
-                                      graph_outputs, load_package, plan_arrays, record_files)
+                                      Manifest, PlanInfo, SelfCheckInfo, TensorRef, Tolerance,
+                                      WeightsInfo, graph_inputs, graph_outputs, load_package,
+                                      plan_arrays, record_files)
 
 from .folders import ExportError, check_destination, partial_folder, swap_in, touch
 
@@ -45,7 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ExportError", "ExportOptions", "ExportReport", "export_package"]
 
-EXPORT_DTYPES = ("fp32", "fp16")
+# fp32/fp16: weights and activations; int4/int8: weight-only (MatMulNBits, blocks of 32),
+# float32 activations and cache (export.quantize)
+EXPORT_DTYPES = ("fp32", "fp16", "int4", "int8")
 EXTERNAL_DATA_BYTES = 1_500_000_000  # above this, weights go to model.onnx.data
 DEFAULT_OPSET = 17
 # 13: kv_commit.onnx's Split takes its sizes as an input (and the decoder's dynamic Slice
@@ -67,6 +70,11 @@ class ExportOptions:
     tolerance: tuple[float, float] | None = None
     budgets: tuple[tuple[int, int], ...] = field(init=False)
     skipped: tuple[str, ...] = field(init=False)
+
+    @property
+    def activations(self) -> str:
+        """The float dtype of activations and KV cache (the manifest's ``dtype``)."""
+        return "fp32" if self.dtype in ("int4", "int8") else self.dtype
 
     def __post_init__(self) -> None:
         if self.dtype not in EXPORT_DTYPES:
@@ -160,7 +168,8 @@ class ExportReport:
         skipped = f"; skipped {', '.join(self.skipped)}" if self.skipped else ""
         dtype = self.dtype if self.gguf is None else (
             f"{self.dtype}, weights de-quantized from GGUF {self.gguf.file}: "
-            f"{self.gguf.quant_summary()}")
+            f"{self.gguf.quant_summary()}"
+            f"{', then re-quantized' if self.dtype in ('int4', 'int8') else ''}")
         return (f"exported {self.family} ({dtype}) to {self.out} in {self.seconds:.1f} s: "
                 f"graph {self.graph_bytes / 2**20:.1f} MiB, {len(self.plans)} plan budgets"
                 f"{skipped}; self-check max |logit diff| {self.check.token_rows:.1e} on token "
@@ -247,12 +256,15 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
     from edgemtp.models.decoder import TreeDecoder
 
     from .graph import ExportDecoder, ExportTreeDecoder, commit_graph
+    from .quantize import QUANTIZED, fake_quantize
     from .selfcheck import TOLERANCE, self_check
 
-    dtype, opset = job.options.dtype, job.options.opset
+    dtype, opset = job.options.activations, job.options.opset
     with _stage(bar, "loading the model", tmp):
         hf = _load_model(job, {"fp32": torch.float32, "fp16": torch.float16}[dtype])
         decoder = ExportTreeDecoder(hf, job.family)
+        if job.options.dtype in QUANTIZED:  # batch-invariant softmax (export.quantize)
+            decoder.softmax_dtype = torch.float64
         topk = min(int(hf.config.vocab_size),
                    max(static_plan(b, k).n_nodes for b, k in job.budgets) + 1)
         module = ExportDecoder(decoder, topk).eval()
@@ -260,7 +272,9 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
         reference = ExportDecoder(TreeDecoder(hf, job.family), topk).eval()
 
     with _stage(bar, "tracing the graph", tmp):
-        external = _write_graph(module, tmp, hf.dtype, opset)
+        graph = _write_graph(module, tmp, hf.dtype, opset, job.options.dtype)
+        if graph.spec is not None:  # the reference gets the same de-quantized weights
+            fake_quantize(hf, graph.spec)
 
     with _stage(bar, "onnx.checker", tmp):
         onnx.save_model(commit_graph(len(decoder.model.layers), dtype, opset), str(tmp / COMMIT))
@@ -273,8 +287,13 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
 
     with _stage(bar, "self-check against PyTorch", tmp):
         tokenizer, tokenizer_files = _save_tokenizer(job, tmp)
-        tol = TOLERANCE[dtype] if job.options.tolerance is None else job.options.tolerance
-        check = self_check(tmp / GRAPH, reference, job.budgets, tokenizer, tol)
+        tol, fmt = job.options.tolerance, job.options.dtype
+        if graph.spec is None:
+            tol = tol or TOLERANCE[fmt]
+            check = self_check(tmp / GRAPH, reference, job.budgets, tokenizer, tol)
+        else:  # the weights strictly, with float32 activations; the shipped graph loosely
+            tol = tol or TOLERANCE["fp32"]
+            check = _check_quantized(tmp, reference, job, tokenizer, tol, TOLERANCE[fmt])
 
     with _stage(bar, "plans and embeddings", tmp):
         plans = [PlanInfo.compile(b, k) for b, k in job.budgets]
@@ -282,10 +301,12 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
         for p in plans:
             np.savez(tmp / p.file, **plan_arrays(p.bc, p.k))
         table = hf.get_input_embeddings().weight.detach()
-        np.save(tmp / EMBEDDINGS, table.cpu().numpy())
+        if graph.table is None:
+            np.save(tmp / EMBEDDINGS, table.cpu().numpy())
         t32 = table.float()  # statistics as the PyTorch backend computes them
-        embeddings = EmbeddingInfo(dtype=dtype, mu=tuple(t32.mean(0).tolist()),
-                                   sigma=tuple(t32.std(0).tolist()))
+        stats = {"dtype": dtype, "mu": tuple(t32.mean(0).tolist()),
+                 "sigma": tuple(t32.std(0).tolist())}
+        embeddings = EmbeddingInfo(**stats, **(graph.table or {}))
 
     with _stage(bar, "manifest", tmp):
         cfg, layers = hf.config, len(decoder.model.layers)
@@ -298,7 +319,7 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
             head_dim=int(decoder.head_dim), vocab_size=int(cfg.vocab_size),
             eos_token_ids=_eos_ids(hf), bos_token_id=_int_or_none(cfg, "bos_token_id"),
             dtype=dtype, max_context=job.context, topk=topk,
-            graph=GraphInfo(opset=opset, external_data=external,
+            graph=GraphInfo(opset=opset, external_data=graph.external,
                             inputs=tuple(graph_inputs(layers)),
                             outputs=tuple(graph_outputs(layers))),
             cache=CacheInfo(dtype=dtype), plans=tuple(plans), embeddings=embeddings,
@@ -308,8 +329,29 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
                 token_rows_max_logit_diff=check.token_rows,
                 mask_rows_max_logit_diff=check.mask_rows, logit_scale=check.scale,
                 tolerance=Tolerance(token_rows=tol[0], mask_rows=tol[1])),
-            gguf=_gguf_info(job.gguf))
+            gguf=_gguf_info(job.gguf), weights=graph.weights)
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=1) + "\n")
+    return check
+
+
+def _check_quantized(tmp: Path, reference, job: _Job, tokenizer, strict, loose):
+    """Self-check a quantized graph twice against PyTorch with the same de-quantized weights:
+    a copy whose kernels keep float32 activations at the float32 tolerance (every weight and
+    scale exactly right), then the graph as shipped at ``loose`` (int8 activations)."""
+    import onnx
+
+    from .quantize import float_activations
+    from .selfcheck import self_check
+
+    proto = onnx.load(str(tmp / GRAPH), load_external_data=False)
+    float_activations(proto)
+    copy = tmp / f"_strict_{GRAPH}"  # beside the graph: it reads the same external data
+    onnx.save_model(proto, str(copy))
+    try:
+        check = self_check(copy, reference, job.budgets, tokenizer, strict)
+    finally:
+        copy.unlink()
+    self_check(tmp / GRAPH, reference, job.budgets, tokenizer, loose)
     return check
 
 
@@ -414,13 +456,25 @@ def _load_model(job: _Job, torch_dtype):
     return hf.eval()
 
 
-def _write_graph(module, tmp: Path, torch_dtype, opset: int) -> str | None:
-    """Trace into a scratch folder, tidy, then save ``model.onnx`` as one file (weights
-    inside) or, for large models, with one external weights file. Returns its name."""
+@dataclass
+class _Graph:
+    """What writing ``model.onnx`` produced."""
+
+    external: str | None          # the external weights file, if any
+    weights: WeightsInfo
+    spec: object | None = None    # export.quantize.QuantSpec of an int4/int8 graph
+    table: dict | None = None     # EmbeddingInfo fields of a graph-resident host table
+
+
+def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str) -> _Graph:
+    """Trace into a scratch folder, tidy, store a tied embedding once, quantize (int4/int8),
+    then save ``model.onnx`` as one file (weights inside) or, for large or quantized models,
+    with one external weights file (a quantized tied table is read from it by the host)."""
     import onnx
     from torch.onnx import OnnxExporterError
 
     from .graph import tidy_graph, trace_to_onnx
+    from .quantize import QUANTIZED, quantize_graph, tie_float_embedding
 
     scratch = tmp / "_trace"
     scratch.mkdir()
@@ -431,17 +485,55 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int) -> str | None:
             raise ExportError(f"torch.onnx cannot export this model at opset {opset}: "
                               f"{_first_line(e)}") from None
         proto = onnx.load(str(scratch / GRAPH))
-        tidy_graph(proto, module)
-        weights = sum(p.numel() * p.element_size() for p in module.parameters())
-        external = f"{GRAPH}.data" if weights > EXTERNAL_DATA_BYTES else None
-        if external:
-            onnx.save_model(proto, str(tmp / GRAPH), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location=external, size_threshold=1024)
-        else:
-            onnx.save_model(proto, str(tmp / GRAPH))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return external
+    tidy_graph(proto, module)
+    spec = QUANTIZED.get(fmt)
+    tied = quantize_graph(proto, spec) if spec else tie_float_embedding(proto)
+    weights = WeightsInfo(format=fmt, tied_embedding=tied is not None,
+                          **({"block_size": spec.block_size, "symmetric": spec.symmetric,
+                              "accuracy_level": spec.accuracy_level,
+                              "min_rows": spec.min_rows, "softmax": "float64"} if spec else {}))
+    size = sum(p.numel() * p.element_size() for p in module.parameters())
+    external = f"{GRAPH}.data" if spec or size > EXTERNAL_DATA_BYTES else None
+    if external:
+        from onnx.external_data_helper import convert_model_to_external_data, set_external_data
+
+        convert_model_to_external_data(proto, all_tensors_to_one_file=True, location=external,
+                                       size_threshold=1024)
+        for init in proto.graph.initializer:  # the host maps a tied table, however small
+            if tied and init.name in (tied.data, tied.scales, tied.zero_points) \
+                    and not init.external_data:
+                set_external_data(init, external)
+        onnx.save_model(proto, str(tmp / GRAPH))
+        # onnx creates the weights file owner-only; give it model.onnx's mode (the umask's)
+        (tmp / external).chmod((tmp / GRAPH).stat().st_mode & 0o777)
+    else:
+        onnx.save_model(proto, str(tmp / GRAPH))
+    table = _table_refs(tmp / GRAPH, tied, spec, external) if spec and tied else None
+    return _Graph(external, weights, spec, table)
+
+
+def _table_refs(path: Path, tied, spec, external: str) -> dict:
+    """Where the saved graph's tied quantized table lies in its external data file."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    inits = {i.name: i for i in proto.graph.initializer}
+
+    def ref(name: str) -> TensorRef:
+        init = inits[name]
+        where = {e.key: e.value for e in init.external_data}
+        assert where.get("location") == external, (name, where)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+        shape = tuple(init.dims)
+        if name == tied.data:  # the blob [V, d/bs, bs*bits/8] read as rows [V, d*bits/8]
+            shape = (shape[0], math.prod(shape[1:]))
+        return TensorRef(offset=int(where.get("offset", 0)), shape=shape, dtype=dtype.name)
+
+    return {"file": external, "layout": "block-quantized", "bits": spec.bits,
+            "block_size": spec.block_size, "data": ref(tied.data), "scales": ref(tied.scales),
+            "zero_points": ref(tied.zero_points) if tied.zero_points else None}
 
 
 def _save_tokenizer(job: _Job, tmp: Path):

@@ -12,6 +12,13 @@ fp32   1e-4        1e-4       the issue's bound; measured ~1e-6 relative on stor
 fp16   2e-2        5e-2       fp16 keeps ~3 digits through every layer; mask rows (a mean
                               embedding, dominated by attention) are ill-conditioned: there
                               PyTorch fp16 itself is ~2.5e-2 relative off its fp32 model
+int4   1.5e-1      3e-1       the graph as shipped, a sanity bound: its kernels quantize
+int8                          activations to int8 per block, PyTorch keeps them float32
+                              (SmolLM2 int4: 5.8e-2 on token rows; stories260K: 2e-2, and
+                              1.6e-1 on mask rows). Before it, a copy with float32
+                              activations is held to the fp32 tolerance against the same
+                              de-quantized weights (``quantize.fake_quantize``): one block's
+                              scales off fails that by orders of magnitude
 =====  ==========  =========  ===========================================================
 
 Token rows decide verification, so their argmax must also agree wherever the reference's
@@ -31,7 +38,8 @@ from edgemtp.plans import Plan, dynamic_plans, static_plan
 from edgemtp.runtimes.package import graph_inputs
 
 PROMPT = "Once upon a time, there was a little girl who"
-TOLERANCE = {"fp32": (1e-4, 1e-4), "fp16": (2e-2, 5e-2)}  # (token rows, mask rows)
+TOLERANCE = {"fp32": (1e-4, 1e-4), "fp16": (2e-2, 5e-2),  # (token rows, mask rows)
+             "int4": (1.5e-1, 3e-1), "int8": (1.5e-1, 3e-1)}
 
 
 class SelfCheckError(EdgeMTPError):

@@ -26,7 +26,8 @@ import numpy as np
 
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
-from edgemtp.runtimes.package import COMMIT, FIXED_INPUTS, PAST_LEN, kv_names, load_package
+from edgemtp.runtimes.package import (COMMIT, FIXED_INPUTS, PAST_LEN, check_step, kv_names,
+                                      load_package)
 
 _INT64, _BOOL, _FLOAT32 = np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.float32)
 _KEEP_MASK = 256  # largest block whose mask the backend keeps a bound copy of
@@ -256,20 +257,15 @@ class OrtBackend:
         if self.cuda_graphs or (device_cache if device_cache is not None else device != "cpu"):
             self.commit_graph = self._session(ort, device, threads, pkg.root / COMMIT,
                                               graph="commit")
-        # a plain ndarray over the memory map: indexing a np.memmap costs a subclass wrap
-        self._table = np.asarray(np.load(pkg.root / m["embeddings"]["file"], mmap_mode="r"))
+        self._table = pkg.embedding_table()  # memory-mapped; block-quantized rows de-quantized
+        # int4 kernels take another path for one row than for a block: such a package runs a
+        # one-row forward as two rows, so plain decoding computes what verification does
+        self.min_rows = pkg.weights.min_rows
         self._stats = (np.asarray(m["embeddings"]["mu"], dtype=np.float32),
                        np.asarray(m["embeddings"]["sigma"], dtype=np.float32))
 
     def check_step(self, topk: int, hidden: bool) -> None:
-        """What a step asks of the graph: top-K within what it exports, hidden states only
-        if it has them."""
-        if topk > self.topk:
-            raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
-                              f"top-{self.topk}; re-export with a larger --bc")
-        if hidden and not self.supports_hidden:
-            raise ConfigError(f"the package {str(self.package.root)!r} does not export the "
-                              f"last hidden states; re-export it with them to run learned heads")
+        check_step(self, topk, hidden)
 
     def session(self) -> "OrtSession | GraphSession":
         return GraphSession(self) if self.cuda_graphs else OrtSession(self)
@@ -277,8 +273,7 @@ class OrtBackend:
     def embed(self, token_ids) -> np.ndarray:
         ids = token_ids if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int64 \
             else np.asarray(token_ids, dtype=np.int64)
-        rows = self._table[ids]  # fancy indexing: a fresh array, the caller's to keep
-        return rows if rows.dtype == np.float32 else rows.astype(np.float32)
+        return self._table.rows(ids)  # a fresh float32 array, the caller's to keep
 
     def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
         return self._stats
@@ -357,6 +352,13 @@ class OrtBackend:
                                      f"{got}, the manifest implies {dims}")
 
 
+def _pad_rows(input_ids, position_ids, rows: int):
+    """A one-row block as ``rows`` rows: copies of the row, each attending to itself only."""
+    ids = np.repeat(np.asarray(input_ids, dtype=np.int64)[:1], rows)
+    pos = np.repeat(np.asarray(position_ids, dtype=np.int64)[:1], rows)
+    return ids, pos, np.eye(rows, dtype=np.bool_)
+
+
 class _CacheCommits:
     """Commit and reset over ``self.kv`` (a :class:`KVCache`), shared by the sessions."""
 
@@ -420,9 +422,11 @@ class OrtSession(_CacheCommits):
         # input_ids, position_ids: [T]; tree_mask: [T, T] bool; mask_embeds: [k, d] or None
         t, b = len(input_ids), self.backend
         b.check_step(topk, hidden)
-        p = self.cache_len
+        p, run_t = self.cache_len, max(t, b.min_rows)
+        if run_t > t:  # a throwaway copy of the row, seeing only itself; never committed
+            input_ids, position_ids, tree_mask = _pad_rows(input_ids, position_ids, run_t)
         self._past_len[0] = p  # before _feed: a device provider copies it when bound
-        self._feed(t, input_ids, position_ids, tree_mask, mask_embeds)
+        self._feed(run_t, input_ids, position_ids, tree_mask, mask_embeds)
         if b.past_len:  # the past is a bucket of the cache, rebound when the bucket changes
             width = min(-(-p // PAST_BUCKET) * PAST_BUCKET, self.kv.rows)
             if width != self._past_width:
@@ -430,8 +434,8 @@ class OrtSession(_CacheCommits):
                 self._past_width = width
         else:
             self.kv.bind_past(self._kv_bind, p)
-        if (t, topk > 0, full_logits, hidden) != self._outputs_for:
-            self._bind_outputs(t, topk > 0, full_logits, hidden)
+        if (run_t, topk > 0, full_logits, hidden) != self._outputs_for:
+            self._bind_outputs(run_t, topk > 0, full_logits, hidden)
         if (t, topk) != self._views_for:  # this block's rows of the output buffers
             self._views = (self._argmax[0, :t], self._top_ids[0, :t, :topk],
                            self._top_lp[0, :t, :topk])
@@ -590,8 +594,11 @@ class GraphSession(_CacheCommits):
 
     def forward(self, input_ids, position_ids, tree_mask, mask_embeds, topk: int = 0,
                 full_logits: bool = False, hidden: bool = False) -> StepOut:
-        b, t = self.backend, len(input_ids)
+        b, n = self.backend, len(input_ids)
         b.check_step(topk, hidden)
+        t = max(n, b.min_rows)
+        if t > n:  # a throwaway copy of the row, seeing only itself; never committed
+            input_ids, position_ids, tree_mask = _pad_rows(input_ids, position_ids, t)
         if t > self.kv.cap:
             raise ConfigError(f"a block of {t} rows exceeds the context ({b.max_context})")
         embeds = (np.zeros((1, b.hidden_size), dtype=np.float32) if mask_embeds is None
@@ -610,12 +617,12 @@ class GraphSession(_CacheCommits):
         t0 = perf_counter()
         b.graph.run_with_iobinding(io.io, io.run_options)
         self.last_run_s = perf_counter() - t0
-        out = StepOut(argmax=io.argmax.numpy()[0],
-                      topk_ids=io.top_ids.numpy()[0, :, :topk],
-                      topk_logprobs=io.top_lp.numpy()[0, :, :topk])
+        out = StepOut(argmax=io.argmax.numpy()[0, :n],
+                      topk_ids=io.top_ids.numpy()[0, :n, :topk],
+                      topk_logprobs=io.top_lp.numpy()[0, :n, :topk])
         if full_logits:
-            out.logits = io.logits.numpy()[0]
+            out.logits = io.logits.numpy()[0, :n]
         if hidden:
-            out.hidden = io.hidden.numpy()[0]
+            out.hidden = io.hidden.numpy()[0, :n]
         return out
 

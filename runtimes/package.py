@@ -11,6 +11,8 @@ reads. Numpy only, so a device that runs packages never imports torch.
       model.onnx.data  external weights (large models only)
       kv_commit.onnx   gathers accepted K/V rows into a device-resident cache (CUDA, TensorRT)
       embeddings.npy   the input embedding table [V, d], for host-side mask initialisation
+                       (none in a quantized package of a tied model: the host reads the
+                       graph's own block-quantized table from model.onnx.data)
       plans/bc30_k1.npz   static and every dynamic plan of one budget: masks, positions, parents
       tokenizer.json, tokenizer_config.json, ...
       engines/sm87_trt10.3.0.engine   TensorRT engines, one per GPU architecture and TensorRT
@@ -37,8 +39,9 @@ from typing import ClassVar, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 
-from edgemtp.errors import ModelLoadError
+from edgemtp.errors import ConfigError, ModelLoadError
 from edgemtp.plans import DynamicPlans, Plan, dynamic_plans, install, static_plan
+from edgemtp.runtimes.host_table import EmbeddingTable
 
 FORMAT_VERSION = 2  # 2: the graph takes past_len (format 1 graphs attend to all past rows)
 MANIFEST = "edgemtp.json"
@@ -48,6 +51,9 @@ EMBEDDINGS = "embeddings.npy"
 ENGINES = "engines"  # TensorRT engines (and their timing caches) built on a device
 CACHE_LAYOUT = "[1, P, H_kv, D] per layer, sequence-major"
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+# the graph's weights: float as the activations, or weight-only block-quantized (MatMulNBits)
+WEIGHT_FORMATS = ("fp32", "fp16", "int4", "int8")
+EMBEDDING_LAYOUTS = ("npy", "block-quantized")
 HASH_LIMIT = 4 * 2**20  # files up to this size get a sha256 in the manifest, checked at load
 # files a Hugging Face tokenizer may be saved as (an older package names none of its own)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
@@ -73,6 +79,17 @@ def graph_outputs(layers: int) -> list[str]:
 
 def plan_file(bc: int, k: int) -> str:
     return f"plans/bc{bc}_k{k}.npz"
+
+
+def check_step(backend, topk: int, hidden: bool) -> None:
+    """What a step asks of a package backend's graph: top-K within what it exports
+    (``backend.topk``), hidden states only if it has them (``backend.supports_hidden``)."""
+    if topk > backend.topk:
+        raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
+                          f"top-{backend.topk}; re-export with a larger --bc")
+    if hidden and not backend.supports_hidden:
+        raise ConfigError(f"the package {str(backend.package.root)!r} does not export the last "
+                          f"hidden states; re-export it with them to run learned heads")
 
 
 def is_package(path) -> bool:
@@ -231,11 +248,88 @@ class PlanInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WeightsInfo:
+    """How the graph stores its weights. ``format`` fp32/fp16: as the activations; int4/int8:
+    every MatMul weight ``MatMulNBits``, quantized along K in blocks of ``block_size``
+    (``accuracy_level`` 4: activations quantized to int8 per block inside the kernel, 0 or 1:
+    kept float32). ``tied_embedding``: the input embedding and the lm_head read one
+    initializer. ``min_rows`` 2: the kernels take another path for one row, so the runtime
+    runs a one-row forward as two (a throwaway copy second) and a row's logits never depend
+    on the block it sits in (``export.quantize``)."""
+
+    format: str
+    block_size: int | None = None
+    symmetric: bool = False
+    accuracy_level: int | None = None
+    tied_embedding: bool = False
+    min_rows: int = 1  # a forward of fewer rows runs padded to this many (batch invariance)
+    softmax: str = "float32"  # the attention softmax's dtype
+
+    def __post_init__(self) -> None:
+        _check(self.format in WEIGHT_FORMATS, f"'weights.format' must be one of "
+                                              f"{', '.join(WEIGHT_FORMATS)}, got {self.format!r}")
+        quantized = self.format in ("int4", "int8")
+        _check(quantized == (self.block_size is not None),
+               f"'weights.block_size' is set for int4/int8 weights only, got "
+               f"{self.block_size!r} for {self.format}")
+        _check(self.min_rows in (1, 2), f"'weights.min_rows' must be 1 or 2, got "
+                                        f"{self.min_rows!r}")
+        _check(self.softmax in ("float32", "float64"), f"'weights.softmax' must be float32 or "
+                                                       f"float64, got {self.softmax!r}")
+        _check(self.block_size is None or (self.block_size >= 16
+                                           and self.block_size & (self.block_size - 1) == 0),
+               f"'weights.block_size' must be a power of 2 >= 16, got {self.block_size!r}")
+
+    @property
+    def bits(self) -> int | None:
+        return {"int4": 4, "int8": 8}.get(self.format)
+
+    @property
+    def name(self) -> str:
+        """``int4-b32-asym-acc1``, or the float format."""
+        if self.bits is None:
+            return self.format
+        return (f"{self.format}-b{self.block_size}-{'sym' if self.symmetric else 'asym'}"
+                f"-acc{self.accuracy_level or 0}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorRef:
+    """An array at ``offset`` bytes into a package file (the graph's external data)."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name: float32, float16, uint8
+
+    def __post_init__(self) -> None:
+        _check(self.offset >= 0 and all(d >= 0 for d in self.shape)
+               and self.dtype in ("float32", "float16", "uint8"),
+               f"a tensor reference needs offset >= 0, sizes >= 0 and dtype float32, float16 or "
+               f"uint8, got offset {self.offset}, shape {list(self.shape)}, {self.dtype!r}")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True, kw_only=True)
 class EmbeddingInfo:
+    """The host's copy of the input embedding (mask initialisation). ``layout`` npy: the
+    ``[V, d]`` table ``file`` (``embeddings.npy``); block-quantized: the graph's own tied
+    table inside ``file`` (its external data), ``data [V, d*bits/8]`` uint8, ``scales
+    [V, d/block_size]`` and ``zero_points`` (packed, low bits first), read row by row and
+    de-quantized as ``GatherBlockQuantized`` does."""
+
     dtype: str
     mu: tuple[float, ...]
     sigma: tuple[float, ...]
     file: str = EMBEDDINGS
+    layout: str = "npy"
+    bits: int | None = None
+    block_size: int | None = None
+    data: TensorRef | None = None
+    scales: TensorRef | None = None
+    zero_points: TensorRef | None = None
 
     def __post_init__(self) -> None:
         _relative(self.file, "embeddings.file")
@@ -243,6 +337,14 @@ class EmbeddingInfo:
         bad = [v for v in (*self.mu, *self.sigma) if not math.isfinite(v)]
         _check(not bad and min(self.sigma, default=0) >= 0,
                f"'embeddings.mu' and 'sigma' must be finite with sigma >= 0, got {bad[:1]}")
+        _check(self.layout in EMBEDDING_LAYOUTS, f"'embeddings.layout' must be one of "
+                                                 f"{', '.join(EMBEDDING_LAYOUTS)}, got "
+                                                 f"{self.layout!r}")
+        if self.layout == "block-quantized":
+            _check(self.bits in (4, 8) and self.block_size is not None
+                   and self.data is not None and self.scales is not None,
+                   "a block-quantized embedding table needs 'bits' (4 or 8), 'block_size', "
+                   "'data' and 'scales'")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -391,6 +493,7 @@ class Manifest:
     self_check: SelfCheckInfo | None = None
     gguf: GGUFSourceInfo | None = field(default=None, hash=False)
     engines: tuple[EngineInfo, ...] = ()  # absent before 'edgemtp build-engine' ran
+    weights: WeightsInfo | None = None  # absent in packages from before it was recorded
 
     def __post_init__(self) -> None:
         _check_version(self.format_version)
@@ -550,6 +653,15 @@ class Package:
     def np_dtype(self):
         return NP_DTYPES[self.meta.dtype]
 
+    @property
+    def weights(self) -> WeightsInfo:
+        """The graph's weight format (an older package: the same as its dtype)."""
+        return self.meta.weights or WeightsInfo(format=self.meta.dtype)
+
+    def embedding_table(self) -> EmbeddingTable:
+        """The host's view of the input embedding table (memory-mapped, rows read on demand)."""
+        return EmbeddingTable(self.root / self.meta.embeddings.file, self.meta.embeddings)
+
     def kv_cache_bytes(self, rows: int | None = None, dtype: str | None = None) -> int:
         """K and V for every layer at ``rows`` cache rows (default: the max context)."""
         m = self.meta
@@ -648,11 +760,15 @@ class Package:
                                      f"built ({what}); rebuild it: {rebuild}")
 
     def check_embeddings(self) -> None:
-        """The table must be ``[vocab_size, hidden_size]`` of the recorded dtype."""
+        """The table must be ``[vocab_size, hidden_size]`` of the recorded dtype (npy), or its
+        block-quantized arrays must lie inside their file with the shapes that implies."""
         m, e = self.meta, self.meta.embeddings
         path = self.root / e.file
         if not path.is_file():
             raise self._missing(e.file)
+        if e.layout == "block-quantized":
+            self._check_quantized_table(path)
+            return
         try:
             table = np.load(path, mmap_mode="r")  # reads the header only
         except (OSError, ValueError, EOFError) as err:
@@ -663,6 +779,26 @@ class Package:
                                  f"table, but the manifest says [vocab_size {want[0]}, "
                                  f"hidden_size {want[1]}] {np.dtype(NP_DTYPES[e.dtype])}; the "
                                  f"manifest and the table do not belong together: re-export")
+
+    def _check_quantized_table(self, path: Path) -> None:
+        m, e = self.meta, self.meta.embeddings
+        v, d, bs = m.vocab_size, m.hidden_size, e.block_size
+        blocks = -(-d // bs)
+        want = {"data": ((v, d * e.bits // 8), "uint8"), "scales": ((v, blocks), e.scales.dtype),
+                "zero_points": ((v, -(-blocks * e.bits // 8)), "uint8")}
+        size = path.stat().st_size
+        for key, (shape, dtype) in want.items():
+            ref = getattr(e, key)
+            if ref is None:
+                continue
+            if tuple(ref.shape) != shape or ref.dtype != dtype:
+                raise ModelLoadError(f"the manifest's embeddings.{key} is {list(ref.shape)} "
+                                     f"{ref.dtype}, but [vocab_size {v}, hidden_size {d}] in "
+                                     f"blocks of {bs} needs {list(shape)} {dtype}; re-export")
+            if ref.offset + ref.nbytes > size:
+                raise ModelLoadError(f"the embedding table's {key} runs past the end of "
+                                     f"{str(path)!r} ({size} bytes): the file is truncated or "
+                                     f"does not belong to this manifest; re-export")
 
 
 def load_package(path, check_plans: bool = True, check_engines: bool = True) -> Package:
@@ -727,6 +863,8 @@ def describe(pkg: Package) -> str:
         f"graph     {g.file}{' + ' + g.external_data if g.external_data else ''}, "
         f"opset {g.opset}, top-K {m.topk}, {len(g.inputs)} inputs, {len(g.outputs)} outputs",
         f"cache     {m.cache.layout}",
+        f"weights   {pkg.weights.name}"
+        f"{', tied embedding stored once' if pkg.weights.tied_embedding else ''}",
     ]
     if m.gguf:
         types = ", ".join(f"{t} x{n}" for t, n in m.gguf.tensor_types.items())
@@ -747,7 +885,7 @@ def describe(pkg: Package) -> str:
                      f"{e.gpu} (sm {e.compute_capability}), {len(e.profiles)} profiles "
                      f"({names})")
     weights = pkg.weight_bytes()
-    lines += ["", f"memory    weights {_size(weights)} ({m.dtype}, on disk)"]
+    lines += ["", f"memory    weights {_size(weights)} ({pkg.weights.name}, on disk)"]
     for dt in NP_DTYPES:
         kv, size = pkg.kv_cache_bytes(dtype=dt), np.dtype(NP_DTYPES[dt]).itemsize
         lines.append(f"          KV cache at {m.max_context} tokens, {dt}: {_size(kv)} "

@@ -30,7 +30,7 @@ import numpy as np
 
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, EdgeMTPError, ModelLoadError
-from edgemtp.runtimes.package import NP_DTYPES, PAST_LEN, kv_names, load_package
+from edgemtp.runtimes.package import NP_DTYPES, PAST_LEN, check_step, kv_names, load_package
 from edgemtp.runtimes.trt_engine import (_logger, engine_name, import_tensorrt,
                                          select_profile)
 
@@ -343,12 +343,7 @@ class TrtSession:
                 full_logits: bool = False, hidden: bool = False) -> StepOut:
         # input_ids, position_ids: [T]; tree_mask: [T, T] bool; mask_embeds: [k, d] or None
         t, b = len(input_ids), self.backend
-        if topk > b.topk:
-            raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
-                              f"top-{b.topk}; re-export with a larger --bc")
-        if hidden and not b.supports_hidden:
-            raise ConfigError(f"the package {str(b.package.root)!r} does not export the last "
-                              f"hidden states; re-export it with them to run learned heads")
+        check_step(b, topk, hidden)
         embeds = self._no_masks if mask_embeds is None else mask_embeds
         with b.lock:
             self._grow(t)

@@ -13,7 +13,9 @@ from edgemtp.runtimes.torch_backend import TorchBackend
 
 # curves slower than the real tiny model, so the host time auto measures (step time minus
 # the curve) is zero and the curve alone decides
-STEEP = LatencyCurve((1, 2, 60), (1e-2, 3e-2, 1.0))      # no draft can pay for its block
+# curves in tenths of a second: auto adds the host time it measures per step, which must not
+# decide these tests on a slow or loaded machine
+STEEP = LatencyCurve((1, 2, 60), (0.2, 0.6, 20.0))         # no draft can pay for its block
 FLAT = LatencyCurve((1, 60), (1e-2, 1.05e-2))            # wide blocks are almost free
 SLOW_FLAT = LatencyCurve((1, 60), (0.2, 0.21))           # the same, slower than any host time
 
@@ -70,7 +72,7 @@ def test_auto_uses_prompt_lookup_when_a_short_chain_pays(setup):
     """t(2) barely above t(1): a one-token lookup chain pays, a probing tree (T >= 4) does
     not, and the output is still exactly greedy."""
     backend, prompts, refs = setup
-    curve = LatencyCurve((1, 2, 4, 60), (1e-2, 1.01e-2, 5e-2, 1.0))
+    curve = LatencyCurve((1, 2, 4, 60), (0.2, 0.202, 1.0, 20.0))
     config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=96, latency=curve)
     results, sizes = _run(backend, prompts, config, memory={})
     assert [r.token_ids for r in results] == refs

@@ -191,6 +191,7 @@ def test_window_moves_up_a_level_and_feeds_the_pool():
     assert d.pool.get(16) == [(17, 40, 41)]                      # committed output n-grams
 
 
+@pytest.mark.slow  # the default run checks LADE on the stories in test_onnx_backend
 def test_lossless_on_stories_with_other_shapes(stories, stories_refs):
     backend, _ = stories
     _, prompts, refs = stories_refs  # transformers' own greedy decoding

@@ -148,7 +148,7 @@ def _chi_square_p(backend, ids, joint, config, verifier_cls=Verifier):
     return sps.chisquare(observed, expected).pvalue
 
 
-@pytest.mark.parametrize("bc,k", [(30, 1), (60, 2)])
+@pytest.mark.parametrize("bc,k", [(30, 1), pytest.param(60, 2, marks=pytest.mark.slow)])
 def test_sampling_matches_model_distribution(stories, stories_pkg, bc, k):
     # drawn on onnxruntime (the same model, ~4x faster a step here; its logits agree with
     # PyTorch's to ~1e-6, far below what 1500 draws can see), tested against the exact joint

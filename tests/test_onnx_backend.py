@@ -107,7 +107,7 @@ def test_fixed_buffer_session_matches_transformers(stories_case, stories_pkg):
     assert not backend.cuda_graphs and backend.past_len  # CPU: asked only for CUDA
     for opts in (dict(bc=30), dict(drafter="hybrid", bc=30), dict(drafter="none")):
         config = GenerationConfig(max_new_tokens=128, **opts)
-        for ids, ref in zip(prompts[:3], want[:3]):
+        for ids, ref in zip(prompts[:2], want[:2]):
             session = GraphSession(backend)
             assert Generation(backend, config, ids, session=session).run().token_ids == ref
             assert len(session._shapes) <= 6  # (T, k) shapes: prefill, the plans', T = 1

@@ -133,6 +133,7 @@ BENCH = ["bench", "--drafters", "probe,pld,auto", "--bc", "10,30", "--sets", "st
          "--no-hf-reference"]  # the reference has its own test below
 
 
+@pytest.mark.slow
 def test_bench_resumes_after_ctrl_c_without_measuring_kept_rows_again(stories_path, tmp_path):
     argv = [sys.executable, "-m", "edgemtp.cli", *BENCH, "--model", stories_path,
             "--out", str(tmp_path)]
@@ -219,3 +220,13 @@ def test_demo_exports_then_runs_every_method_losslessly(stories_path, tmp_path):
     assert len(rows) >= 10, proc.stdout  # greedy, 8 methods, transformers generate
     assert all(ln.endswith("yes") for ln in rows), proc.stdout
     assert "onnxruntime greedy runs at" in proc.stdout
+
+
+def test_demo_chat_on_a_model_without_a_template_is_one_line(stories_pkg):
+    # --chat puts Spec-Bench questions under the model's chat template; stories260K has none
+    proc = subprocess.run([sys.executable, "-m", "edgemtp.cli", "demo", "--chat", "--model",
+                           str(stories_pkg), "--prompts", "1", "--max-new-tokens", "4"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "chat template" in lines[-1] and "Traceback" not in proc.stderr, proc.stderr

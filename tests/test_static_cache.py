@@ -110,6 +110,7 @@ def test_static_cache_is_written_in_place_and_grows_for_long_blocks():
     assert s.rows > rows and s.k_cache.data_ptr() != ptr
 
 
+@pytest.mark.slow
 def test_step_shapes_are_reused_on_cpu_as_eager_code(stories_path, stories_refs):
     hf, prompts, refs = stories_refs
     backend = TorchBackend(stories_path)

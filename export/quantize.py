@@ -1,0 +1,249 @@
+"""Smaller packages: the tied embedding stored once, and weight-only quantization
+(``--dtype int4|int8``) through onnxruntime's own ``MatMulNBitsQuantizer``.
+
+Every ``MatMul`` with a constant weight ``B [K, N]`` becomes a ``MatMulNBits`` (com.microsoft):
+``B`` quantized along K in blocks of 32, asymmetric (a scale and a zero point per block),
+stored as ``blob [N, K/32, 32*bits/8]`` uint8, ``scales [N, K/32]`` float32 and packed
+``zero_points [N, ceil(K/32*bits/8)]``. A tied model's input embedding then reads the
+lm_head's own blob through ``GatherBlockQuantized`` (the same bytes, viewed as
+``[V, d*bits/8]``), so the largest matrix is stored once, quantized::
+
+    ids --> GatherBlockQuantized(Reshape(blob), scales, zero_points) --> layers --> h
+    h   --> MatMulNBits(blob, scales, zero_points)                   --> logits [1, T, V]
+
+Activations, the KV cache and the logits stay float32; the kernels quantize activations to
+int8 per block (``accuracy_level`` 4: 2.7x faster than float32 activations at one row on an
+AVX2 CPU). Speculation is lossless only if a row's logits do not depend on the block it sits in;
+measured (``bench/results/quant_cpu.md``), each row against the same row alone:
+
+- the attention's float32 softmax and ``probs @ values`` sum in orders that depend on the
+  row's column count and its ancestors' columns: fixed by running both in float64
+  (``graph.ExportTreeDecoder.softmax_dtype``);
+- int4 ``MatMulNBits`` take another kernel for one row than for two or more (every M >= 2
+  agrees bitwise, M = 1 does not): the package says ``min_rows`` 2, and the runtime runs a
+  one-row step (plain decoding) as two rows, the second a throwaway copy;
+- int8 ``MatMulNBits`` at level 4 agree at every M.
+
+With both, a block's rows are bitwise the rows plain decoding computes.
+
+The export's self-check holds the graph to the PyTorch decoder with the same de-quantized
+weights, computed here independently of the graph (:func:`fake_quantize`): strictly (float32
+tolerance) on a copy of the graph whose kernels keep float32 activations
+(:func:`float_activations`), so a corrupted blob or scale fails it, and loosely on the graph
+as shipped (its int8 activations).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgemtp.runtimes.host_table import dequantize_rows
+
+BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One weight-only quantization: ``int4-b32-asym-acc1``."""
+
+    bits: int
+    block_size: int = BLOCK_SIZE
+    symmetric: bool = False
+    accuracy_level: int = 4  # activations quantized to int8 per block (1: kept float32)
+    min_rows: int = 1        # the fewest rows a forward may run (see the module docstring)
+
+    def __post_init__(self) -> None:
+        assert self.bits in (4, 8) and self.block_size >= 16, self
+
+    @property
+    def name(self) -> str:
+        return (f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'asym'}"
+                f"-acc{self.accuracy_level}")
+
+
+QUANTIZED = {"int4": QuantSpec(4, min_rows=2), "int8": QuantSpec(8)}
+
+
+@dataclass(frozen=True)
+class TiedTable:
+    """Initializer names of an embedding table the graph shares with its lm_head."""
+
+    data: str
+    scales: str | None = None        # block-quantized tables only
+    zero_points: str | None = None
+
+
+# -- numpy: the block format ----------------------------------------------------------------
+
+
+def block_quantize(w: np.ndarray, spec: QuantSpec):
+    """``w [N, K]`` (a torch Linear's weight) -> (blob, scales, zero_points) exactly as
+    ``MatMulNBitsQuantizer`` writes them for ``B = w.T``."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+    n, k = w.shape
+    kb, blob = -(-k // spec.block_size), spec.block_size * spec.bits // 8
+    b = np.ascontiguousarray(w.T, dtype=np.float32)
+    if k % spec.block_size:  # the quantizer pads K with zeros to whole blocks
+        b = np.pad(b, ((0, kb * spec.block_size - k), (0, 0)))
+    packed = np.zeros((n, kb, blob), np.uint8)
+    scales = np.zeros((n, kb), np.float32)
+    zp = np.zeros((n, -(-kb * spec.bits // 8)), np.uint8)
+    fn = quantize_matmul_4bits if spec.bits == 4 else quantize_matmul_8bits
+    fn(packed, b, scales, zp, spec.block_size, n, b.shape[0], spec.symmetric)
+    return packed, scales, zp
+
+
+def dequantize(packed, scales, zero_points, spec: QuantSpec, k: int) -> np.ndarray:
+    """(blob, scales, zero points) of :func:`block_quantize` -> ``[N, K]`` float32, as the
+    kernels (and the runtime's host table) de-quantize it.
+
+    >>> w = np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 64)  # 2 blocks, range ~1
+    >>> err = np.abs(dequantize(*block_quantize(w, QuantSpec(4)), QuantSpec(4), 64) - w)
+    >>> bool(err.max() <= 0.5 / 15 + 1e-6)     # half a step of 15 levels over the range
+    True
+    """
+    return dequantize_rows(packed, scales, zero_points, spec.bits, spec.block_size)[:, :k]
+
+
+# -- torch: the reference the self-check compares against -----------------------------------
+
+
+def fake_quantize(hf, spec: QuantSpec) -> int:
+    """Replace every ``nn.Linear`` weight of ``hf`` (lm_head included, and so a tied input
+    embedding) with its quantize-dequantize round trip; returns how many were replaced."""
+    import torch
+    from torch import nn
+
+    count = 0
+    with torch.no_grad():
+        for module in hf.modules():
+            if isinstance(module, nn.Linear):
+                w = module.weight.detach().float().cpu().numpy()
+                deq = dequantize(*block_quantize(w, spec), spec, w.shape[1])
+                module.weight.copy_(torch.from_numpy(deq))
+                count += 1
+    return count
+
+
+# -- the graph ------------------------------------------------------------------------------
+
+
+def float_activations(proto) -> None:
+    """The same graph with every MatMulNBits keeping float32 activations (accuracy level 0):
+    the weights unchanged, for the strict self-check."""
+    for node in proto.graph.node:
+        if node.op_type == "MatMulNBits":
+            keep = [a for a in node.attribute if a.name != "accuracy_level"]
+            del node.attribute[:]
+            node.attribute.extend(keep)
+
+
+def tie_float_embedding(proto) -> TiedTable | None:
+    """fp32/fp16: the lm_head ``MatMul`` reads ``Transpose(E)`` of the embedding Gather's
+    table ``E [V, d]`` instead of its own copy ``E^T`` (ONNX Runtime folds the Transpose when
+    it loads the graph). None when the model's embeddings are not tied."""
+    from onnx import helper
+
+    found = _tied_pair(proto)
+    if found is None:
+        return None
+    gather, matmul, table = found
+    graph = proto.graph
+    old = matmul.input[1]
+    out = f"{table}_transposed"
+    graph.node.insert(list(graph.node).index(matmul),
+                      helper.make_node("Transpose", [table], [out], perm=[1, 0],
+                                       name="/decoder/lm_head/tied_transpose"))
+    matmul.input[1] = out
+    _drop_initializer(graph, old)
+    return TiedTable(data=table)
+
+
+def quantize_graph(proto, spec: QuantSpec) -> TiedTable | None:
+    """Quantize ``proto``'s MatMul weights in place; a tied embedding's Gather then reads the
+    lm_head's quantized table. Returns that table's initializer names (None: not tied)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    tied = _tied_pair(proto)
+    lm_head_b = tied[1].input[1] if tied else None
+    quant_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = quant_log.level
+    quant_log.setLevel(logging.WARNING)  # it logs every node it visits at INFO
+    try:
+        q = MatMulNBitsQuantizer(proto, bits=spec.bits, block_size=spec.block_size,
+                                 is_symmetric=spec.symmetric,
+                                 accuracy_level=spec.accuracy_level)
+        q.process()
+    finally:
+        quant_log.setLevel(level)
+    out = q.model.model
+    if out is not proto:
+        proto.CopyFrom(out)
+    if tied is None:
+        return None
+    return _share_quantized_table(proto, spec, tied[0].output[0], lm_head_b)
+
+
+def _tied_pair(proto):
+    """(embedding Gather, lm_head MatMul, table name) when the MatMul's constant weight is
+    exactly the transpose of the Gather's table; else None."""
+    from onnx import numpy_helper
+
+    graph = proto.graph
+    inits = {i.name: i for i in graph.initializer}
+    gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in inits
+               and len(inits[n.input[0]].dims) == 2]
+    matmuls = [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+    if not gathers or not matmuls:
+        return None
+    gather = max(gathers, key=lambda n: inits[n.input[0]].dims[0])  # the vocabulary table
+    matmul = matmuls[-1]                                            # the lm_head, last
+    e, b = inits[gather.input[0]], inits[matmul.input[1]]
+    if list(b.dims) != list(e.dims)[::-1]:
+        return None
+    if not np.array_equal(numpy_helper.to_array(b), numpy_helper.to_array(e).T):
+        return None
+    return gather, matmul, gather.input[0]
+
+
+def _share_quantized_table(proto, spec: QuantSpec, gather_out: str, lm_head_b: str):
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    node = next(n for n in graph.node if n.op_type == "MatMulNBits"
+                and n.input[1].startswith(lm_head_b))
+    blob, scales = node.input[1], node.input[2]
+    zp = node.input[3] if len(node.input) > 3 and node.input[3] else None
+    gather = next(n for n in graph.node if n.output[0] == gather_out)
+    inits = {i.name: i for i in graph.initializer}
+    n, kb, nbytes = inits[blob].dims
+    shape = f"{blob}_gather_shape"
+    graph.initializer.append(numpy_helper.from_array(np.array([n, kb * nbytes],
+                                                              dtype=np.int64), shape))
+    flat = f"{blob}_rows"
+    at = list(graph.node).index(gather)
+    table = gather.input[0]
+    graph.node.remove(gather)
+    # the blob is [V, d/bs, bs*bits/8]; GatherBlockQuantized wants the same bytes as rows
+    # [V, d*bits/8] (ONNX Runtime folds the Reshape once, at load)
+    graph.node.insert(at, helper.make_node("Reshape", [blob, shape], [flat],
+                                           name="/decoder/embed_tokens/tied_rows"))
+    graph.node.insert(at + 1, helper.make_node(
+        "GatherBlockQuantized", [flat, gather.input[1], scales] + ([zp] if zp else []),
+        [gather_out], domain="com.microsoft", name="/decoder/embed_tokens/GatherBlockQuantized",
+        bits=spec.bits, block_size=spec.block_size, gather_axis=0, quantize_axis=1))
+    _drop_initializer(graph, table)
+    return TiedTable(data=blob, scales=scales, zero_points=zp)
+
+
+def _drop_initializer(graph, name: str) -> None:
+    if any(name in n.input for n in graph.node):
+        return
+    for i, init in enumerate(graph.initializer):
+        if init.name == name:
+            del graph.initializer[i]
+            return
