@@ -159,3 +159,21 @@ def test_latency_curve_rejects_nonsense():
     with pytest.raises(ConfigError, match="one time per block size"):
         LatencyCurve((1, 2), (1e-3,))
     assert np.isclose(LatencyCurve((1, 10), (1.0, 2.0))(20), 3.111111, atol=1e-5)
+
+
+def test_auto_keeps_whole_drafters_off_where_a_forward_is_cheaper_than_their_upkeep(setup):
+    """A forward pass faster than WHOLE_MIN_T1 (the tiny model on a CPU): keeping the hybrid,
+    LADE and k = 2 drafters current would cost more host time than they can save, so auto
+    weighs only probing and lookup chains (and STAND trees, which read the hybrid's stored
+    distributions, are off too); still lossless."""
+    from edgemtp.drafters.auto import WHOLE_MIN_T1
+
+    backend, prompts, refs = setup
+    fast = LatencyCurve((1, 60), (WHOLE_MIN_T1 / 4, WHOLE_MIN_T1 / 4 * 1.05))
+    config = GenerationConfig(drafter="auto", bc=30, max_new_tokens=96, latency=fast)
+    outs, picked = _generations(backend, prompts[:3], config, {})
+    assert outs == refs[:3]
+    kinds = {k for p in picked for k in p}
+    assert not {k for k in kinds if "BC=" in k or k == "stand"}, kinds
+    gen = Generation(backend, config, prompts[0], memory={})
+    assert gen.drafter.wholes == [] and gen.drafter.mask_tokens == 1

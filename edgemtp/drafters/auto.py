@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 PLAIN = Plan.root_only()
 MASK_ONLY = Plan((-1,), 1)  # root + its mask: one token, and candidates for the next step
 MASK_ONLY_2 = Plan((-1,), 2)  # the same with 2 masks: candidates for a k = 2 plan
+WHOLE_MIN_T1 = 0.004  # seconds: t(1) below which whole drafters and STAND trees are not weighed
 STAND_NODES = 16  # widest STAND tree auto grows (its best prefix is what runs)
 
 
@@ -165,13 +166,6 @@ class AutoDrafter:
             raise ConfigError(f"a plan of {m_max + 1} nodes needs a vocabulary of at least "
                               f"{m_max + 2} tokens, the model has {backend.vocab_size}")
         self.width = m_max + 1  # candidates a probing step needs
-        self.wholes = self._wholes(backend, config, memory)
-        self.hybrid = next((w.drafter for w in self.wholes if w.name.startswith("hybrid")),
-                           None)
-        self.k2 = [w for w in self.wholes if w.name.startswith("probe k=2")]
-        self.hybrids = [w for w in self.wholes if w.name.startswith("hybrid")]
-        if self.k2:
-            self.mask_tokens = 2  # prefill carries 2 masks: a k = 2 plan may run first
         # a sparse grid (interpolated between): powers of two up to the budget, and the budget
         top = max([MASK_ONLY.bc, *(p.bc for p in self.plans.values())])
         sizes = sorted({1, top, *(2 ** i for i in range(1, top.bit_length()) if 2 ** i <= top)})
@@ -182,6 +176,16 @@ class AutoDrafter:
             if key not in memory:
                 memory[key] = measure_latency(backend, sizes, topk=self.width)
             self.latency = memory[key]
+        # whole drafters cost host time every step they are kept current (~0.2-0.5 ms on a
+        # 2-core x86 CPU): weighed only where a forward pass is slow enough to hide that
+        self.wholes = (self._wholes(backend, config, memory)
+                       if self.latency(1) >= WHOLE_MIN_T1 else [])
+        self.hybrid = next((w.drafter for w in self.wholes if w.name.startswith("hybrid")),
+                           None)
+        self.k2 = [w for w in self.wholes if w.name.startswith("probe k=2")]
+        self.hybrids = [w for w in self.wholes if w.name.startswith("hybrid")]
+        if self.k2:
+            self.mask_tokens = 2  # prefill carries 2 masks: a k = 2 plan may run first
         # ranks at which true tokens appeared among the mask's pruned candidates; starts from
         # a pessimistic prior (a few misses), so an unknown model decodes plainly first
         self.rank_hits = memory.setdefault(("auto-ranks", self.width),
