@@ -434,6 +434,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--skip", default="", help="comma-separated method names to leave out "
+                   "(e.g. 'transformers PLD 10,llama.cpp PLD 2')")
     p.add_argument("--quick", action="store_true", help=f"{QUICK_CATEGORIES} categories")
     p.add_argument("--work", default=str(ROOT / "out" / "peers"))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers_cpu"))
@@ -448,6 +450,8 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()[0]
     tasks = prompts_by_category(gguf_path(a.gguf), a.per_category, a.quick)
     methods, skipped = prepare(a)
+    leave = {n.strip() for n in a.skip.split(",") if n.strip()}
+    methods = [m for m in methods if m.name not in leave]
     rec = sitting(methods, tasks, a.repeats)
     result = summarise(methods, rec, tasks)
     result["peer_ratios"] = peer_ratios(result["rows"])
