@@ -34,6 +34,9 @@ EVAL_PER_CATEGORY = 10
 HEADS_TOPK = 64      # candidates per head in the graph (a BC 60 tree needs 59 + 1 for pruning)
 FULL_VOCAB = 32768   # above this vocabulary, heads score only the most frequent tokens
 SUBSET = 8192        # ... this many of them (FR-Spec's frequency-ranked draft vocabulary)
+# peak learning rates: on stories260K (300 steps) medusa reached val top-1 0.45/0.57/0.63/0.64
+# for head 1 at 3e-3/1e-2/3e-2/1e-1, residual 0.66/0.78 at 3e-3/1e-2
+LR = {"medusa": 3e-2, "residual": 1e-2}
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class TrainOptions:
     heads: int = 4
     steps: int = 1500
     batch: int = 256
-    lr: float = 3e-3
+    lr: float | None = None   # None: LR[kind]
     seed: int = 0
     repeats: int = 3          # generations per training prompt (sampled prefix of 0..8 tokens)
     bos_samples: int = 128    # generations from BOS alone (a sampled prefix of 1..16 tokens)
@@ -60,6 +63,10 @@ class TrainOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= {low}, "
                                   f"got {value!r}")
+        if self.lr is None:
+            object.__setattr__(self, "lr", LR.get(self.kind, 1e-2))
+        if not (isinstance(self.lr, float) and 0 < self.lr < 1):
+            raise ConfigError(f"--lr must be a number in (0, 1), got {self.lr!r}")
         if self.heads > 10:
             raise ConfigError(f"--heads must be at most 10 (tree depths), got {self.heads}")
 
@@ -234,7 +241,7 @@ def train(model_heads, cache: dict, opt: TrainOptions, vocab, checkpoint: Path,
         optim.step()
         sched.step()
         step += 1
-        history.append(float(loss))
+        history.append(loss.item())
         bar.update()
         bar.set_postfix(loss=f"{np.mean(history[-50:]):.3f}")
         if step % every == 0 or step == opt.steps:
