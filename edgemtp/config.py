@@ -97,7 +97,8 @@ class GenerationConfig:
             _check(len(self.lookahead) == 3 and all(isinstance(v, int) for v in self.lookahead),
                    f"lookahead needs three integers (L, W, G), got {list(self.lookahead)}")
         if self.heads is not None:
-            _check("heads" in spec.options, "heads (a kind) only applies to drafter='heads'")
+            _check("heads" in spec.options,
+                   "heads (a kind) only applies to drafter='heads' or 'hybrid'")
             _check(self.heads in ("medusa", "residual"),
                    f"heads must be medusa or residual, got {self.heads!r}")
         spec.budget(self)  # the drafter's budget rule: fail before any model is loaded

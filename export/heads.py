@@ -113,6 +113,7 @@ def generate_cache(model, prompts: list[list[int]], opt: TrainOptions, path: Pat
 
     from edgemtp.config import GenerationConfig
 
+    t0 = time.perf_counter()
     rng = np.random.default_rng(opt.seed)
     bos = model.backend.package.meta.bos_token_id
     jobs = [(p, int(rng.integers(0, 9)) if r else 0) for p in prompts for r in range(opt.repeats)]
@@ -146,7 +147,8 @@ def generate_cache(model, prompts: list[list[int]], opt: TrainOptions, path: Pat
     cache = {"tokens": np.concatenate(parts["tokens"]), "argmax": np.concatenate(parts["argmax"]),
              "hidden": np.concatenate(parts["hidden"]), "seq": np.concatenate(parts["seq"]),
              "greedy": np.array(parts["greedy"]),
-             "lengths": np.array([len(t) for t in parts["tokens"]])}
+             "lengths": np.array([len(t) for t in parts["tokens"]]),
+             "seconds": np.float64(time.perf_counter() - t0)}  # kept for the record
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, **cache)
     return cache
@@ -365,10 +367,9 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
            model.encode_chat([{"role": "user", "content": p}]) if chat else model.encode(p)
            for p in prompts]
     work = Path(work) if work is not None else work_folder(root)
-    t0 = time.perf_counter()
     key = f"s{opt.seed}_r{opt.repeats}_b{opt.bos_samples}_n{opt.new_tokens}_p{len(ids)}"
     cache = generate_cache(model, ids, opt, work / f"cache_{key}.npz", progress)
-    gen_minutes = (time.perf_counter() - t0) / 60
+    gen_minutes = float(cache.get("seconds", 0.0)) / 60
 
     table = pkg.embedding_table().rows(np.arange(pkg.meta.vocab_size, dtype=np.int64))
     vocab = _vocab(cache, pkg.meta.vocab_size, opt)

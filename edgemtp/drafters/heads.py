@@ -21,6 +21,7 @@ from ..budgets import check_bc
 from ..errors import BudgetError, ConfigError
 from ..plans import Plan
 from ..tree import RankCalibration, ranked_tree
+from .hybrid import HitRates, HybridDrafter
 
 if TYPE_CHECKING:
     from ..config import GenerationConfig
@@ -118,3 +119,34 @@ class HeadsDrafter:
         root = np.array(new_tokens[-1:], dtype=np.int64)
         hidden = out.hidden[path_rows[-1]]
         self._cand = self.runner.run(hidden, None if self.embed is None else self.embed(root)[0])
+
+
+class HeadsHybridDrafter(HybridDrafter):
+    """The hybrid drafter (``drafter="hybrid"`` with ``heads=KIND``) with the package's
+    heads in place of mask tokens: head ``j``'s candidates hang under the depth-``j`` node of
+    the top-1 chain, where mask ``j``'s would, and are scored by their online hit rate per
+    rank like them; lookup chains and the Jacobi window stay. No node carries masks, so the
+    whole tree budget goes to draft nodes."""
+
+    hidden = True
+
+    def __init__(self, backend: Backend, config: GenerationConfig,
+                 memory: dict | None = None) -> None:
+        super().__init__(backend, config, memory)
+        self.heads = HeadsDrafter(backend, config.with_(drafter="heads", calibrate=False))
+        self.k = self.mask_tokens = 0
+        key = ("hybrid-heads-hit-rates", config.bc, config.heads, config.prune,
+               config.calibrate)
+        fresh = HitRates(self.max_ngram, self.topk, jacobi=self.rates.prior.size
+                         - self.rates.first_jacobi)
+        self.rates = fresh if memory is None else memory.setdefault(key, fresh)
+
+    def mask_embeds(self) -> None:
+        return None
+
+    def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
+                path_rows: np.ndarray) -> None:
+        super().observe(out, mask_rows[:0], new_tokens, path_rows)
+        self.heads.observe(out, mask_rows, new_tokens, path_rows)
+        ids, lp = self.heads._cand
+        self._cand = (ids[:, :self.topk].tolist(), np.exp(lp[:, :self.topk]).tolist())
