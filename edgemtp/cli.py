@@ -448,7 +448,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
         rec = read_profile(args.profile)[0]
         parser.commands[args.command].set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
-                                                   mask_tokens=int(rec["mask_tokens"]))
+                                                   mask_tokens=int(rec["mask_tokens"]),
+                                                   heads=rec.get("heads"))
         args = parser.parse_args(argv)
     return args
 

@@ -166,16 +166,16 @@ def test_heads_equal_transformers_greedy(trained, stories_refs, bc):
     pkg, _ = trained
     backend = _ort(pkg)
     session = backend.session()
-    for kind in ("medusa", "residual"):
-        config = GenerationConfig(drafter="heads", heads=kind, bc=bc, max_new_tokens=128)
+    for drafter, kind in (("heads", "medusa"), ("heads", "residual"), ("hybrid", "residual")):
+        config = GenerationConfig(drafter=drafter, heads=kind, bc=bc, max_new_tokens=128)
         calls = tokens = 0
         for i, (ids, ref) in enumerate(zip(prompts[:QUICK], refs)):
             r = Generation(backend, config, ids, session=session).run()
-            assert r.token_ids == ref, f"{kind} BC={bc}: prompt {i} differs"
+            assert r.token_ids == ref, f"{drafter} {kind} BC={bc}: prompt {i} differs"
             assert r.stats.mask_tokens == 0 and r.stats.bc == bc
             calls += r.stats.forward_calls
             tokens += r.stats.new_tokens
-        assert tokens / calls > 1.2, (kind, bc, tokens / calls)  # heads accept drafts
+        assert tokens / calls > 1.2, (drafter, kind, bc, tokens / calls)  # drafts accepted
 
 
 def test_heads_sampling_matches_model_distribution(trained, stories_refs):
@@ -218,7 +218,7 @@ def test_heads_on_the_torch_backend_is_one_clear_error(stories_path):
 def test_heads_option_needs_the_heads_drafter():
     from edgemtp.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="only applies to drafter='heads'"):
+    with pytest.raises(ConfigError, match="only applies to drafter='heads' or 'hybrid'"):
         GenerationConfig(heads="medusa")
     with pytest.raises(ConfigError, match="medusa or residual"):
         GenerationConfig(drafter="heads", heads="eagle")
