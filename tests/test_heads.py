@@ -160,7 +160,7 @@ def test_residual_graph_feeds_its_own_argmax_like_teacher_forcing():
 # -- the drafter: lossless, and better than probing -----------------------------------------
 
 
-@pytest.mark.parametrize("bc", [10, 30, 60])
+@pytest.mark.parametrize("bc", [10, 30, pytest.param(60, marks=pytest.mark.slow)])
 def test_heads_equal_transformers_greedy(trained, stories_refs, bc):
     hf, prompts, refs = stories_refs
     pkg, _ = trained
