@@ -224,7 +224,7 @@ def train(model_heads, cache: dict, opt: TrainOptions, vocab, checkpoint: Path,
     optim = torch.optim.AdamW(params, lr=opt.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=opt.lr, total_steps=opt.steps,
                                                 pct_start=0.05)
-    history, step = [], 0
+    history, step, before = [], 0, 0.0  # before: seconds spent by earlier (resumed) runs
     if checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
         if state["steps"] == opt.steps and state["kind"] == opt.kind:
@@ -232,6 +232,7 @@ def train(model_heads, cache: dict, opt: TrainOptions, vocab, checkpoint: Path,
             optim.load_state_dict(state["optim"])
             sched.load_state_dict(state["sched"])
             history, step = state["history"], state["step"]
+            before = state.get("seconds", 0.0)
     rng = np.random.default_rng(opt.seed + step)
     t0 = time.perf_counter()
     bar = tqdm(total=opt.steps, initial=step, desc=f"training {opt.kind}", disable=not progress)
@@ -250,14 +251,15 @@ def train(model_heads, cache: dict, opt: TrainOptions, vocab, checkpoint: Path,
             checkpoint.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model_heads.state_dict(), "optim": optim.state_dict(),
                         "sched": sched.state_dict(), "history": history, "step": step,
-                        "steps": opt.steps, "kind": opt.kind}, checkpoint)
+                        "steps": opt.steps, "kind": opt.kind,
+                        "seconds": before + time.perf_counter() - t0}, checkpoint)
     bar.close()
     with torch.no_grad():
         x, toks, labels = batch(val)
         pred = model_heads.logits(x, toks).argmax(-1)
         top1 = (pred == labels).float().mean(0).tolist()
     return {"history": history, "val_top1": tuple(round(a, 4) for a in top1),
-            "minutes": (time.perf_counter() - t0) / 60}
+            "minutes": (before + time.perf_counter() - t0) / 60}
 
 
 def plot_loss(history: list[float], path: Path, title: str) -> None:
@@ -324,11 +326,15 @@ def export_heads(model_heads, lm_head: np.ndarray, path: Path, topk: int, opset:
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     ids, lp = sess.run(None, {n: a.numpy() for n, a in zip(names, feeds)})
     diff = float(np.abs(lp - ref_lp).max())
-    clear = (ref_lp[..., 0] - ref_lp[..., 1]) > 1e-4  # the top-1 where it is not a near-tie
+    # relative to the log-prob scale: the residual kind chains H steps of float32 sums, and
+    # a 576-wide model's log-probs differ by ~5e-3 on a scale of ~30 (SmolLM2)
+    limit = 3e-4 * max(10.0, float(np.abs(ref_lp).max()))
+    clear = (ref_lp[..., 0] - ref_lp[..., 1]) > 2 * limit  # the top-1 where not a near-tie
     same = (ids[..., 0] == ref_ids[..., 0]) | ~clear
-    if diff > 1e-3 or not same.all():
+    if diff > max(limit, 1e-3) or not same.all():
         raise ConfigError(f"the exported heads graph differs from PyTorch: max |log-prob diff| "
-                          f"{diff:.2e}, top-K ids equal: {bool(same.all())}")
+                          f"{diff:.2e} (limit {max(limit, 1e-3):.1e}), top-1 ids equal: "
+                          f"{bool(same.all())}")
     return diff
 
 
