@@ -636,7 +636,8 @@ def parse(argv=None):
     ap.add_argument("--stories", default=str(ROOT / ".." / "shared" / "models" / STORIES),
                     help="the stories260K folder (real weights)")
     ap.add_argument("--skip", default="", help=f"stages to leave out: {','.join(STAGES)}")
-    ap.add_argument("--drafters", default=",".join(drafter_registry.names(speculative=True)))
+    ap.add_argument("--drafters", default=",".join(  # heads: only packages trained for them
+        d for d in drafter_registry.names(speculative=True) if d != "heads"))
     ap.add_argument("--bc", default="10,30,60")
     ap.add_argument("--prompts", type=int, default=24, help="story prompts (stories260K)")
     ap.add_argument("--random-prompts", type=int, default=4, help="prompts per random shape")

@@ -76,6 +76,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter", choices=drafters.names(), default="probe",
                    help="who proposes the tree: " + "; ".join(
                        f"{n}: {s.summary}" for n, s in drafters.REGISTRY.items()))
+    g.add_argument("--heads", default=None, choices=("medusa", "residual"),
+                   help="with --drafter heads: which of the package's heads (default: its first)")
     g.add_argument("--lade", type=_int_list, default=None, metavar="L,W,G",
                    help="lookahead decoding's n-gram size, window and guess set (with "
                         "--drafter lade; default: the paper's for BC 10/30/60)")
@@ -101,7 +103,8 @@ def _config(a: argparse.Namespace) -> GenerationConfig:
         branching=a.branching, mask_init=a.mask_init, ema=a.ema, prune=not a.no_prune,
         calibrate=not a.no_calibrate,
         drafter=a.drafter, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-        seed=a.seed, stop=tuple(a.stop), lookahead=getattr(a, "lade", None))
+        seed=a.seed, stop=tuple(a.stop), lookahead=getattr(a, "lade", None),
+        heads=getattr(a, "heads", None))
 
 
 def _load(a: argparse.Namespace):
@@ -198,7 +201,8 @@ def cmd_export(a: argparse.Namespace) -> int:
         cuda_device()
     report = export_package(a.model, a.output, dtype=a.dtype, max_context=a.max_context,
                             bc=a.bc, mask_tokens=a.mask_tokens, opset=a.opset, force=a.force,
-                            trust_remote_code=a.trust_remote_code, progress=not a.quiet)
+                            trust_remote_code=a.trust_remote_code, progress=not a.quiet,
+                            hidden_states=a.hidden_states)
     print(report.summary())
     if a.trt:
         _build_engine(a.output, a.workspace, None, not a.quiet)
@@ -230,6 +234,18 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
     model = Model.load(a.package, backend="onnxruntime", threads=1)
     print(describe(model.backend.package))
+    return 0
+
+
+def cmd_train_heads(a: argparse.Namespace) -> int:
+    from edgemtp.export.heads import TrainOptions, train_heads
+
+    opt = TrainOptions(kind=a.kind, heads=a.heads, steps=a.steps, seed=a.seed,
+                       threads=a.threads, batch=a.batch, lr=a.lr, vocab=a.vocab,
+                       max_prompts=a.max_prompts, bos_samples=a.bos_samples,
+                       repeats=a.repeats, new_tokens=a.new_tokens)
+    info = train_heads(a.package, opt, work=a.work, progress=not a.quiet)
+    print(f"trained {info.file}: {info.summary()}")
     return 0
 
 
@@ -310,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model folder's own Python code to run")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.add_argument("--hidden-states", action="store_true",
+                   help="the graph also outputs the last hidden states, which learned heads "
+                        "read (edgemtp train-heads)")
     e.add_argument("--trt", action="store_true",
                    help="then build a TensorRT engine for this machine's GPU (as build-engine)")
     e.add_argument("--workspace", type=float, default=2.0,
@@ -330,6 +349,34 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print an exported package's manifest, plans and memory")
     i.add_argument("package", help="package folder written by 'edgemtp export'")
     i.set_defaults(func=cmd_inspect)
+
+    th = sub.add_parser("train-heads", help="train learned draft heads (Medusa-style or "
+                                            "residual) for a package by self-distillation on "
+                                            "its own generations, and add them to it")
+    th.add_argument("package", help="package folder exported with --hidden-states")
+    th.add_argument("--kind", choices=("medusa", "residual"), default="medusa")
+    th.add_argument("--heads", type=int, default=4, help="heads = tree depths (default: 4)")
+    th.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: 1500)")
+    th.add_argument("--batch", type=int, default=256, help="rows per step (default: 256)")
+    th.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate (default: 3e-2 medusa, 1e-2 residual)")
+    th.add_argument("--seed", type=int, default=0)
+    th.add_argument("--threads", type=int, default=2, help="CPU threads (default: 2)")
+    th.add_argument("--vocab", type=int, default=None,
+                    help="tokens the heads score, most frequent first (default: all up to "
+                         "32768, else 8192)")
+    th.add_argument("--max-prompts", type=int, default=None,
+                    help="use only the first N training prompts")
+    th.add_argument("--bos-samples", type=int, default=128,
+                    help="generations from BOS alone (default: 128)")
+    th.add_argument("--repeats", type=int, default=3,
+                    help="generations per training prompt (default: 3)")
+    th.add_argument("--new-tokens", type=int, default=160,
+                    help="greedy tokens per generation (default: 160)")
+    th.add_argument("--work", default=None, help="cache and checkpoint folder (default: "
+                                                 "beside the package, .NAME.heads-train)")
+    th.add_argument("--quiet", action="store_true", help="no progress bars")
+    th.set_defaults(func=cmd_train_heads)
 
     dr = sub.add_parser("doctor", help="what this machine is, which backend/device pairs run "
                                        "here and how to install the rest; with a package, a "
@@ -401,7 +448,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
         rec = read_profile(args.profile)[0]
         parser.commands[args.command].set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
-                                                   mask_tokens=int(rec["mask_tokens"]))
+                                                   mask_tokens=int(rec["mask_tokens"]),
+                                                   heads=rec.get("heads"))
         args = parser.parse_args(argv)
     return args
 

@@ -52,6 +52,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = field(default=())
     latency: LatencyCurve | None = None  # for drafter="auto"; None: measured once per model
     lookahead: tuple[int, int, int] | None = None  # LADE's (L, W, G); None: from the budget
+    heads: str | None = None  # drafter="heads": the kind to run; None: the package's first
     eos_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +96,11 @@ class GenerationConfig:
                    "lookahead (L, W, G) only applies to drafter='lade'")
             _check(len(self.lookahead) == 3 and all(isinstance(v, int) for v in self.lookahead),
                    f"lookahead needs three integers (L, W, G), got {list(self.lookahead)}")
+        if self.heads is not None:
+            _check("heads" in spec.options,
+                   "heads (a kind) only applies to drafter='heads' or 'hybrid'")
+            _check(self.heads in ("medusa", "residual"),
+                   f"heads must be medusa or residual, got {self.heads!r}")
         spec.budget(self)  # the drafter's budget rule: fail before any model is loaded
 
     @property

@@ -103,6 +103,8 @@ class Generation:
                               f"{backend.max_context}, which leaves no room to generate")
         width = drafter_spec(config.drafter).budget(config)
         self.drafter: Drafter = make_drafter(backend, config, memory)
+        # learned heads read the rows' last hidden states; other drafters never ask for them
+        self._hidden = bool(getattr(self.drafter, "hidden", False))
         self.verifier = Verifier(config)
         self.stopper = Stopper(config, backend.eos_token_ids,
                                backend.max_context - self.prompt.size, decode)
@@ -168,7 +170,8 @@ class Generation:
         ids = np.concatenate([self.prompt, self.backend.vocab_size + np.arange(k)])
         causal = np.tril(np.ones((t + k, t + k), dtype=bool))
         out = b.forward(ids, np.arange(t + k), causal, self.drafter.mask_embeds(),
-                        topk=self.drafter.topk, full_logits=self.verifier.sample)
+                        topk=self.drafter.topk, full_logits=self.verifier.sample,
+                        hidden=self._hidden)
         root = self.verifier.target(out, t - 1)
         new = self._emit([root])
         if not self.done:
@@ -187,7 +190,8 @@ class Generation:
         embeds = self.drafter.mask_embeds()
         t1 = perf_counter()
         out = b.forward(ids, positions, plan.tree_mask, embeds,                       # forward
-                        topk=self.drafter.topk, full_logits=self.verifier.sample)
+                        topk=self.drafter.topk, full_logits=self.verifier.sample,
+                        hidden=self._hidden)
         t2 = perf_counter()
         accepted, bonus = self.verifier.walk(plan, tokens, out)                      # verify
         t3 = perf_counter()

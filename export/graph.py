@@ -17,6 +17,8 @@ Graph contract (``../shared/DESIGN.md``)::
              argmax [1, T] int64           first maximal index, as torch.argmax / np.argmax
              logits [1, T, V] float32      bind it only when sampling needs it
              present_key_i, present_value_i [1, T, H_kv, D]   the block's new rows only
+             hidden_states [1, T, d] float32   after the final norm (what the LM head reads);
+                                            only with --hidden-states, for learned heads
 
 ``T``, ``P`` and ``k`` are dynamic; ``K`` is fixed at export (the widest plan's N + 1).
 ONNX Runtime runs every node whatever outputs are asked for, but ``logits`` is the lm_head
@@ -35,7 +37,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from edgemtp.errors import UnsupportedModelError
 from edgemtp.models.decoder import TreeDecoder
-from edgemtp.runtimes.package import FIXED_INPUTS, graph_inputs, graph_outputs
+from edgemtp.runtimes.package import FIXED_INPUTS, HIDDEN, graph_inputs, graph_outputs
 
 # rotary types whose frequencies change with the sequence length at run time: a traced graph
 # would freeze one branch of that data-dependent update
@@ -105,24 +107,25 @@ class ExportTreeDecoder(TreeDecoder):
 
 
 class ExportDecoder(nn.Module):
-    """TreeDecoder with flat per-layer K/V arguments and the top-K / argmax reductions."""
+    """TreeDecoder with flat per-layer K/V arguments and the top-K / argmax reductions;
+    ``hidden``: the last hidden states as one more output, last."""
 
-    def __init__(self, decoder: TreeDecoder, topk: int) -> None:
+    def __init__(self, decoder: TreeDecoder, topk: int, hidden: bool = False) -> None:
         super().__init__()
-        self.decoder, self.topk = decoder, topk
+        self.decoder, self.topk, self.hidden = decoder, topk, hidden
 
     def forward(self, input_ids, position_ids, tree_mask, mask_embeds, *past):
         # past: past_key_0, past_value_0, past_key_1, ... each [1, P, H_kv, D], then past_len
         past, past_len = past[:-1], past[-1]
-        logits, keys, values = self.decoder(input_ids, position_ids, tree_mask, mask_embeds,
+        h, keys, values = self.decoder.body(input_ids, position_ids, tree_mask, mask_embeds,
                                             list(past[0::2]), list(past[1::2]), past_len)
-        logits = logits.float()                                     # [1, T, V]
+        logits = self.decoder.lm_head(h).float()                    # [1, T, V]
         top, ids = logits.topk(self.topk, dim=-1)
         # log-softmax of the top-K only: no second [T, V] tensor
         logprobs = top - torch.logsumexp(logits, dim=-1, keepdim=True)
         argmax = logits.argmax(dim=-1)
         present = [t for kv in zip(keys, values) for t in kv]
-        return (ids, logprobs, argmax, logits, *present)
+        return (ids, logprobs, argmax, logits, *present, *([h.float()] if self.hidden else []))
 
 
 def check_rope(config) -> None:
@@ -151,12 +154,12 @@ def example_inputs(decoder: TreeDecoder, dtype: torch.dtype, t: int = 5, p: int 
     return (ids, pos, mask, embeds, *past, torch.tensor([p - 1]))
 
 
-def dynamic_axes(layers: int) -> dict[str, dict[int, str]]:
+def dynamic_axes(layers: int, hidden: bool = False) -> dict[str, dict[int, str]]:
     axes = {"input_ids": {1: "T"}, "position_ids": {1: "T"}, "tree_mask": {2: "T", 3: "T"},
             "mask_embeds": {0: "k"}}
     for name in graph_inputs(layers)[len(FIXED_INPUTS):-1]:  # past K/V; past_len is [1]
         axes[name] = {1: "P"}
-    for name in graph_outputs(layers):
+    for name in graph_outputs(layers, hidden):
         axes[name] = {1: "T"}
     return axes
 
@@ -168,8 +171,9 @@ def trace_to_onnx(module: ExportDecoder, path: Path, dtype: torch.dtype, opset: 
     with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
         warnings.simplefilter("ignore")  # TracerWarnings about shape arithmetic are expected
         torch.onnx.export(module, example_inputs(dec, dtype), str(path),
-                          input_names=graph_inputs(layers), output_names=graph_outputs(layers),
-                          dynamic_axes=dynamic_axes(layers), opset_version=opset,
+                          input_names=graph_inputs(layers),
+                          output_names=graph_outputs(layers, module.hidden),
+                          dynamic_axes=dynamic_axes(layers, module.hidden), opset_version=opset,
                           do_constant_folding=True, dynamo=False)
 
 
@@ -180,7 +184,8 @@ def tidy_graph(model, module: ExportDecoder) -> None:
     dec = module.decoder
     kv = [1, "T", dec.n_kv, dec.head_dim]
     shapes = {"topk_ids": [1, "T", module.topk], "topk_logprobs": [1, "T", module.topk],
-              "argmax": [1, "T"], "logits": [1, "T", dec.vocab_size]}
+              "argmax": [1, "T"], "logits": [1, "T", dec.vocab_size],
+              HIDDEN: [1, "T", dec.model.embed_tokens.weight.shape[1]]}
     for out in model.graph.output:
         dims = out.type.tensor_type.shape.dim
         want = shapes.get(out.name, kv)

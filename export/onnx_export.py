@@ -68,6 +68,7 @@ class ExportOptions:
     mask_tokens: tuple[int, ...] = (1, 2)
     opset: int = DEFAULT_OPSET
     tolerance: tuple[float, float] | None = None
+    hidden_states: bool = False  # the graph's last output: hidden states, for learned heads
     budgets: tuple[tuple[int, int], ...] = field(init=False)
     skipped: tuple[str, ...] = field(init=False)
 
@@ -185,16 +186,18 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
                    opset: int = DEFAULT_OPSET, force: bool = False,
                    trust_remote_code: bool = False,
                    tolerance: tuple[float, float] | None = None,
-                   progress: bool = True) -> ExportReport:
+                   progress: bool = True, hidden_states: bool = False) -> ExportReport:
     """Export ``model`` (a local Hugging Face folder, a llama.cpp GGUF file or a folder
     holding one, or a hub id when online) to ``out``.
 
     ``tolerance``: (token rows, mask rows) for the self-check, relative to the logit scale;
-    default ``selfcheck.TOLERANCE[dtype]``.
+    default ``selfcheck.TOLERANCE[dtype]``. ``hidden_states``: the graph also outputs the
+    last hidden states ``[1, T, d]`` (after the final norm), which learned heads read
+    (``edgemtp train-heads``).
     """
     t0 = time.perf_counter()
     options = ExportOptions(dtype, max_context, tuple(bc), tuple(mask_tokens), opset,
-                            None if tolerance is None else tuple(tolerance))
+                            None if tolerance is None else tuple(tolerance), hidden_states)
     out = check_destination(model, out, force)  # before the heavy imports: fail fast
     source, gguf = _check_source(model)
     with partial_folder(out) as tmp:  # an unwritable place fails here, before any loading
@@ -267,9 +270,11 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
             decoder.softmax_dtype = torch.float64
         topk = min(int(hf.config.vocab_size),
                    max(static_plan(b, k).n_nodes for b, k in job.budgets) + 1)
-        module = ExportDecoder(decoder, topk).eval()
-        # the self-check holds the graph to the decoder the PyTorch backend runs
-        reference = ExportDecoder(TreeDecoder(hf, job.family), topk).eval()
+        hidden = job.options.hidden_states
+        module = ExportDecoder(decoder, topk, hidden).eval()
+        # the self-check holds the graph to the decoder the PyTorch backend runs (its hidden
+        # states too, at the K/V tolerance)
+        reference = ExportDecoder(TreeDecoder(hf, job.family), topk, hidden).eval()
 
     with _stage(bar, "tracing the graph", tmp):
         graph = _write_graph(module, tmp, hf.dtype, opset, job.options.dtype)
@@ -321,7 +326,7 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
             dtype=dtype, max_context=job.context, topk=topk,
             graph=GraphInfo(opset=opset, external_data=graph.external,
                             inputs=tuple(graph_inputs(layers)),
-                            outputs=tuple(graph_outputs(layers))),
+                            outputs=tuple(graph_outputs(layers, hidden))),
             cache=CacheInfo(dtype=dtype), plans=tuple(plans), embeddings=embeddings,
             tokenizer=tokenizer is not None, tokenizer_files=tokenizer_files,
             files=record_files(tmp),

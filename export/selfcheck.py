@@ -90,7 +90,7 @@ def self_check(graph: Path, module, budgets: list[tuple[int, int]], tokenizer,
     # noise past the prompt's, which past_len masks
     noise = np.random.default_rng(2).normal(size=(1, 5, *ref[4].shape[2:]))
     past = [torch.from_numpy(np.concatenate([kv[:, :p], noise.astype(kv.dtype)], axis=1))
-            for kv in ref[4:]]
+            for kv in ref[4:4 + 2 * len(dec.model.layers)]]  # not the hidden states
     plan = _widest_plan(budgets)
     nodes = np.random.default_rng(0).integers(0, dec.vocab_size, plan.n_nodes)
     nodes[0] = int(ref[2][0, p - 1])
@@ -159,5 +159,5 @@ def _compare(what: str, ref, ours, is_mask: np.ndarray, tol: tuple[float, float]
         a64 = a.astype(np.float64)
         kv, limit = float(np.abs(a64 - b).max()), tol[1] * max(1.0, float(np.abs(a64).max()))
         if not kv <= limit:
-            raise SelfCheckError(f"self-check failed on the {what}: the new K/V output {i} "
+            raise SelfCheckError(f"self-check failed on the {what}: the new K/V (or hidden) output {i} "
                                  f"differs by {kv:.3e}, above {limit:.1e}")

@@ -41,6 +41,7 @@ import numpy as np
 
 from edgemtp.errors import ConfigError, ModelLoadError
 from edgemtp.plans import DynamicPlans, Plan, dynamic_plans, install, static_plan
+from edgemtp.runtimes.heads import HeadsInfo
 from edgemtp.runtimes.host_table import EmbeddingTable
 
 FORMAT_VERSION = 2  # 2: the graph takes past_len (format 1 graphs attend to all past rows)
@@ -62,6 +63,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 FIXED_INPUTS = ("input_ids", "position_ids", "tree_mask", "mask_embeds")
 PAST_LEN = "past_len"  # [1] int64 after the past K/V: rows of the bound past that are cache
 FIXED_OUTPUTS = ("topk_ids", "topk_logprobs", "argmax", "logits")
+HIDDEN = "hidden_states"  # [1, T, d] after the final norm, last output (export --hidden-states)
 
 
 def kv_names(prefix: str, layers: int) -> list[str]:
@@ -73,8 +75,8 @@ def graph_inputs(layers: int) -> list[str]:
     return [*FIXED_INPUTS, *kv_names("past", layers), PAST_LEN]
 
 
-def graph_outputs(layers: int) -> list[str]:
-    return [*FIXED_OUTPUTS, *kv_names("present", layers)]
+def graph_outputs(layers: int, hidden: bool = False) -> list[str]:
+    return [*FIXED_OUTPUTS, *kv_names("present", layers), *([HIDDEN] if hidden else [])]
 
 
 def plan_file(bc: int, k: int) -> str:
@@ -494,6 +496,7 @@ class Manifest:
     gguf: GGUFSourceInfo | None = field(default=None, hash=False)
     engines: tuple[EngineInfo, ...] = ()  # absent before 'edgemtp build-engine' ran
     weights: WeightsInfo | None = None  # absent in packages from before it was recorded
+    heads: tuple[HeadsInfo, ...] = ()  # learned draft heads ('edgemtp train-heads')
 
     def __post_init__(self) -> None:
         _check_version(self.format_version)
@@ -512,12 +515,17 @@ class Manifest:
         inputs = graph_inputs(self.num_layers)
         if self.format_version < 2:  # format 1 graphs have no past_len
             inputs.remove(PAST_LEN)
+        hidden = HIDDEN in self.graph.outputs  # optional: learned heads read it
         _check((list(self.graph.inputs), list(self.graph.outputs))
-               == (inputs, graph_outputs(self.num_layers)),
+               == (inputs, graph_outputs(self.num_layers, hidden)),
                f"the graph inputs/outputs do not follow the contract for {self.num_layers} "
                f"layers (input_ids, position_ids, tree_mask, mask_embeds, past_key_i/"
-               f"past_value_i, past_len)")
+               f"past_value_i, past_len; outputs topk_ids, topk_logprobs, argmax, logits, "
+               f"present_key_i/present_value_i, optionally hidden_states last)")
         self._check_plans()
+        _check(hidden or not self.heads, "'heads' are listed but the graph does not output "
+                                         "hidden_states, which they read; re-export with "
+                                         "--hidden-states")
         _check(len(self.embeddings.mu) == len(self.embeddings.sigma) == self.hidden_size,
                f"'embeddings.mu' and 'sigma' must have hidden_size = {self.hidden_size} "
                f"values, got {len(self.embeddings.mu)} and {len(self.embeddings.sigma)}")
@@ -693,6 +701,7 @@ class Package:
             roles[m.graph.external_data] = "external weights"
         roles.update({p.file: f"plan bc={p.bc} k={p.k}" for p in m.plans})
         roles.update({f: "tokenizer file" for f in m.tokenizer_files})
+        roles.update({f: f"{h.kind} heads file" for h in m.heads for f in h.files()})
         return roles
 
     def _role(self, name: str) -> str:
@@ -884,6 +893,8 @@ def describe(pkg: Package) -> str:
         lines.append(f"engine    {e.file}, {_size(e.bytes)}: TensorRT {e.tensorrt_version} on "
                      f"{e.gpu} (sm {e.compute_capability}), {len(e.profiles)} profiles "
                      f"({names})")
+    for h in m.heads:
+        lines.append(f"heads     {h.file}: {h.summary()}")
     weights = pkg.weight_bytes()
     lines += ["", f"memory    weights {_size(weights)} ({pkg.weights.name}, on disk)"]
     for dt in NP_DTYPES:

@@ -30,7 +30,7 @@ FORMAT = 1
 BC_GRID = (4, 6, 8, 10, 14, 20, 30, 40, 60, 90, 120)
 
 
-def candidates(budget: int) -> list[tuple[str, dict]]:
+def candidates(budget: int, heads: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
     """Plans worth measuring under ``budget``: plain decoding; k = 1 probing on a grid of BCs
     and k = 2 dynamic trees on its multiples of 3 from 9; prompt lookup at BC
     ``min(budget, 11)`` (a chain is at most 10 deep); STAND, lookahead (from BC 3) and the k = 1
@@ -48,6 +48,9 @@ def candidates(budget: int) -> list[tuple[str, dict]]:
         if b >= 3:
             out.append((f"lade BC={b}", dict(drafter="lade", bc=b)))
         out.append((f"hybrid k=1 BC={b}", dict(drafter="hybrid", bc=b, mask_tokens=1)))
+    for kind in heads:
+        out += [(f"heads {kind} BC={b}", dict(drafter="heads", heads=kind, bc=b))
+                for b in BC_GRID if b <= budget]
     if budget >= 4:
         out.append((f"auto BC<={budget}", dict(drafter="auto", bc=budget)))
     return out
@@ -85,7 +88,8 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
         raise ConfigError("a profile needs at least one prompt, got none")
     sizes = sorted({1, 2, budget, *(b for b in BC_GRID if b <= budget)})
     latency = measure_latency(model.backend, sizes, repeats=15)
-    plans = candidates(budget)
+    package = getattr(model.backend, "package", None)
+    plans = candidates(budget, tuple(h.kind for h in package.meta.heads) if package else ())
     rows = []
     reference = None
     with tqdm(total=len(plans) * len(prompts) * repeats, desc="profile", unit="gen",
@@ -106,6 +110,8 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
     best = max((r for r in rows if r["lossless"]), key=lambda r: r["tokens_per_second"])
     rec = {"drafter": best["options"]["drafter"], "bc": best["options"].get("bc", 1),
            "mask_tokens": best["options"].get("mask_tokens", 1)}
+    if "heads" in best["options"]:
+        rec["heads"] = best["options"]["heads"]
     return {
         "format_version": FORMAT, "backend": model.backend.name, "budget": budget,
         "prompts": len(prompts), "max_new_tokens": max_new_tokens,

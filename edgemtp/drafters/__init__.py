@@ -10,6 +10,7 @@ pld        :mod:`.prompt_lookup` prompt lookup chains              ``min(bc, 11)
 stand      :mod:`.stand` trees from stored distributions           ``<= bc``
 lade       :mod:`.lookahead` lookahead decoding                    ``(L - 1)(W + G) <= bc``
 hybrid     :mod:`.hybrid` probing + lookup + Jacobi window         ``<= bc``
+heads      :mod:`.heads` learned Medusa / residual heads            ``N <= bc``
 none       :mod:`.base` plain decoding                             ``1``
 =========  =====================================================  ==========================
 """
@@ -25,6 +26,7 @@ from ..errors import ConfigError
 from ..plans import static_plan
 from .auto import AutoDrafter
 from .base import Drafter, NoDrafter
+from .heads import HeadsDrafter, HeadsHybridDrafter, heads_budget
 from .hybrid import HybridDrafter
 from .lookahead import LookaheadDrafter
 from .probe import ProbeDrafter
@@ -41,6 +43,12 @@ def _probe_budget(c: GenerationConfig) -> int:
         dynamic_table_size(c.bc, c.mask_tokens)  # refuses a table too large to precompile
         return nodes_for_budget(c.bc, c.mask_tokens) * (c.mask_tokens + 1)
     return static_plan(c.bc, c.mask_tokens, c.branching).bc
+
+
+def _hybrid(backend: Backend, config: GenerationConfig, memory: dict | None) -> Drafter:
+    # heads=KIND: the package's learned heads take the place of mask tokens
+    cls = HybridDrafter if config.heads is None else HeadsHybridDrafter
+    return cls(backend, config, memory)
 
 
 def _lade_budget(c: GenerationConfig) -> int:
@@ -82,8 +90,12 @@ REGISTRY: dict[str, DrafterSpec] = {spec.name: spec for spec in (
                 StandDrafter, lambda c: check_bc(c.bc)),
     DrafterSpec("lade", "lookahead decoding: Jacobi window and n-gram pool in one block",
                 LookaheadDrafter, _lade_budget, options=frozenset({"lookahead"})),
-    DrafterSpec("hybrid", "probing, lookup and a Jacobi window in one tree", HybridDrafter,
-                lambda c: check_bc(c.bc), uses_masks=True),
+    DrafterSpec("hybrid", "probing (or a package's learned heads: --heads KIND), lookup and a "
+                          "Jacobi window in one tree", _hybrid,
+                lambda c: check_bc(c.bc), uses_masks=True, options=frozenset({"heads"})),
+    DrafterSpec("heads", "a package's learned Medusa or residual heads (edgemtp train-heads) "
+                         "on the last hidden state, dynamic tree", HeadsDrafter, heads_budget,
+                options=frozenset({"heads"})),
     DrafterSpec("none", "plain decoding (BE 1.0)", lambda backend, config, memory: NoDrafter(),
                 lambda c: 1),
 )}
@@ -108,6 +120,6 @@ def make_drafter(backend: Backend, config: GenerationConfig, memory: dict | None
     return get(config.drafter).factory(backend, config, memory)
 
 
-__all__ = ["AutoDrafter", "Drafter", "DrafterSpec", "HybridDrafter", "LookaheadDrafter",
-           "NoDrafter", "ProbeDrafter", "PromptLookupDrafter", "REGISTRY", "StandDrafter",
-           "get", "make_drafter", "names"]
+__all__ = ["AutoDrafter", "Drafter", "DrafterSpec", "HeadsDrafter", "HybridDrafter",
+           "LookaheadDrafter", "NoDrafter", "ProbeDrafter", "PromptLookupDrafter", "REGISTRY",
+           "StandDrafter", "get", "make_drafter", "names"]

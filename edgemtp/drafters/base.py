@@ -16,6 +16,7 @@ ROOT_ONLY = Plan.root_only()
 class Drafter(Protocol):
     mask_tokens: int  # mask slots per node the block carries (0: the drafter uses none)
     topk: int         # candidates per block row the drafter reads from a step
+    # optional ``hidden: bool``: steps return the rows' last hidden states (learned heads)
 
     def start(self, prompt_ids: np.ndarray) -> None: ...
 

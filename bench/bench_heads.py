@@ -1,0 +1,179 @@
+"""Learned heads against the training-free drafters: BE and tokens/s per drafter and BC on
+held-out prompts, every output checked against greedy decoding, the heads' training record
+and what a heads step costs next to the base model's t(1).
+
+The package must be exported with ``--hidden-states`` and carry both kinds of heads
+(``edgemtp train-heads PKG --kind medusa`` and ``--kind residual``). Prompts are the
+evaluation split of ``export.heads``: the first 24 story prompts (a plain-text model), or
+the first questions of every Spec-Bench category under the chat template (a chat model);
+training never saw them.
+
+    python bench/bench_heads.py --package out/stories-h [--prompts 24] [--bc 10,30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from edgemtp import GenerationConfig, Model
+from edgemtp.export.heads import EVAL_PER_CATEGORY, training_prompts
+from edgemtp.runtimes.heads import HeadsRunner
+from edgemtp.tools.measure import measure
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (label, drafter options); BC is added per budget
+METHODS = [
+    ("greedy", dict(drafter="none")),
+    ("probe k=1", dict(drafter="probe")),
+    ("pld", dict(drafter="pld")),
+    ("hybrid", dict(drafter="hybrid")),
+    ("heads medusa", dict(drafter="heads", heads="medusa")),
+    ("heads residual", dict(drafter="heads", heads="residual")),
+    ("hybrid + residual heads", dict(drafter="hybrid", heads="residual")),
+]
+
+
+def eval_prompts(model: Model, n: int) -> tuple[list, str]:
+    chat = model.tokenizer is not None and model.tokenizer.chat_template is not None
+    train, _, held = training_prompts(chat)
+    assert not set(train) & set(held)
+    if not chat:
+        return held[:n], f"story prompts 0-{min(n, len(held)) - 1} (held out)"
+    # held = the first EVAL_PER_CATEGORY of each category, in file order: take n per category
+    per = max(1, n)
+    picked = [q for i, q in enumerate(held) if i % EVAL_PER_CATEGORY < per]
+    return ([model.encode_chat([{"role": "user", "content": q}]) for q in picked],
+            f"Spec-Bench, first {per} question(s) of each category, chat template (held out)")
+
+
+def step_costs(model: Model, reps: int = 300) -> dict:
+    """Median microseconds of a one-row base forward at P = 64 (t(1)) and of one heads run
+    per kind (the drafter's extra work per step; the residual kind includes the root's
+    embedding lookup)."""
+    b = model.backend
+    s = b.session()
+    n = 65
+    s.forward(np.arange(n) % b.vocab_size, np.arange(n), np.tril(np.ones((n, n), bool)), None)
+    s.commit(np.arange(64))
+
+    def timed(fn) -> float:
+        for _ in range(20):
+            fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e6
+
+    one = np.ones((1, 1), bool)
+    out = {"t1_us": timed(lambda: s.forward(np.array([5]), np.array([64]), one, None)),
+           "t1_hidden_us": timed(lambda: s.forward(np.array([5]), np.array([64]), one, None,
+                                                   hidden=True))}
+    h = np.random.default_rng(0).standard_normal(b.hidden_size).astype(np.float32)
+    for info in b.package.meta.heads:
+        r = HeadsRunner.load(b.package, info.kind)
+        embed = "root_embeds" in r.inputs
+        out[f"{info.kind}_us"] = timed(
+            lambda: r.run(h, b.embed(np.array([5]))[0] if embed else None))
+    return out
+
+
+def run(model: Model, prompts: list, bcs: list[int], new_tokens: int, repeats: int) -> list:
+    rows, greedy = [], None
+    todo = [(label, opts, bc) for bc in bcs for label, opts in METHODS
+            if bc == bcs[0] or label != "greedy"]
+    with tqdm(total=len(todo) * len(prompts) * repeats, desc="bench", unit="gen",
+              file=sys.stderr) as bar:
+        for label, opts, bc in todo:
+            config = GenerationConfig(max_new_tokens=new_tokens, bc=bc, **opts)
+            m = measure(model, prompts, config, bar, repeats)
+            greedy = greedy or m.outputs
+            rows.append(dict(method=label, bc=None if label == "greedy" else bc,
+                             options=opts, tokens=m.tokens, forward_calls=m.forward_calls,
+                             block_efficiency=m.tokens / m.forward_calls,
+                             tokens_per_second=statistics.median(m.rates),
+                             lossless=m.outputs == greedy))
+    return rows
+
+
+def markdown(rows: list, costs: dict, heads: list, meta: dict) -> str:
+    out = [f"# Learned heads vs training-free drafters: {meta['model']}", "",
+           f"{meta['prompts']} prompts ({meta['prompt_set']}) x {meta['new_tokens']} new "
+           f"tokens, onnxruntime CPU, {meta['threads']} thread(s), {meta['date']}, "
+           f"{meta['machine']}. BE = committed tokens / forward calls (prefill included); "
+           f"tok/s: median of {meta['repeats']} run(s) on a shared machine (noisy). Lossless: "
+           f"every output equals greedy decoding's.", "",
+           "| method | BC | BE | BE / probe | fwd calls | tok/s | lossless |",
+           "|---|---:|---:|---:|---:|---:|:---:|"]
+    probe = {r["bc"]: r["block_efficiency"] for r in rows if r["method"] == "probe k=1"}
+    for r in rows:
+        ratio = (f"{r['block_efficiency'] / probe[r['bc']]:.2f}x" if r["bc"] in probe else "")
+        out.append(f"| {r['method']} | {r['bc'] or 1} | {r['block_efficiency']:.3f} | {ratio} | "
+                   f"{r['forward_calls']} | {r['tokens_per_second']:.1f} | "
+                   f"{'yes' if r['lossless'] else '**NO**'} |")
+    out += ["", "## Heads", "", "| kind | heads | scored tokens | training | val top-1 per "
+            "head | loss first -> last | train min | generate min |",
+            "|---|---:|---:|---|---|---|---:|---:|"]
+    for h in heads:
+        t = h["training"]
+        out.append(f"| {h['kind']} | {h['heads']} | {h['vocab']} | {t['steps']} steps x "
+                   f"{t['batch']} rows, {t['positions']} positions of {t['sequences']} "
+                   f"generations ({t['data']}) | {'/'.join(f'{a:.2f}' for a in t['val_top1'])} | "
+                   f"{t['loss_first']:.2f} -> {t['loss_last']:.2f} | {t['minutes']:.1f} | "
+                   f"{t['gen_minutes']:.1f} |")
+    t1 = costs["t1_us"]
+    out += ["", "## Step cost", "",
+            f"t(1) at P = 64: {t1:.0f} us ({costs['t1_hidden_us']:.0f} us with the hidden "
+            f"state bound). One heads run (the drafter's extra work per step):"]
+    for h in heads:
+        us = costs[f"{h['kind']}_us"]
+        out.append(f"- {h['kind']}: {us:.0f} us = {100 * us / t1:.0f} % of t(1)")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--package", required=True)
+    ap.add_argument("--prompts", type=int, default=24,
+                    help="story prompts, or questions per Spec-Bench category (default 24)")
+    ap.add_argument("--bc", default="10,30")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--name", default=None, help="results file stem (default: the package's)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    a = ap.parse_args(argv)
+    model = Model.load(a.package, backend="onnxruntime", threads=a.threads)
+    prompts, what = eval_prompts(model, a.prompts)
+    bcs = [int(b) for b in a.bc.split(",")]
+    rows = run(model, prompts, bcs, a.new_tokens, a.repeats)
+    costs = step_costs(model)
+    heads = model.backend.package.manifest["heads"]
+    name = a.name or Path(a.package).name
+    meta = dict(model=name, package=a.package, prompts=len(prompts), prompt_set=what,
+                new_tokens=a.new_tokens, repeats=a.repeats, threads=a.threads,
+                date=time.strftime("%Y-%m-%d"),
+                machine=f"{platform.machine()}, python {platform.python_version()}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(rows, costs, heads, meta)
+    (out / f"heads_{name}.md").write_text(text)
+    (out / f"heads_{name}.json").write_text(json.dumps(
+        dict(meta=meta, rows=rows, step_costs=costs, heads=heads), indent=1))
+    print(text)
+    return 0 if all(r["lossless"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,428 @@
+"""``edgemtp train-heads``: learned draft heads for an exported package, by self-distillation
+on CPU (the Medusa-2 recipe: the model's own generations, no external data).
+
+Stages: training prompts (never the evaluation prompts: :func:`training_prompts` asserts the
+split) -> generate with the package itself (a short sampled prefix for variety, then greedy)
+-> one forward over each whole sequence caches its hidden states and argmax -> train the
+heads (``models.heads``) against the model's own greedy tokens with its frozen LM head ->
+export ``heads/<kind>.onnx`` and check it against PyTorch -> list it in the manifest.
+
+Training targets (``models.heads`` for the indices): a row ``t`` is used when the tokens
+after it are the model's own greedy ones, the only case in which depth ``j`` of a tree hung
+under the top-1 chain can be accepted; head ``j``'s label is the model's argmax at
+``t + j``. Generation, caching and checkpoints live in a work folder beside the package, so
+a run can be stopped and resumed (``--steps`` more than the checkpoint's continues it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from edgemtp.errors import ConfigError
+from edgemtp.runtimes.heads import HEAD_KINDS, HEADS_DIR, HeadsInfo, HeadsTraining
+from edgemtp.runtimes.package import MANIFEST, Manifest, load_package, record_files
+
+# The evaluation prompts (tests, benches) are the first EVAL_STORIES story prompts and the
+# first EVAL_PER_CATEGORY Spec-Bench questions of every category; training never sees them.
+EVAL_STORIES = 24
+EVAL_PER_CATEGORY = 10
+HEADS_TOPK = 64      # candidates per head in the graph (a BC 60 tree needs 59 + 1 for pruning)
+FULL_VOCAB = 32768   # above this vocabulary, heads score only the most frequent tokens
+SUBSET = 8192        # ... this many of them (FR-Spec's frequency-ranked draft vocabulary)
+# peak learning rates: on stories260K (300 steps) medusa reached val top-1 0.45/0.57/0.63/0.64
+# for head 1 at 3e-3/1e-2/3e-2/1e-1, residual 0.66/0.78 at 3e-3/1e-2
+LR = {"medusa": 3e-2, "residual": 1e-2}
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    kind: str = "medusa"
+    heads: int = 4
+    steps: int = 1500
+    batch: int = 256
+    lr: float | None = None   # None: LR[kind]
+    seed: int = 0
+    repeats: int = 3          # generations per training prompt (sampled prefix of 0..8 tokens)
+    bos_samples: int = 128    # generations from BOS alone (a sampled prefix of 1..16 tokens)
+    new_tokens: int = 160     # greedy tokens per generation
+    threads: int = 2
+    vocab: int | None = None  # tokens the heads score (None: all up to FULL_VOCAB, else SUBSET)
+    max_prompts: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEAD_KINDS:
+            raise ConfigError(f"--kind must be one of {', '.join(HEAD_KINDS)}, got {self.kind!r}")
+        for name, low in (("heads", 1), ("steps", 1), ("batch", 1), ("threads", 1),
+                          ("new_tokens", 8), ("repeats", 1), ("bos_samples", 0), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name.replace('_', '-')} must be an integer >= {low}, "
+                                  f"got {value!r}")
+        if self.lr is None:
+            object.__setattr__(self, "lr", LR.get(self.kind, 1e-2))
+        if not (isinstance(self.lr, float) and 0 < self.lr < 1):
+            raise ConfigError(f"--lr must be a number in (0, 1), got {self.lr!r}")
+        if self.heads > 10:
+            raise ConfigError(f"--heads must be at most 10 (tree depths), got {self.heads}")
+
+
+# -- prompts -------------------------------------------------------------------------------
+
+
+def training_prompts(chat: bool) -> tuple[list[str], str, list[str]]:
+    """``(training prompts, what they are, evaluation prompts)``: story prompts after the first
+    ``EVAL_STORIES``; for a chat model Spec-Bench questions after the first
+    ``EVAL_PER_CATEGORY`` of each category. The two sets share no prompt (asserted)."""
+    from edgemtp.tools.prompts import SPEC_BENCH, load_prompts
+
+    if not chat:
+        stories = load_prompts(None, 10_000)
+        train, held = stories[EVAL_STORIES:], stories[:EVAL_STORIES]
+        what = f"story prompts {EVAL_STORIES}-{len(stories) - 1} and BOS"
+    else:
+        seen: dict[str, int] = {}
+        train, held = [], []
+        with open(SPEC_BENCH) as f:
+            for line in f:
+                row = json.loads(line)
+                i = seen[row["category"]] = seen.get(row["category"], -1) + 1
+                (held if i < EVAL_PER_CATEGORY else train).append(row["turns"][0])
+        what = (f"Spec-Bench questions after the first {EVAL_PER_CATEGORY} of each category "
+                f"(chat template) and BOS")
+    assert not set(train) & set(held), "training and evaluation prompts overlap"
+    return train, what, held
+
+
+# -- generation and caching ------------------------------------------------------------------
+
+
+def generate_cache(model, prompts: list[list[int]], opt: TrainOptions, path: Path,
+                   progress: bool = True) -> dict:
+    """Generate from every prompt with the package itself, run one forward over each whole
+    sequence and keep ``tokens, argmax [L]``, ``hidden [L, d]`` and the first greedy row.
+    Saved to ``path`` (``.npz``); a saved cache is reused."""
+    if path.is_file():
+        with np.load(path) as z:
+            return dict(z)
+    from tqdm import tqdm
+
+    from edgemtp.config import GenerationConfig
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(opt.seed)
+    bos = model.backend.package.meta.bos_token_id
+    jobs = [(p, int(rng.integers(0, 9)) if r else 0) for p in prompts for r in range(opt.repeats)]
+    if bos is not None:
+        jobs += [([bos], int(rng.integers(1, 17))) for _ in range(opt.bos_samples)]
+    b = model.backend
+    session = b.session()
+    parts: dict[str, list] = {"tokens": [], "argmax": [], "hidden": [], "greedy": [], "seq": []}
+    room = b.max_context - 1
+    for i, (ids, sampled) in enumerate(tqdm(jobs, desc="generating", disable=not progress)):
+        ids = list(ids)[: room // 2]
+        if sampled:
+            cfg = GenerationConfig(drafter="none", temperature=1.0, max_new_tokens=sampled,
+                                   seed=opt.seed * 100_003 + i)
+            ids += model.generate(ids, cfg).token_ids
+        start = len(ids)  # the first greedy token
+        cfg = GenerationConfig(drafter="none", max_new_tokens=min(opt.new_tokens,
+                                                                  room - len(ids)))
+        ids += model.generate(ids, cfg).token_ids
+        seq = np.array(ids, dtype=np.int64)
+        session.reset()
+        n = len(seq)
+        out = session.forward(seq, np.arange(n), np.tril(np.ones((n, n), dtype=bool)), None,
+                              hidden=True)
+        parts["tokens"].append(seq)
+        parts["argmax"].append(out.argmax.astype(np.int64))
+        parts["hidden"].append(np.array(out.hidden, dtype=np.float32))
+        parts["greedy"].append(np.int64(start))
+        parts["seq"].append(np.full(n, i, dtype=np.int64))
+    session.reset()
+    cache = {"tokens": np.concatenate(parts["tokens"]), "argmax": np.concatenate(parts["argmax"]),
+             "hidden": np.concatenate(parts["hidden"]), "seq": np.concatenate(parts["seq"]),
+             "greedy": np.array(parts["greedy"]),
+             "lengths": np.array([len(t) for t in parts["tokens"]]),
+             "seconds": np.float64(time.perf_counter() - t0)}  # kept for the record
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **cache)
+    return cache
+
+
+def rows(cache: dict, heads: int) -> np.ndarray:
+    """Global row indices ``t`` whose next ``heads`` tokens are greedy (see the module doc).
+
+    >>> c = {"lengths": np.array([6]), "greedy": np.array([2])}
+    >>> rows(c, 2).tolist()       # tokens 2..5 greedy: t + 1 >= 2 and t + 2 <= 5
+    [1, 2, 3]
+    """
+    out, offset = [], 0
+    for n, g in zip(cache["lengths"].tolist(), cache["greedy"].tolist()):
+        first, last = max(g - 1, 0), n - 1 - heads
+        out.append(np.arange(offset + first, offset + last + 1))
+        offset += n
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+# -- training ------------------------------------------------------------------------------
+
+
+def _vocab(cache: dict, v: int, opt: TrainOptions) -> np.ndarray | None:
+    """The M most frequent argmax tokens of the training text (None: the whole vocabulary)."""
+    m = opt.vocab if opt.vocab is not None else (v if v <= FULL_VOCAB else SUBSET)
+    if m >= v:
+        return None
+    counts = np.bincount(cache["argmax"], minlength=v)
+    return np.sort(np.argsort(-counts, kind="stable")[:m])
+
+
+def train(model_heads, cache: dict, opt: TrainOptions, vocab, checkpoint: Path,
+          progress: bool = True) -> dict:
+    """Train ``model_heads`` (resuming from ``checkpoint``); returns the loss history and the
+    held-out top-1 accuracy per head."""
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+
+    torch.set_num_threads(opt.threads)
+    torch.manual_seed(opt.seed)
+    h = opt.heads
+    all_rows = rows(cache, h)
+    perm = np.random.default_rng(opt.seed).permutation(len(all_rows))
+    n_val = max(min(len(all_rows) // 20, 2000), 1)
+    val, fit = all_rows[perm[:n_val]], all_rows[perm[n_val:]]
+    hidden = torch.from_numpy(cache["hidden"])
+    tokens, argmax = torch.from_numpy(cache["tokens"]), torch.from_numpy(cache["argmax"])
+    offs = torch.arange(1, h + 1)
+    remap = None
+    if vocab is not None:  # labels as rows of the subset; -100: a token the heads cannot score
+        remap = torch.full((int(argmax.max()) + 1,), -100, dtype=torch.long)
+        keep = torch.from_numpy(vocab)
+        remap[keep[keep < len(remap)]] = torch.arange(len(keep))[keep < len(remap)]
+    weights = torch.tensor([0.8 ** j for j in range(h)])
+
+    def batch(idx):
+        t = torch.from_numpy(idx)
+        later = t[:, None] + offs                       # [B, H]: rows t+1 .. t+H
+        labels = argmax[later]
+        if remap is not None:
+            labels = remap[labels]
+        return hidden[t], tokens[later], labels
+
+    def loss_of(x, toks, labels):
+        logits = model_heads.logits(x, toks)           # [B, H, M]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                             reduction="none", ignore_index=-100).view(labels.shape)
+        return (ce.mean(0) * weights).sum() / weights.sum()
+
+    params = [p for p in model_heads.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=opt.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=opt.lr, total_steps=opt.steps,
+                                                pct_start=0.05)
+    history, step, before = [], 0, 0.0  # before: seconds spent by earlier (resumed) runs
+    if checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["steps"] == opt.steps and state["kind"] == opt.kind:
+            model_heads.load_state_dict(state["model"])
+            optim.load_state_dict(state["optim"])
+            sched.load_state_dict(state["sched"])
+            history, step = state["history"], state["step"]
+            before = state.get("seconds", 0.0)
+    rng = np.random.default_rng(opt.seed + step)
+    t0 = time.perf_counter()
+    bar = tqdm(total=opt.steps, initial=step, desc=f"training {opt.kind}", disable=not progress)
+    every = max(opt.steps // 10, 50)
+    while step < opt.steps:
+        loss = loss_of(*batch(fit[rng.integers(0, len(fit), opt.batch)]))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        sched.step()
+        step += 1
+        history.append(loss.item())
+        bar.update()
+        bar.set_postfix(loss=f"{np.mean(history[-50:]):.3f}")
+        if step % every == 0 or step == opt.steps:
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": model_heads.state_dict(), "optim": optim.state_dict(),
+                        "sched": sched.state_dict(), "history": history, "step": step,
+                        "steps": opt.steps, "kind": opt.kind,
+                        "seconds": before + time.perf_counter() - t0}, checkpoint)
+    bar.close()
+    with torch.no_grad():
+        x, toks, labels = batch(val)
+        pred = model_heads.logits(x, toks).argmax(-1)
+        top1 = (pred == labels).float().mean(0).tolist()
+    return {"history": history, "val_top1": tuple(round(a, 4) for a in top1),
+            "minutes": (before + time.perf_counter() - t0) / 60}
+
+
+def plot_loss(history: list[float], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    y = np.asarray(history)
+    ax.plot(y, lw=0.6, alpha=0.4, label="batch")
+    w = max(len(y) // 50, 1)
+    if len(y) > w:
+        ax.plot(np.arange(w - 1, len(y)), np.convolve(y, np.ones(w) / w, "valid"), label=f"mean of {w}")
+    ax.set(xlabel="step", ylabel="cross-entropy (weighted over heads)", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- export --------------------------------------------------------------------------------
+
+
+def export_heads(model_heads, lm_head: np.ndarray, path: Path, topk: int, opset: int = 17
+                 ) -> float:
+    """Trace :class:`models.heads.HeadsGraph` to ``path``; returns the largest log-prob
+    difference of the graph in onnxruntime against PyTorch on random hidden states (top-K ids
+    must be equal where the log-probs are clearly apart)."""
+    import onnxruntime as ort
+    import torch
+
+    from edgemtp.models.heads import HeadsGraph, MedusaHeads
+
+    graph = HeadsGraph(model_heads, topk).eval()
+    residual = not isinstance(model_heads, MedusaHeads)
+    d = lm_head.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, d, generator=gen)
+    roots = torch.randn(3, d, generator=gen)
+    table = torch.from_numpy(np.ascontiguousarray(lm_head, dtype=np.float32))
+    names = ["hidden", *(["root_embeds"] if residual else []), "lm_head"]
+    args = (x, roots if residual else None, table)
+    axes = {"hidden": {0: "N"}, "root_embeds": {0: "N"}, "lm_head": {0: "M"},
+            "ids": {0: "N"}, "logprobs": {0: "N"}}
+
+    class _Graph(torch.nn.Module):  # the residual kind's signature has root_embeds
+        def __init__(self):
+            super().__init__()
+            self.g = graph
+
+        def forward(self, *a):
+            return self.g(a[0], a[1] if residual else None, a[-1])
+
+    wrapped = _Graph().eval()
+    feeds = [a for a in args if a is not None]
+    with torch.no_grad():
+        torch.onnx.export(wrapped, tuple(feeds), str(path), input_names=names,
+                          output_names=["ids", "logprobs"],
+                          dynamic_axes={k: v for k, v in axes.items() if k in names
+                                        or k in ("ids", "logprobs")},
+                          opset_version=opset, dynamo=False)
+        ref_ids, ref_lp = (t.numpy() for t in wrapped(*feeds))
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ids, lp = sess.run(None, {n: a.numpy() for n, a in zip(names, feeds)})
+    diff = float(np.abs(lp - ref_lp).max())
+    # relative to the log-prob scale: the residual kind chains H steps of float32 sums, and
+    # a 576-wide model's log-probs differ by ~5e-3 on a scale of ~30 (SmolLM2)
+    limit = 3e-4 * max(10.0, float(np.abs(ref_lp).max()))
+    clear = (ref_lp[..., 0] - ref_lp[..., 1]) > 2 * limit  # the top-1 where not a near-tie
+    same = (ids[..., 0] == ref_ids[..., 0]) | ~clear
+    if diff > max(limit, 1e-3) or not same.all():
+        raise ConfigError(f"the exported heads graph differs from PyTorch: max |log-prob diff| "
+                          f"{diff:.2e} (limit {max(limit, 1e-3):.1e}), top-1 ids equal: "
+                          f"{bool(same.all())}")
+    return diff
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def work_folder(package: Path) -> Path:
+    """Where generation caches and checkpoints go: beside the package, never inside it."""
+    return package.parent / f".{package.name}.heads-train"
+
+
+def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: str | None = None,
+                work: Path | None = None, progress: bool = True) -> HeadsInfo:
+    """Train ``opt.kind`` heads for ``package`` and add them to it (replacing heads of that
+    kind). ``prompts``: text or token ids (default: :func:`training_prompts`)."""
+    import torch
+
+    from edgemtp.api import Model
+    from edgemtp.models.heads import build
+
+    root = Path(package)
+    model = Model.load(str(root), backend="onnxruntime", threads=opt.threads)
+    pkg, b = model.backend.package, model.backend
+    if not b.supports_hidden:
+        raise ConfigError(f"the package {str(root)!r} does not output hidden states; export it "
+                          f"again with --hidden-states to train heads")
+    if not pkg.weights.tied_embedding:
+        raise ConfigError(f"the package {str(root)!r} has an LM head separate from its input "
+                          f"embedding; heads read the tied table, and untied models are not "
+                          f"supported yet")
+    chat = model.tokenizer is not None and model.tokenizer.chat_template is not None
+    if prompts is None:
+        prompts, data, _ = training_prompts(chat)
+    prompts = prompts[:opt.max_prompts] if opt.max_prompts else prompts
+    ids = [p if not isinstance(p, str) else
+           model.encode_chat([{"role": "user", "content": p}]) if chat else model.encode(p)
+           for p in prompts]
+    work = Path(work) if work is not None else work_folder(root)
+    key = f"s{opt.seed}_r{opt.repeats}_b{opt.bos_samples}_n{opt.new_tokens}_p{len(ids)}"
+    cache = generate_cache(model, ids, opt, work / f"cache_{key}.npz", progress)
+    gen_minutes = float(cache.get("seconds", 0.0)) / 60
+
+    table = pkg.embedding_table().rows(np.arange(pkg.meta.vocab_size, dtype=np.int64))
+    vocab = _vocab(cache, pkg.meta.vocab_size, opt)
+    lm_head = table if vocab is None else table[vocab]
+    options = {} if opt.kind == "medusa" else {"table": torch.from_numpy(table)}
+    heads = build(opt.kind, torch.from_numpy(np.ascontiguousarray(lm_head)), opt.heads,
+                  **options)  # residual: teacher-forced tokens embedded from the whole table
+    result = train(heads, cache, opt, vocab, work / f"{opt.kind}_{key}_h{opt.heads}.pt",
+                   progress)
+
+    out = root / HEADS_DIR
+    out.mkdir(exist_ok=True)
+    topk = min(HEADS_TOPK, len(lm_head))
+    export_heads(heads, lm_head, out / f"{opt.kind}.onnx", topk)
+    vocab_file = None
+    if vocab is not None:
+        vocab_file = f"{HEADS_DIR}/{opt.kind}.vocab.npy"
+        np.save(root / vocab_file, vocab)
+    plot = f"{HEADS_DIR}/{opt.kind}_loss.png"
+    hist = result["history"]
+    plot_loss(hist, root / plot, f"{opt.kind} heads, {root.name}")
+    info = HeadsInfo(
+        kind=opt.kind, file=f"{HEADS_DIR}/{opt.kind}.onnx", heads=opt.heads, topk=topk,
+        vocab=len(lm_head), vocab_file=vocab_file,
+        width=getattr(heads, "width", None), loss_plot=plot,
+        training=HeadsTraining(
+            data=data or "given prompts", prompts=len(ids) + 1, sequences=len(cache["lengths"]),
+            positions=int(len(rows(cache, opt.heads))), steps=opt.steps, batch=opt.batch,
+            lr=opt.lr, seed=opt.seed, loss_first=float(np.mean(hist[:20])),
+            loss_last=float(np.mean(hist[-50:])), val_top1=result["val_top1"],
+            minutes=round(result["minutes"], 2), gen_minutes=round(gen_minutes, 2),
+            threads=opt.threads, date=time.strftime("%Y-%m-%d")))
+    _write_manifest(root, info)
+    load_package(root)  # what was written must load
+    return info
+
+
+def _write_manifest(root: Path, info: HeadsInfo) -> None:
+    # the other kinds' heads stay; this kind's entry and files are replaced
+    raw = json.loads((root / MANIFEST).read_text())
+    meta = Manifest.from_dict(raw)
+    heads = tuple(h for h in meta.heads if h.kind != info.kind) + (info,)
+    files = dict(meta.files or {})
+    files = {k: v for k, v in files.items() if not k.startswith(f"{HEADS_DIR}/{info.kind}")}
+    recorded = record_files(root)
+    files.update({f: recorded[f] for f in info.files()})
+    meta = replace(meta, heads=heads, files=files)
+    tmp = root / f".{MANIFEST}.part"
+    tmp.write_text(json.dumps(meta.to_dict(), indent=1) + "\n")
+    tmp.replace(root / MANIFEST)

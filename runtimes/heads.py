@@ -1,0 +1,177 @@
+"""Learned draft heads in a package: their manifest entry (:class:`HeadsInfo`, written by
+``edgemtp train-heads``) and :class:`HeadsRunner`, which runs ``heads/<kind>.onnx`` on
+onnxruntime (imported when a runner is made, never by the core).
+
+::
+
+    heads/medusa.onnx    hidden [N, d], lm_head [M, d]                  -> ids, logprobs [N, H, K]
+    heads/residual.onnx  hidden [N, d], root_embeds [N, d], lm_head [M, d] -> ids, logprobs
+    heads/<kind>.vocab.npy  the M token ids the heads score (absent: the whole vocabulary)
+
+``lm_head`` is an input, not a weight of the heads graph: the runner binds the rows of the
+package's own embedding table (the LM head of a tied model), so the heads add no copy of the
+LM head on disk, and in memory only the rows of a vocabulary subset (``M < V``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from edgemtp.errors import ConfigError, ModelLoadError
+
+HEADS_DIR = "heads"
+HEAD_KINDS = ("medusa", "residual")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadsTraining:
+    """How the heads were trained (self-distillation on the package's own generations)."""
+
+    data: str                   # where the training text came from, in words
+    prompts: int                # training prompts (BOS included as one)
+    sequences: int
+    positions: int              # hidden states trained on
+    steps: int
+    batch: int
+    lr: float
+    seed: int
+    loss_first: float
+    loss_last: float
+    val_top1: tuple[float, ...]  # per head, on held-out training positions
+    minutes: float              # training only (generation and caching: gen_minutes)
+    gen_minutes: float
+    threads: int
+    date: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadsInfo:
+    kind: str
+    file: str
+    heads: int                  # H: depths one run proposes
+    topk: int                   # K candidates per head
+    vocab: int                  # M tokens scored (== vocab_size: the whole vocabulary)
+    vocab_file: str | None = None
+    width: int | None = None    # the residual module's inner width
+    loss_plot: str | None = None
+    training: HeadsTraining | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEAD_KINDS:
+            raise ModelLoadError(f"heads kind must be one of {', '.join(HEAD_KINDS)}, got "
+                                 f"{self.kind!r}")
+        if self.heads < 1 or self.topk < 1 or self.vocab < self.topk:
+            raise ModelLoadError(f"heads {self.kind}: need heads >= 1 and 1 <= topk <= vocab, "
+                                 f"got heads {self.heads}, topk {self.topk}, vocab {self.vocab}")
+
+    def files(self) -> list[str]:
+        return [f for f in (self.file, self.vocab_file, self.loss_plot) if f]
+
+    def summary(self) -> str:
+        t = self.training
+        line = (f"{self.kind}: {self.heads} heads, top-{self.topk}, "
+                f"{'full vocabulary' if self.vocab_file is None else f'{self.vocab} tokens'}")
+        if t is not None:
+            acc = "/".join(f"{a:.2f}" for a in t.val_top1)
+            line += (f"; {t.steps} steps on {t.positions} positions of {t.sequences} "
+                     f"generations ({t.data}), loss {t.loss_first:.3f} -> {t.loss_last:.3f}, "
+                     f"top-1 per head {acc}, {t.minutes:.1f} min training + "
+                     f"{t.gen_minutes:.1f} min generating, {t.date}")
+        return line
+
+
+def pick(infos, kind: str | None, where: str) -> HeadsInfo:
+    """The heads entry a generation asks for (``None``: the package's first)."""
+    if not infos:
+        raise ConfigError(f"{where} has no learned heads; train them first: edgemtp train-heads "
+                          f"PACKAGE --kind medusa|residual (the package must be exported with "
+                          f"--hidden-states)")
+    if kind is None:
+        return infos[0]
+    for info in infos:
+        if info.kind == kind:
+            return info
+    raise ConfigError(f"{where} has heads {', '.join(i.kind for i in infos)}, not {kind!r}")
+
+
+@lru_cache(maxsize=8)
+def _graph(path: str, stamp: tuple[int, int], threads: int):
+    # one InferenceSession per heads file (its weights), shared by every generation
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    try:
+        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise ModelLoadError(f"cannot load the heads graph {path!r}: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+_TABLES: dict[tuple, tuple[np.ndarray, np.ndarray | None]] = {}
+
+
+def _table(package, vocab_file: str | None) -> tuple[np.ndarray, np.ndarray | None]:
+    # the LM head rows the heads score, float32 and contiguous, read once per package file
+    emb = package.root / package.meta.embeddings.file
+    st = emb.stat()
+    key = (str(package.root), vocab_file, st.st_size, st.st_mtime_ns)
+    if key not in _TABLES:
+        table = package.embedding_table()
+        vocab = (None if vocab_file is None
+                 else np.load(package.root / vocab_file).astype(np.int64))
+        ids = np.arange(package.meta.vocab_size, dtype=np.int64) if vocab is None else vocab
+        _TABLES[key] = np.ascontiguousarray(table.rows(ids), dtype=np.float32), vocab
+    return _TABLES[key]
+
+
+@dataclass
+class HeadsRunner:
+    """Runs one package's heads on the host: ``run(hidden [d], root_embed [d])`` -> ids and
+    log-probs ``[H, K]`` as vocabulary ids. The session (weights) and the LM head rows are
+    shared per package; the binding and output buffers are this runner's (one generation)."""
+
+    info: HeadsInfo
+    session: object
+    lm_head: np.ndarray          # [M, d] float32
+    vocab: np.ndarray | None     # [M] ids of the rows (None: the rows are the vocabulary)
+    inputs: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        s, i, d = self.session, self.info, self.lm_head.shape[1]
+        self.inputs = tuple(x.name for x in s.get_inputs())
+        self._hidden = np.zeros((1, d), dtype=np.float32)
+        self._root = np.zeros((1, d), dtype=np.float32)
+        self._ids = np.zeros((1, i.heads, i.topk), dtype=np.int64)
+        self._lp = np.zeros((1, i.heads, i.topk), dtype=np.float32)
+        io = self._io = s.io_binding()
+        feeds = {"hidden": self._hidden, "root_embeds": self._root, "lm_head": self.lm_head}
+        for name in self.inputs:
+            a = feeds[name]
+            io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        for name, a in (("ids", self._ids), ("logprobs", self._lp)):
+            io.bind_output(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+
+    @classmethod
+    def load(cls, package, kind: str | None = None, threads: int = 1) -> "HeadsRunner":
+        info = pick(package.meta.heads, kind, f"the package {str(package.root)!r}")
+        path = package.root / info.file
+        st = path.stat()
+        session = _graph(str(path), (st.st_size, st.st_mtime_ns), threads)
+        lm_head, vocab = _table(package, info.vocab_file)
+        return cls(info, session, lm_head, vocab)
+
+    def run(self, hidden: np.ndarray, root_embed: np.ndarray | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
+        # hidden, root_embed: [d] -> ids, logprobs [H, K]
+        self._hidden[0] = hidden
+        if root_embed is not None:
+            self._root[0] = root_embed
+        self.session.run_with_iobinding(self._io)
+        ids = self._ids[0]
+        return (ids.copy() if self.vocab is None else self.vocab[ids]), self._lp[0].copy()

@@ -1,0 +1,236 @@
+"""Learned heads end to end on stories260K: hidden states out of the graph, a short
+self-distillation run that lowers the loss, heads graphs that agree with PyTorch, the heads
+drafter identical to transformers greedy and exact when sampling, and one clear line when a
+package has no heads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from edgemtp import GenerationConfig
+from edgemtp.engine import Generation
+
+from conftest import QUICK, STORIES, story_prompts
+
+pytest.importorskip("onnx")
+
+SHORT = dict(heads=3, steps=80, batch=128, repeats=1, bos_samples=12, new_tokens=64,
+             max_prompts=6, threads=1)
+
+
+@pytest.fixture(scope="module")
+def hidden_pkg(tmp_path_factory):
+    """stories260K exported with --hidden-states (max context 256)."""
+    from edgemtp.export.onnx_export import export_package
+
+    out = tmp_path_factory.mktemp("heads") / "stories-h"
+    export_package(str(STORIES), out, max_context=256, progress=False, hidden_states=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(hidden_pkg, tmp_path_factory):
+    """A copy of the package with short-trained medusa and residual heads: (path, infos)."""
+    from edgemtp.export.heads import TrainOptions, train_heads
+
+    pkg = tmp_path_factory.mktemp("trained") / "stories-heads"
+    shutil.copytree(hidden_pkg, pkg)
+    infos = {kind: train_heads(pkg, TrainOptions(kind=kind, **SHORT), progress=False)
+             for kind in ("medusa", "residual")}
+    return pkg, infos
+
+
+def _ort(pkg):
+    from edgemtp.runtimes.onnxrt_backend import OrtBackend
+
+    return OrtBackend(pkg, threads=1)
+
+
+# -- hidden states -------------------------------------------------------------------------
+
+
+def test_graph_hidden_states_equal_transformers(hidden_pkg, stories_refs):
+    hf, prompts, _ = stories_refs
+    backend = _ort(hidden_pkg)
+    assert backend.supports_hidden
+    ids = np.array(prompts[0], dtype=np.int64)
+    n = len(ids)
+    out = backend.session().forward(ids, np.arange(n), np.tril(np.ones((n, n), bool)), None,
+                                    hidden=True)
+    with torch.no_grad():
+        ref = hf.model(torch.tensor([prompts[0]])).last_hidden_state[0].numpy()
+    assert out.hidden.shape == ref.shape
+    np.testing.assert_allclose(out.hidden, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_package_without_hidden_states_refuses_them(stories_pkg):
+    from edgemtp.errors import ConfigError
+
+    backend = _ort(stories_pkg)
+    assert not backend.supports_hidden
+    with pytest.raises(ConfigError, match="hidden states.*re-export"):
+        backend.session().forward(np.array([1]), np.array([0]), np.ones((1, 1), bool), None,
+                                  hidden=True)
+
+
+# -- prompts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_training_and_evaluation_prompts_are_disjoint(chat):
+    from edgemtp.export.heads import training_prompts
+
+    train, _, held = training_prompts(chat)
+    assert train and held and not set(train) & set(held)
+    if not chat:  # what the tests and benches evaluate on is held out
+        assert set(story_prompts(24)) == set(held)
+        assert not set(train) & set(story_prompts(24))
+
+
+# -- training and export -------------------------------------------------------------------
+
+
+def test_short_training_lowers_the_loss_and_lists_the_heads(trained):
+    from edgemtp.runtimes.package import load_package
+
+    pkg, infos = trained
+    for kind, info in infos.items():
+        t = info.training
+        assert t.loss_last < 0.8 * t.loss_first, (kind, t.loss_first, t.loss_last)
+        assert t.val_top1[0] > 0.2, (kind, t.val_top1)
+        assert (pkg / info.file).is_file() and (pkg / info.loss_plot).is_file()
+    meta = load_package(pkg).meta
+    assert [h.kind for h in meta.heads] == ["medusa", "residual"]
+    assert all(f in meta.files for h in meta.heads for f in h.files())
+
+
+@pytest.mark.parametrize("kind", ["medusa", "residual"])
+def test_heads_graph_agrees_with_pytorch(kind, tmp_path):
+    import onnxruntime as ort
+
+    from edgemtp.export.heads import export_heads
+    from edgemtp.models.heads import HeadsGraph, build
+
+    torch.manual_seed(0)
+    table = torch.randn(96, 16)
+    heads = build(kind, table, 3)
+    with torch.no_grad():  # away from the zero start, so the heads differ from each other
+        for p in heads.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    path = tmp_path / f"{kind}.onnx"
+    assert export_heads(heads, table.numpy(), path, topk=8) < 1e-3
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x, roots = torch.randn(5, 16), torch.randn(5, 16)
+    feeds = {"hidden": x.numpy(), "root_embeds": roots.numpy(), "lm_head": table.numpy()}
+    ids, lp = sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})
+    with torch.no_grad():
+        ref_ids, ref_lp = HeadsGraph(heads, 8)(x, roots, table)
+    np.testing.assert_allclose(lp, ref_lp.numpy(), atol=1e-4)
+    assert (ids[..., 0] == ref_ids[..., 0].numpy()).all()
+    assert ids.shape == (5, 3, 8)
+    if kind == "medusa":  # the heads are trained apart: they do not all predict the same
+        assert len({tuple(ids[0, j, :3]) for j in range(3)}) > 1
+
+
+def test_residual_graph_feeds_its_own_argmax_like_teacher_forcing():
+    """The graph's step j reads the argmax of step j - 1; teacher-forced with those tokens,
+    the training path gives the same logits (one module, two uses)."""
+    from edgemtp.models.heads import HeadsGraph, ResidualHeads
+
+    torch.manual_seed(1)
+    table = torch.randn(64, 8)
+    heads = ResidualHeads(table, 3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+        x, root = torch.randn(4, 8), torch.randint(0, 64, (4,))
+        ids, lp = HeadsGraph(heads, 64)(x, table[root], table)
+        forced = torch.stack([root, ids[:, 0, 0], ids[:, 1, 0]], dim=1)
+        ref = torch.log_softmax(heads.logits(x, forced), dim=-1)
+    np.testing.assert_allclose(lp[:, :, 0].numpy(), ref.max(-1).values.numpy(), atol=1e-5)
+
+
+# -- the drafter: lossless, and better than probing -----------------------------------------
+
+
+@pytest.mark.parametrize("bc", [10, 30, pytest.param(60, marks=pytest.mark.slow)])
+def test_heads_equal_transformers_greedy(trained, stories_refs, bc):
+    hf, prompts, refs = stories_refs
+    pkg, _ = trained
+    backend = _ort(pkg)
+    session = backend.session()
+    for drafter, kind in (("heads", "medusa"), ("heads", "residual"), ("hybrid", "residual")):
+        config = GenerationConfig(drafter=drafter, heads=kind, bc=bc, max_new_tokens=128)
+        calls = tokens = 0
+        for i, (ids, ref) in enumerate(zip(prompts[:QUICK], refs)):
+            r = Generation(backend, config, ids, session=session).run()
+            assert r.token_ids == ref, f"{drafter} {kind} BC={bc}: prompt {i} differs"
+            assert r.stats.mask_tokens == 0 and r.stats.bc == bc
+            calls += r.stats.forward_calls
+            tokens += r.stats.new_tokens
+        assert tokens / calls > 1.2, (drafter, kind, bc, tokens / calls)  # drafts accepted
+
+
+def test_heads_sampling_matches_model_distribution(trained, stories_refs):
+    from test_lossless import SAMPLING, _chi_square_p, _exact_joint
+
+    hf, prompts, _ = stories_refs
+    pkg, _ = trained
+    ids = prompts[2]
+    joint = _exact_joint(hf, ids)
+    config = GenerationConfig(drafter="heads", bc=10, max_new_tokens=3, **SAMPLING)
+    assert _chi_square_p(_ort(pkg), ids, joint, config) > 1e-3
+
+
+# -- errors and the command line -------------------------------------------------------------
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "edgemtp.cli", *argv], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("which", ["no-hidden", "no-heads"])
+def test_package_without_heads_is_one_line_and_exit_2(which, stories_pkg, hidden_pkg):
+    pkg = stories_pkg if which == "no-hidden" else hidden_pkg
+    r = _cli("generate", "--model", str(pkg), "--prompt", "Once upon a time",
+             "--drafter", "heads", "--max-new-tokens", "8")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no learned heads" in lines[0] and "train-heads" in lines[0]
+
+
+def test_heads_on_the_torch_backend_is_one_clear_error(stories_path):
+    from edgemtp.errors import ConfigError
+    from edgemtp.runtimes.torch_backend import TorchBackend
+
+    with pytest.raises(ConfigError, match="no package"):
+        Generation(TorchBackend(stories_path), GenerationConfig(drafter="heads"), [1, 2])
+
+
+def test_heads_option_needs_the_heads_drafter():
+    from edgemtp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="only applies to drafter='heads' or 'hybrid'"):
+        GenerationConfig(heads="medusa")
+    with pytest.raises(ConfigError, match="medusa or residual"):
+        GenerationConfig(drafter="heads", heads="eagle")
+
+
+def test_inspect_lists_the_heads_with_their_training(trained):
+    pkg, infos = trained
+    r = _cli("inspect", str(pkg))
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("heads")]
+    assert len(lines) == 2
+    for line, (kind, info) in zip(lines, infos.items()):
+        assert kind in line and f"{info.training.steps} steps" in line and "loss" in line
+    manifest = json.loads((pkg / "edgemtp.json").read_text())
+    assert manifest["heads"][0]["training"]["data"].startswith("story prompts 24-47")
