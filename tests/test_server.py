@@ -273,7 +273,7 @@ BAD = [  # name, path, body (dict -> JSON, str/bytes -> raw), status, message fr
     ("negative temperature", "/v1/completions", {"prompt": "a", "temperature": -1}, 400,
      "temperature must be >= 0"),
     ("unknown drafter", "/v1/completions", {"prompt": "a", "drafter": "magic"}, 400,
-     "magic"),
+     "drafter must be one of probe"),
     ("too many stop strings", "/v1/completions", {"prompt": "a", "stop": list("abcde")}, 400,
      "stop takes at most 4 strings"),
     ("10 MB body", "/v1/completions", b"x" * (10 << 20), 413, "over the server's limit"),

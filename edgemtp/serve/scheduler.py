@@ -57,8 +57,10 @@ class StopText:
     until the next delta shows they do not start one.
 
     >>> s = StopText(("THE END",))
-    >>> s.push("and they lived. TH"), s.push("E END"), s.push(""), s.finish("and they lived. THE END")
-    ('and they liv', 'ed. ', '', '')
+    >>> s.push("and they lived. TH"), s.push("E END"), s.push("")
+    ('and they liv', 'ed. ', '')
+    >>> s.finish("and they lived. THE END")
+    ''
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
