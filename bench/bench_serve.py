@@ -34,6 +34,9 @@ import sys
 import time
 from pathlib import Path
 
+import hashlib
+import threading
+
 import httpx
 from tqdm import tqdm
 
@@ -68,6 +71,35 @@ class Server:
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(120)
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used (user + system, all its threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cores_available(seconds: float = 0.5) -> float:
+    """How many cores this machine gives us right now (at most 2): the rate of sha256 on two
+    threads (hashlib releases the GIL) over the rate on one. On a shared machine it falls
+    toward 1 or below as other work takes the cores; nothing then runs faster in parallel."""
+    data = b"x" * (1 << 20)
+
+    def rate(k: int) -> float:
+        done, stop = [0] * k, time.perf_counter() + seconds
+
+        def work(i: int) -> None:
+            while time.perf_counter() < stop:
+                hashlib.sha256(data).digest()
+                done[i] += 1
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(done) / seconds
+
+    return round(rate(2) / rate(1), 2)
 
 
 def body(prompt, chat: bool, max_tokens: int, stream: bool) -> dict:
@@ -202,22 +234,30 @@ def main() -> None:
     counts = [len(solo[i % len(solo)].token_ids) for i in range(a.requests)]
 
     servers = {c: Server(a.package, *c, queue=a.requests) for c in configs}
-    load = [os.getloadavg()[0]]
+    load, cores = [os.getloadavg()[0]], []
     runs: dict[str, list] = {f"{p}x{t}": [] for p, t in configs}
     try:
         for _ in tqdm(range(a.rounds), desc="rounds"):
+            cores.append(cores_available())
             for c, s in servers.items():  # interleaved: every round visits every config
+                cpu = s.cpu_s()
                 answers, wall = asyncio.run(load_run(s.url, a.chat, jobs))
-                runs[f"{c[0]}x{c[1]}"].append(summarize(answers, wall, want, counts))
+                run = summarize(answers, wall, want, counts)
+                cpu = s.cpu_s() - cpu
+                run |= {"cpu_s": round(cpu, 2), "cores_used": round(cpu / wall, 2),
+                        "cpu_ms_per_token": round(1e3 * cpu / run["tokens"], 3)}
+                runs[f"{c[0]}x{c[1]}"].append(run)
                 load.append(os.getloadavg()[0])
     finally:
         for s in servers.values():
             s.stop()
     over = overhead(a.package, a.chat, prompt_list, a.max_tokens, a.overhead_requests)
     result = {
-        "label": a.label, "package": a.package, "chat": a.chat, "requests": a.requests,
+        "label": a.label, "package": os.path.relpath(a.package, ROOT), "chat": a.chat,
+        "requests": a.requests,
         "distinct": len(prompt_list), "max_tokens": a.max_tokens, "rounds": a.rounds,
         "cpus": os.cpu_count(), "load_avg_1min": [round(v, 2) for v in load],
+        "cores_available": cores,
         "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs, "overhead": over,
     }
     write(result, Path(a.out))
@@ -240,20 +280,24 @@ def write(result: dict, out: Path) -> None:
                   f"concurrent requests, {r['distinct']} distinct prompts, every other streamed, "
                   f"max_tokens {r['max_tokens']})", "",
                   f"{r['date']}, {r['cpus']} CPUs shared with other work (1-min load average "
-                  f"over the runs: {min(r['load_avg_1min'])}..{max(r['load_avg_1min'])}); "
+                  f"over the runs: {min(r['load_avg_1min'])}..{max(r['load_avg_1min'])}; "
+                  f"cores this sandbox could use, probed before each round: "
+                  f"{', '.join(map(str, r['cores_available']))}); "
                   f"{r['rounds']} interleaved rounds, the median round shown (all rounds' "
-                  f"tok/s in brackets).", "",
+                  f"tok/s in brackets). Cores used: the server's CPU seconds over the run's "
+                  f"wall time.", "",
                   "| --parallel x --threads | tok/s | vs 1x1 | req/s | latency p50 / p90 / p99 "
-                  "(s) | TTFT p50 (s) | failed | lost | different |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "(s) | TTFT p50 (s) | cores used | CPU ms / token | failed | lost | "
+                  "different |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, runs in r["runs"].items():
             m = median_run(runs)
             every = ", ".join(str(x["tokens_per_s"]) for x in runs)
             lat = " / ".join(str(m["latency_s"].get(f"p{q}", "-")) for q in (50, 90, 99))
             lines.append(f"| {name} | {m['tokens_per_s']} [{every}] | "
                          f"{m['tokens_per_s'] / base:.2f}x | {m['requests_per_s']} | {lat} | "
-                         f"{m['ttft_s'].get('p50', '-')} | "
-                         f"{sum(x['failed'] for x in runs)} | {sum(x['lost'] for x in runs)} | "
+                         f"{m['ttft_s'].get('p50', '-')} | {m['cores_used']} | "
+                         f"{m['cpu_ms_per_token']} | {sum(x['failed'] for x in runs)} | {sum(x['lost'] for x in runs)} | "
                          f"{sum(x['different'] for x in runs)} |")
         o = r["overhead"]
         lines += ["", f"Overhead ({o['requests']} requests one at a time, --parallel 1, "
