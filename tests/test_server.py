@@ -310,6 +310,8 @@ BAD = [  # name, path, body (dict -> JSON, str/bytes -> raw), status, message fr
      "temperature must be >= 0"),
     ("unknown drafter", "/v1/completions", {"prompt": "a", "drafter": "magic"}, 400,
      "drafter must be one of probe"),
+    ("bc too small for a plan", "/v1/completions", {"prompt": "a", "bc": 3}, 400,
+     "block complexity 3 is too small"),
     ("too many stop strings", "/v1/completions", {"prompt": "a", "stop": list("abcde")}, 400,
      "stop takes at most 4 strings"),
     ("10 MB body", "/v1/completions", b"x" * (10 << 20), 413, "over the server's limit"),

@@ -135,8 +135,9 @@ class Limits:
 # request field -> GenerationConfig field
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
            "bc": "bc", "drafter": "drafter", "mask_tokens": "mask_tokens"}
-PARAM_OF = {v: k for k, v in OPTIONS.items()} | {"max_new_tokens": "max_tokens",
-                                                  "stop": "stop"}
+# a ConfigError's first word -> the request field it is about
+PARAM_OF = {v: k for k, v in OPTIONS.items()} | {"max_new_tokens": "max_tokens", "stop": "stop",
+                                                  "block": "bc"}  # "block complexity 3 is ..."
 
 
 def generation_config(req: _Common, base: GenerationConfig, limits: Limits) -> GenerationConfig:
