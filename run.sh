@@ -14,8 +14,8 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.edgemtp-installed" ] || [ pypro
   "$VENV/bin/pip" install -q --upgrade pip
   echo "run.sh: [1/2] torch==2.13.0 (CPU build)" >&2
   "$VENV/bin/pip" install -q "torch==2.13.0"
-  echo "run.sh: [2/2] edgemtp[export,bench,dev]" >&2
-  "$VENV/bin/pip" install -q -e ".[export,bench,dev]"
+  echo "run.sh: [2/2] edgemtp[export,bench,dev,serve]" >&2
+  "$VENV/bin/pip" install -q -e ".[export,bench,dev,serve]"
   touch "$VENV/.edgemtp-installed"
   echo "run.sh: done; 'source $VENV/bin/activate' puts the edgemtp command on your PATH" >&2
 fi

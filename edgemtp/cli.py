@@ -13,6 +13,7 @@ import sys
 from . import drafters
 from .config import MASK_INITS, TREES, GenerationConfig
 from .errors import EdgeMTPError
+from .serve.launch import add_arguments as serve_arguments  # the standard library only
 
 EXIT_USAGE = 2
 
@@ -276,6 +277,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return command(a, _load)
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .serve.launch import command
+
+    return command(a, _load, _config)
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from edgemtp.tools.demo import command
 
@@ -422,6 +429,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip transformers' prompt lookup reference run")
     b.set_defaults(func=cmd_bench)
 
+    s = parser.commands["serve"] = sub.add_parser(
+        "serve", help="an OpenAI-compatible local server (/v1/completions, /v1/chat/completions, "
+                      "streaming) running --parallel generations at once; the generation "
+                      "options below are its defaults, which requests override")
+    _add_model_args(s, positional=True)
+    serve_arguments(s)
+    _add_generation_args(s)
+    s.set_defaults(func=cmd_serve)
+
     d = sub.add_parser("demo", help="the main job: generate with greedy and probing, check they "
                                     "match, print the text and the speed-up figures")
     _add_model_args(d, model_required=False)
@@ -442,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "profile", None) and args.command in ("generate", "chat"):
+    if getattr(args, "profile", None) and args.command in ("generate", "chat", "serve"):
         # the profile's recommendation becomes the defaults; flags on the command line win
         from edgemtp.tools.profile import read_profile
 

@@ -1,0 +1,486 @@
+"""``edgemtp serve``: the real server in a subprocess on a free loopback port, spoken to with
+the official ``openai`` client and raw HTTP (httpx).
+
+Every answer is checked against the Python API's own output for the same request (greedy, or
+sampling with a seed), alone and with 20 requests at once; every bad request of the README's
+table gets its status code and message, and ``/health`` still answers after it; a client
+that leaves mid-stream frees its slot; SIGTERM under load finishes what was accepted and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from edgemtp import GenerationConfig, Model  # noqa: E402
+
+from conftest import story_prompts  # noqa: E402
+from test_chat import CHATML  # noqa: E402
+
+KEY = "test-key-123"
+PROMPTS = story_prompts(10)
+START_S = 120  # a loaded CI machine can take a while to import and load
+
+
+class Server:
+    """``edgemtp serve PACKAGE --port 0 ARGS`` in a subprocess; its URL from its first line."""
+
+    def __init__(self, package, *args: str, log_path) -> None:
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "edgemtp.cli", "serve", str(package), "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=self.log, text=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], START_S)
+        line = self.proc.stdout.readline() if ready else ""
+        found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+        if not found:
+            self.stop()
+            raise AssertionError(f"the server did not start: {line!r}\n{self.stderr()}")
+        self.url = found.group(1)
+
+    def http(self, key: str | None = KEY) -> "httpx.Client":
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
+
+    def client(self) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def stderr(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def chat_pkg(stories_pkg, tmp_path_factory):
+    """The stories package with a ChatML template, so chat completions run on the tiny model."""
+    pkg = tmp_path_factory.mktemp("serve") / "stories-chat"
+    shutil.copytree(stories_pkg, pkg)
+    (pkg / "chat_template.jinja").write_text(CHATML)
+    return pkg
+
+
+@pytest.fixture(scope="module")
+def ref(chat_pkg):
+    """The Python API on the same package: what every answer must equal."""
+    return Model.load(str(chat_pkg), threads=1)
+
+
+@pytest.fixture(scope="module")
+def server(chat_pkg, tmp_path_factory):
+    s = Server(chat_pkg, "--parallel", "2", "--queue", "64", "--api-key", KEY,
+               "--model-name", "stories", log_path=tmp_path_factory.mktemp("log") / "main.log")
+    yield s
+    assert s.stop() == 0
+    assert "Traceback" not in s.stderr()
+
+
+@pytest.fixture(scope="module")
+def limited(stories_pkg, tmp_path_factory):
+    """One slot and one queue place, on the package with no chat template."""
+    s = Server(stories_pkg, "--parallel", "1", "--queue", "1",
+               log_path=tmp_path_factory.mktemp("log") / "limited.log")
+    yield s
+    assert s.stop() == 0
+    assert "Traceback" not in s.stderr()
+
+
+@pytest.fixture(scope="module")
+def hurried(stories_pkg, tmp_path_factory):
+    """A 0.05 s time limit: shorter than any 250-token generation (>= 250 forward passes)."""
+    s = Server(stories_pkg, "--timeout", "0.05",
+               log_path=tmp_path_factory.mktemp("log") / "hurried.log")
+    yield s
+    assert s.stop() == 0
+    assert "Traceback" not in s.stderr()
+
+
+def expected(ref, prompt, stop=(), **options) -> str:
+    """The Python API's text, ending before the first stop string as OpenAI's API does."""
+    config = GenerationConfig(**options, stop=tuple(stop))
+    if isinstance(prompt, list):  # chat messages
+        text = ref.chat(prompt, config).text
+    else:
+        text = ref.generate(prompt, config).text
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+def streamed(chunks, chat: bool) -> tuple[str, str, dict | None]:
+    text, finish, usage = "", None, None
+    for c in chunks:
+        if c.usage is not None:
+            usage = c.usage.model_dump()
+        for choice in c.choices:
+            text += (choice.delta.content or "") if chat else choice.text
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+# -- answers equal the Python API ------------------------------------------------------------
+
+def test_completion_equals_the_python_api(server, ref):
+    r = server.client().completions.create(model="stories", prompt=PROMPTS[0], max_tokens=40)
+    gen = ref.generate(PROMPTS[0], max_new_tokens=40)
+    assert r.choices[0].text == gen.text and r.choices[0].finish_reason == "length"
+    u = r.usage.model_dump()
+    assert (u["prompt_tokens"], u["completion_tokens"]) == (gen.stats.prompt_tokens, 40)
+    assert u["total_tokens"] == u["prompt_tokens"] + 40
+    assert u["forward_calls"] >= 1 and u["block_efficiency"] == pytest.approx(
+        40 / u["forward_calls"], abs=1e-4)
+
+
+def test_streamed_completion_equals_the_python_api(server, ref):
+    chunks = server.client().completions.create(
+        model="stories", prompt=PROMPTS[1], max_tokens=40, stream=True,
+        stream_options={"include_usage": True})
+    text, finish, usage = streamed(chunks, chat=False)
+    assert text == expected(ref, PROMPTS[1], max_new_tokens=40)
+    assert finish == "length" and usage["completion_tokens"] == 40 and usage["forward_calls"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_the_python_api(server, ref, stream):
+    messages = [{"role": "system", "content": "Tell a story."},
+                {"role": "user", "content": PROMPTS[2]}]
+    want = expected(ref, messages, max_new_tokens=32, bc=10)
+    r = server.client().chat.completions.create(model="stories", messages=messages,
+                                                max_tokens=32, stream=stream,
+                                                extra_body={"bc": 10})
+    got = streamed(r, chat=True)[0] if stream else r.choices[0].message.content
+    assert got == want
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_text_before_them(server, ref, stream):
+    full = expected(ref, PROMPTS[3], max_new_tokens=48)
+    stop = full.split()[5]  # a word the greedy text reaches
+    want = expected(ref, PROMPTS[3], stop=[stop], max_new_tokens=48)
+    assert stop not in want and full.startswith(want)
+    r = server.client().completions.create(model="stories", prompt=PROMPTS[3], max_tokens=48,
+                                           stop=[stop], stream=stream)
+    text, finish, _ = streamed(r, chat=False) if stream else (r.choices[0].text,
+                                                              r.choices[0].finish_reason, None)
+    assert (text, finish) == (want, "stop")
+
+
+def test_sampling_with_a_seed_and_edgemtp_options(server, ref):
+    options = dict(temperature=0.8, top_p=0.9, seed=7)
+    extra = dict(bc=60, mask_tokens=2, drafter="probe")
+    want = expected(ref, PROMPTS[4], max_new_tokens=40, **options, **extra)
+    r = server.client().completions.create(model="stories", prompt=PROMPTS[4], max_tokens=40,
+                                           **options, extra_body=extra)
+    assert r.choices[0].text == want
+
+
+def test_token_id_prompt_and_models_and_metrics(server, ref):
+    ids = ref.encode(PROMPTS[5])
+    with server.http() as h:
+        r = h.post("/v1/completions", json={"prompt": ids, "max_tokens": 16})
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == expected(ref, PROMPTS[5], max_new_tokens=16)
+        models = h.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["stories"]
+        metrics = h.get("/metrics").text
+    for name in ("edgemtp_requests_total", "edgemtp_completion_tokens_total",
+                 "edgemtp_block_efficiency_bucket", "edgemtp_queue_length",
+                 "edgemtp_request_duration_seconds_bucket", "edgemtp_forward_calls_total"):
+        assert name in metrics
+    assert re.search(r'edgemtp_requests_total\{endpoint="/v1/completions",status="200"\} '
+                     r'[1-9]', metrics)
+
+
+# -- concurrency -------------------------------------------------------------------------------
+
+OPTIONS = [{}, {"bc": 10}, {"drafter": "pld"}, {"temperature": 0.8, "seed": 3},
+           {"bc": 60, "mask_tokens": 2}]
+
+
+def test_twenty_concurrent_requests_each_equal_their_solo_output(server, ref):
+    jobs = [(PROMPTS[i % 10], OPTIONS[i % len(OPTIONS)], i % 2 == 1) for i in range(20)]
+    options_of = {"temperature": "temperature", "seed": "seed"}
+
+    def one(job):
+        prompt, opts, stream = job
+        std = {k: v for k, v in opts.items() if k in options_of}
+        extra = {k: v for k, v in opts.items() if k not in options_of}
+        r = server.client().completions.create(model="stories", prompt=prompt, max_tokens=48,
+                                               stream=stream, extra_body=extra, **std)
+        return streamed(r, chat=False)[0] if stream else r.choices[0].text
+
+    with ThreadPoolExecutor(20) as pool:
+        got = list(pool.map(one, jobs))
+    want = [expected(ref, p, max_new_tokens=48, **o) for p, o, _ in jobs]
+    assert got == want
+
+
+@pytest.mark.slow
+def test_sixty_concurrent_requests_chat_and_completions_all_options(server, ref):
+    prompts = story_prompts(24)
+    jobs = [(prompts[i % 24], OPTIONS[i % len(OPTIONS)], i % 2 == 1, i % 3 == 0)
+            for i in range(60)]
+
+    def one(job):
+        prompt, opts, stream, chat = job
+        std = {k: v for k, v in opts.items() if k in ("temperature", "seed")}
+        extra = {k: v for k, v in opts.items() if k not in std}
+        api = server.client()
+        if chat:
+            r = api.chat.completions.create(model="stories", max_tokens=64, stream=stream,
+                                            messages=[{"role": "user", "content": prompt}],
+                                            extra_body=extra, **std)
+            return streamed(r, chat=True)[0] if stream else r.choices[0].message.content
+        r = api.completions.create(model="stories", prompt=prompt, max_tokens=64,
+                                   stream=stream, extra_body=extra, **std)
+        return streamed(r, chat=False)[0] if stream else r.choices[0].text
+
+    with ThreadPoolExecutor(60) as pool:
+        got = list(pool.map(one, jobs))
+    want = [expected(ref, [{"role": "user", "content": p}] if chat else p, max_new_tokens=64,
+                     **o) for p, o, _, chat in jobs]
+    assert got == want
+
+
+# -- bad requests ------------------------------------------------------------------------------
+
+LONG = "Once upon a time " * 200  # ~800 tokens: over the test package's 256-token context
+BAD = [  # name, path, body (dict -> JSON, str/bytes -> raw), status, message fragment
+    ("invalid JSON", "/v1/completions", b'{"prompt": "hi",', 400, "not valid JSON"),
+    ("not an object", "/v1/completions", [1, 2], 400, "must be a JSON object"),
+    ("max_tokens as a string", "/v1/completions", {"prompt": "a", "max_tokens": "5"}, 422,
+     "invalid max_tokens: Input should be a valid integer"),
+    ("prompt a number", "/v1/completions", {"prompt": 5}, 422, "invalid prompt"),
+    ("temperature a string", "/v1/completions", {"prompt": "a", "temperature": "hot"}, 422,
+     "invalid temperature"),
+    ("stream a string", "/v1/completions", {"prompt": "a", "stream": "yes"}, 422,
+     "invalid stream"),
+    ("no prompt", "/v1/completions", {"max_tokens": 5}, 422, "invalid prompt: Field required"),
+    ("no messages", "/v1/chat/completions", {"model": "stories"}, 422,
+     "invalid messages: Field required"),
+    ("messages a string", "/v1/chat/completions", {"messages": "hi"}, 422, "invalid messages"),
+    ("message without role", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 422,
+     "invalid messages.0.role: Field required"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages is empty"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]},
+     400, "unknown role wizard"),
+    ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404,
+     "'gpt-4' does not exist"),
+    ("max_tokens 0", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400,
+     "max_tokens must be between 1 and 256"),
+    ("max_tokens 10^9", "/v1/completions", {"prompt": "a", "max_tokens": 10**9}, 400,
+     "max_tokens must be between 1 and 256"),
+    ("prompt over the context", "/v1/completions", {"prompt": LONG}, 400,
+     "this model's context is 256 tokens"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "the prompt is empty"),
+    ("token id out of the vocabulary", "/v1/completions", {"prompt": [1, 10**6]}, 400,
+     "prompt token ids must be in [0, 512)"),
+    ("a batch of prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400,
+     "one prompt per request"),
+    ("n = 2", "/v1/completions", {"prompt": "a", "n": 2}, 400, "n=2 is not supported"),
+    ("negative temperature", "/v1/completions", {"prompt": "a", "temperature": -1}, 400,
+     "temperature must be >= 0"),
+    ("unknown drafter", "/v1/completions", {"prompt": "a", "drafter": "magic"}, 400,
+     "drafter must be one of probe"),
+    ("bc too small for a plan", "/v1/completions", {"prompt": "a", "bc": 3}, 400,
+     "block complexity 3 is too small"),
+    ("too many stop strings", "/v1/completions", {"prompt": "a", "stop": list("abcde")}, 400,
+     "stop takes at most 4 strings"),
+    ("10 MB body", "/v1/completions", b"x" * (10 << 20), 413, "over the server's limit"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, status, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_request_gets_its_status_and_message(server, name, path, body, status, message):
+    with server.http() as h:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = h.post(path, content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert message in error["message"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert h.get("/health").json()["status"] == "ok"
+
+
+def test_api_key_wrong_missing_and_where_it_is_not_needed(server):
+    for key in ("wrong", None):
+        with server.http(key) as h:
+            for r in (h.post("/v1/completions", json={"prompt": "a"}), h.get("/v1/models"),
+                      h.get("/metrics")):
+                assert r.status_code == 401
+                assert r.json()["error"]["code"] == "invalid_api_key"
+            assert h.get("/health").status_code == 200  # probes need no key
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0
+                      ).completions.create(model="stories", prompt="a")
+
+
+def test_wrong_method_and_path(server):
+    with server.http() as h:
+        r = h.get("/v1/completions")
+        assert r.status_code == 405 and "GET is not allowed" in r.json()["error"]["message"]
+        r = h.get("/v2/nothing")
+        assert r.status_code == 404 and "no route '/v2/nothing'" in r.json()["error"]["message"]
+
+
+def test_chat_on_a_model_without_a_template(limited):
+    with limited.http(None) as h:
+        r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]})
+        assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"]
+        assert h.get("/health").status_code == 200
+
+
+def _metric(h, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", h.get("/metrics").text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot_at_once(server):
+    with server.http() as h:
+        before = _metric(h, "edgemtp_cancelled_total")
+        with h.stream("POST", "/v1/completions", json={
+                "prompt": PROMPTS[6], "max_tokens": 240, "stream": True, "bc": 60,
+                "mask_tokens": 2}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            assert next(line for line in lines if line.startswith("data: "))
+        # the response is closed: the worker stops after its current forward pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and h.get("/health").json()["running"]:
+            time.sleep(0.02)
+        assert h.get("/health").json()["running"] == 0
+        assert _metric(h, "edgemtp_cancelled_total") == before + 1
+
+
+def test_time_limit_ends_a_generation_with_length(hurried):
+    with hurried.http(None) as h:
+        for _ in range(5):  # a loaded machine may spend the 0.05 s before the slot (503)
+            r = h.post("/v1/completions", json={"prompt": PROMPTS[7], "max_tokens": 250,
+                                                 "drafter": "none"})
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 200:
+                break
+        else:
+            assert r.json()["error"]["code"] == "queue_timeout"
+            pytest.skip("the machine never reached the slot within 0.05 s")
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["stop_reason"] == "time_limit"
+        assert 0 < body["usage"]["completion_tokens"] < 250
+        assert h.get("/health").json()["running"] == 0
+
+
+def test_a_full_queue_answers_429_with_retry_after(limited):
+    # one slot and one queue place: of three requests at once, one is refused at once
+    for _ in range(3):  # a loaded machine may be slow enough to serve them one by one
+        barrier = threading.Barrier(3)
+
+        def one(i):
+            with limited.http(None) as h:
+                barrier.wait()
+                return h.post("/v1/completions", json={"prompt": PROMPTS[i], "max_tokens": 250,
+                                                        "drafter": "none"})
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(one, range(3)))
+        codes = sorted(r.status_code for r in answers)
+        assert set(codes) <= {200, 429}, [r.text for r in answers]
+        if 429 in codes:
+            break
+    refused = next(r for r in answers if r.status_code == 429)
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    with limited.http(None) as h:
+        assert h.get("/health").json() == {"status": "ok", "model": "stories", "running": 0,
+                                           "queued": 0, "parallel": 1}
+
+
+def test_sigterm_under_load_finishes_what_was_accepted_and_exits_0(chat_pkg, ref, tmp_path):
+    s = Server(chat_pkg, "--parallel", "2", "--queue", "8", log_path=tmp_path / "term.log")
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def one(i):
+        r = client.completions.create(model="stories-chat", prompt=PROMPTS[i], max_tokens=64,
+                                      stream=i % 2 == 1)
+        return streamed(r, chat=False)[0] if i % 2 else r.choices[0].text
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(one, i) for i in range(6)]
+        with httpx.Client(base_url=s.url) as h:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and h.get("/health").json()["running"] < 2:
+                time.sleep(0.01)
+        s.proc.send_signal(signal.SIGTERM)
+        got = [f.result() for f in futures]
+    assert got == [expected(ref, PROMPTS[i], max_new_tokens=64) for i in range(6)]
+    assert s.proc.wait(60) == 0
+    assert "Traceback" not in s.stderr() and "edgemtp: stopped" in s.stderr()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s.url + "/health")
+    s.stop()
+
+
+# -- start-up ------------------------------------------------------------------------------------
+
+def test_bad_flags_end_in_one_line_and_exit_2(stories_pkg):
+    for flags, message in ((["--parallel", "0"], "--parallel must be >= 1"),
+                           (["--timeout", "-1"], "--timeout must be > 0"),
+                           (["--api-key", "a", "--api-key-file", "k"], "not both")):
+        out = subprocess.run([sys.executable, "-m", "edgemtp.cli", "serve", str(stories_pkg),
+                              *flags], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith("edgemtp: error: ") and message in out.stderr
+
+
+def test_serve_dependencies_are_imported_only_by_serve(monkeypatch):
+    code = ("import sys, edgemtp, edgemtp.cli; edgemtp.cli.build_parser(); "
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette', 'pydantic', "
+            "'prometheus_client') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr
+    import importlib.util
+
+    from edgemtp.errors import BackendUnavailableError
+    from edgemtp.serve import check_dependencies
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    with pytest.raises(BackendUnavailableError, match="needs the Python package 'uvicorn'"):
+        check_dependencies()
+
+
+def test_only_loopback_hosts_count_as_safe():
+    from edgemtp.serve.launch import _is_loopback
+
+    assert all(_is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(_is_loopback(h) for h in ("0.0.0.0", "192.168.1.5", "::", "example.com"))
