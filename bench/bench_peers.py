@@ -138,6 +138,10 @@ def llama_cpp_methods(gguf: Path, threads: int, new_tokens: int, ctx: int) -> li
     def runner(draft_tokens: int | None):
         llm = Llama(model_path=str(gguf), n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
                     n_batch=512, verbose=False, seed=0,
+                    # a draft model needs every position's logits; 0.3.36 sizes its score
+                    # buffer by the argument (n_batch rows), not by the draft model, and
+                    # overruns it on a prompt longer than n_batch unless logits_all is given
+                    logits_all=bool(draft_tokens),
                     draft_model=(LlamaPromptLookupDecoding(num_pred_tokens=draft_tokens)
                                  if draft_tokens else None))
         eos = llm.token_eos()
@@ -300,11 +304,21 @@ def sitting(methods: list[Method], tasks: dict[str, list[list[int]]], repeats: i
     jobs = [(r, c, i, ids) for r in range(repeats) for c, prompts in tasks.items()
             for i, ids in enumerate(prompts)]
     bar = tqdm(total=len(jobs) * len(methods), desc="generations", unit="gen", file=sys.stderr)
+    failed = rec["__failed__"] = {}
     for n, (r, cat, _, ids) in enumerate(jobs):
         k = n % len(methods)
         for m in methods[k:] + methods[:k]:  # rotate who goes first
+            if m.name in failed:
+                bar.update()
+                continue
             t0 = time.perf_counter()
-            new = m.run(ids)
+            try:
+                new = m.run(ids)
+            except Exception as e:  # a peer's bug: drop that method, keep the sitting
+                failed[m.name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                log(f"{m.name} failed on a {cat} prompt and is left out: {failed[m.name]}")
+                bar.update()
+                continue
             dt = time.perf_counter() - t0
             cell = rec[m.name][cat]
             cell["seconds"][r] += dt
@@ -453,6 +467,9 @@ def main(argv=None) -> int:
     leave = {n.strip() for n in a.skip.split(",") if n.strip()}
     methods = [m for m in methods if m.name not in leave]
     rec = sitting(methods, tasks, a.repeats)
+    for name, why in rec.pop("__failed__").items():
+        skipped[name] = why
+    methods = [m for m in methods if m.name not in skipped]
     result = summarise(methods, rec, tasks)
     result["peer_ratios"] = peer_ratios(result["rows"])
     result.update(new_tokens=a.new_tokens, per_category=a.per_category, repeats=a.repeats,
