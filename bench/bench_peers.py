@@ -342,16 +342,18 @@ def summarise(methods: list[Method], rec: dict, tasks: dict) -> dict:
             cell = rec[m.name][c]
             per_cat[c] = cell["tokens"] / statistics.median(cell["seconds"])
         ref = greedy.get(m.group)
-        identical = None
+        identical, differs = None, []
         if ref and ref != m.name:
             pairs = [(a, b) for c in cats for a, b in zip(rec[m.name][c]["outputs"],
                                                          rec[ref][c]["outputs"])]
             identical = [sum(a == b for a, b in pairs), len(pairs)]
+            differs = [c for c in cats for a, b in zip(rec[m.name][c]["outputs"],
+                                                       rec[ref][c]["outputs"]) if a != b]
         tokens = sum(rec[m.name][c]["tokens"] for c in cats)
         forward = sum(rec[m.name][c]["forward"] for c in cats)
         rows.append(dict(method=m.name, group=m.group, tok_s=per_cat,
                          mean_tok_s=statistics.mean(per_cat.values()),
-                         identical_to_greedy=identical,
+                         identical_to_greedy=identical, differs_in=sorted(set(differs)),
                          be=round(tokens / forward, 3) if forward else None))
     by = {r["method"]: r for r in rows}
     for r in rows:
@@ -400,7 +402,8 @@ def markdown(result: dict) -> str:
         vs = (f"{r['vs_own_greedy_mean']:.2f}× ({r['vs_own_greedy_min']:.2f}×)"
               if "vs_own_greedy" in r else "–")
         ident = "–" if r["identical_to_greedy"] is None else "{}/{}".format(
-            *r["identical_to_greedy"])
+            *r["identical_to_greedy"]) + (f" (not: {', '.join(r['differs_in'])})"
+                                          if r.get("differs_in") else "")
         lines.append(f"| {r['method']} | {r['mean_tok_s']:.1f} | {vs} | "
                      f"{r['be'] if r['be'] else '–'} | {ident} |")
     lines += ["", "## Plain decoding against the peers (mean of per-category ratios)", "",
