@@ -32,14 +32,14 @@ def stories(stories_path, stories_refs):
             prompts[:N_PROMPTS], refs)
 
 
-def _sweep(stories, n: int) -> dict:
+def _sweep(stories, n: int, drafters=(*SINGLE, "hybrid")) -> dict:
     """Every drafter at every BC over the first ``n`` prompts: outputs and BE. Each run keeps
     one drafter memory across its prompts, as a loaded ``Model`` does. Probing uses k = 1,
     its best on this model at every BC."""
     backend, _, prompts, _ = stories
     prompts = prompts[:n]
     out = {}
-    for drafter in (*SINGLE, "hybrid"):
+    for drafter in drafters:
         for bc in BCS:
             config = GenerationConfig(max_new_tokens=NEW_TOKENS, bc=bc, drafter=drafter)
             memory, outputs, calls, tokens = {}, [], 0, 0
@@ -59,7 +59,9 @@ def sweep(stories):
 
 @pytest.fixture(scope="module")
 def quick_sweep(stories):
-    return _sweep(stories, QUICK)
+    # the default run's check: the drafters this module owns (probing has test_lossless),
+    # on the first 4 prompts; the slow pass sweeps all 24 and every single drafter
+    return _sweep(stories, min(QUICK, 4), (*LOOKUP, "lade"))
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
