@@ -7,7 +7,7 @@ under the model's chat template. The prompt ids are made once (transformers'
 the same ids, so only the runtime differs.
 
 Peers (each skipped with one line when its package is missing; they are bench extras, not CI
-dependencies: ``pip install llama-cpp-python onnxruntime-genai``):
+dependencies: ``pip install -e ".[peers]"``):
 
 - llama.cpp (llama-cpp-python) on the GGUF itself: greedy, and its prompt-lookup draft model
   (``LlamaPromptLookupDecoding``, 2 and 10 tokens);
