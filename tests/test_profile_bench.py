@@ -128,8 +128,10 @@ def test_bad_tool_input_is_one_line_and_writes_nothing(stories_path, tmp_path, a
     assert not out.exists()
 
 
+# rows long enough (~0.5 s each on a quiet machine) that the interrupt below lands mid-run
+# even when the test process is starved for a while (the slow pass under load once missed it)
 BENCH = ["bench", "--drafters", "probe,pld,auto", "--bc", "10,30", "--sets", "stories",
-         "--per-set", "3", "--max-new-tokens", "24", "--repeats", "1", "--threads", "1",
+         "--per-set", "4", "--max-new-tokens", "64", "--repeats", "1", "--threads", "1",
          "--no-hf-reference"]  # the reference has its own test below
 
 
@@ -138,8 +140,11 @@ def test_bench_resumes_after_ctrl_c_without_measuring_kept_rows_again(stories_pa
     argv = [sys.executable, "-m", "edgemtp.cli", *BENCH, "--model", stories_path,
             "--out", str(tmp_path)]
     log = tmp_path / "bench_stories260K_torch.rows.jsonl"
+    # a pytest-xdist worker ignores SIGINT, and a child inherits ignored signals (Python then
+    # installs no KeyboardInterrupt handler): give the bench the default disposition back
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=ENV)
+                            env=ENV, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                      signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline and not (
             log.is_file() and log.read_text().count("\n") >= 2):
