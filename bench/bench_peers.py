@@ -468,6 +468,10 @@ def main(argv=None) -> int:
     tasks = prompts_by_category(gguf_path(a.gguf), a.per_category, a.quick)
     methods, skipped = prepare(a)
     leave = {n.strip() for n in a.skip.split(",") if n.strip()}
+    unknown = leave - {m.name for m in methods}
+    if unknown:
+        p.error(f"--skip names no method: {', '.join(sorted(unknown))}; the methods are "
+                f"{', '.join(m.name for m in methods)}")
     methods = [m for m in methods if m.name not in leave]
     rec = sitting(methods, tasks, a.repeats)
     for name, why in rec.pop("__failed__").items():
