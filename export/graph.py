@@ -59,17 +59,16 @@ class ExportTreeDecoder(TreeDecoder):
       transposed copy of it: onnxruntime fuses the permutes into FusedMatMul);
     - an additive mask applied in float32, instead of SDPA's decomposition (IsNaN guards).
 
-    ``softmax_dtype`` float64 (int4/int8 exports): the softmax of each row and its product
-    with the values run in float64 and are rounded back. ONNX Runtime's float32 softmax sums
-    its row in SIMD lanes chosen by column index, and its GEMM sums ``probs @ values`` in
-    blocks of 256 columns: a row alone and the same row inside a block (its ancestors at
-    other columns, ``P + T`` columns in all) add the same numbers in different orders, and
-    int8 activations (MatMulNBits accuracy level 4) turn that last bit into logit
-    differences of ~1. In float64 the rounded results agree, so every row's logits are
-    bitwise the same at any T (``bench/results/quant_cpu.md``).
+    ``exact_attention`` (int4/int8 exports): the softmax and ``probs @ values`` as exact sums
+    (:func:`exact_sums`), so a row's attention does not depend on the block it sits in.
+    ONNX Runtime's float32 softmax sums its row in SIMD lanes chosen by column index, its GEMM
+    sums ``probs @ values`` in blocks of 256 columns, and a row's ancestors sit at other
+    columns in a block than in the cache: the same numbers are added in different orders, and
+    int8 activations (MatMulNBits accuracy level 4) turn that last bit into logit differences
+    of ~1 (``bench/results/quant_cpu.md``).
     """
 
-    softmax_dtype: torch.dtype | None = None  # None: float32
+    exact_attention: bool = False  # True: exact_sums (int4/int8 exports)
 
     def _attention(self, layer, x, cos, sin, mask, past_k, past_v):
         # x: [1, T, d]; mask: [1, 1, T, P + T] bool; past_k/v: [1, P, H_kv, D]
@@ -94,16 +93,48 @@ class ExportTreeDecoder(TreeDecoder):
         bias = torch.where(mask, 0.0, MASKED).repeat(1, 1, g, 1)[0]       # [1, g*T, P+T]
         logits = scores * attn.scaling + bias
         v_past, v_new = past_v.squeeze(0).permute(1, 0, 2), v[0].transpose(0, 1)
-        if self.softmax_dtype is not None:  # softmax and probs @ values, then rounded back
-            # (the float64 copy of the past values is the price of bitwise invariance)
-            logits = logits.to(self.softmax_dtype)
-            v_past, v_new = v_past.to(self.softmax_dtype), v_new.to(self.softmax_dtype)
-        probs = torch.softmax(logits, dim=-1).to(v_past.dtype)
-        out = (torch.matmul(probs[..., :past], v_past)
-               + torch.matmul(probs[..., past:], v_new)).to(v.dtype)     # [H_kv, g*T, D]
+        if self.exact_attention:
+            v = torch.round(v * V_GRID) / V_GRID  # what the cache keeps (see exact_sums)
+            v_new = v[0].transpose(0, 1)
+            out = exact_sums(logits, v_past, v_new, past).to(v.dtype)
+        else:
+            probs = torch.softmax(logits, dim=-1).to(v_past.dtype)
+            out = (torch.matmul(probs[..., :past], v_past)
+                   + torch.matmul(probs[..., past:], v_new)).to(v.dtype)  # [H_kv, g*T, D]
         out = attn.o_proj(out.reshape(1, self.n_heads, -1, hd).transpose(1, 2)
                           .reshape(1, -1, self.n_heads * hd))
         return out, k.transpose(1, 2), v
+
+
+# exact_sums' grids (powers of two: every scaling below is exact)
+E_GRID = 2.0 ** 39   # exp(l - max) in [0, 1] -> integers <= 2^39; a row of < 2^13 sums exactly
+P_GRID = 2.0 ** 24   # probabilities -> integers <= 2^24
+V_GRID = 2.0 ** 18   # values -> multiples of 2^-18 (exact sums while |v| < 2^10)
+MAX_EXACT_COLUMNS = 2 ** 13
+
+
+def exact_sums(logits, v_past, v_new, past: int):
+    """Softmax and ``probs @ values`` whose every sum is exact, hence the same in any order.
+
+    Rounding each summand to a fixed grid before summing makes float64 addition exact while
+    the partial sums stay below 2^53 units: ``exp(l - max)`` on a 2^-39 grid (a row of
+    ``P + T < 2^13`` columns sums to < 2^52), probabilities on a 2^-24 grid (integers
+    ``<= 2^24``), and values on a 2^-18 grid, which the graph applies to the block's V before
+    it becomes the cache (a float32 stays a multiple of 2^-18 above 2^6 too). While
+    ``|v| < 2^10`` every product ``p * v`` is a multiple of 2^-18 and every partial sum stays
+    under 2^52 units. The max, the exponentials and the one division per element are
+    elementwise, so a row gives the same bits alone, inside any block, and with its ancestors
+    in the cache or in the block. The grids cost < 3e-8 in a probability and 2e-6 in a value
+    (SmolLM2-135M's values stay under 16), far inside an int8-activation package's own error;
+    a value beyond 2^10 loses the guarantee, not correctness.
+    """
+    logits = logits.double()
+    e = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+    e = torch.round(e * E_GRID)
+    p = torch.round(e / e.sum(dim=-1, keepdim=True) * P_GRID)
+    out = (torch.matmul(p[..., :past], v_past.double())
+           + torch.matmul(p[..., past:], v_new.double()))
+    return out / P_GRID
 
 
 class ExportDecoder(nn.Module):

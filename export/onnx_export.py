@@ -267,7 +267,7 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
         hf = _load_model(job, {"fp32": torch.float32, "fp16": torch.float16}[dtype])
         decoder = ExportTreeDecoder(hf, job.family)
         if job.options.dtype in QUANTIZED:  # batch-invariant softmax (export.quantize)
-            decoder.softmax_dtype = torch.float64
+            decoder.exact_attention = True
         topk = min(int(hf.config.vocab_size),
                    max(static_plan(b, k).n_nodes for b, k in job.budgets) + 1)
         hidden = job.options.hidden_states
@@ -498,7 +498,7 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str) -> _Graph
     weights = WeightsInfo(format=fmt, tied_embedding=tied is not None,
                           **({"block_size": spec.block_size, "symmetric": spec.symmetric,
                               "accuracy_level": spec.accuracy_level,
-                              "min_rows": spec.min_rows, "softmax": "float64"} if spec else {}))
+                              "min_rows": spec.min_rows, "softmax": "exact"} if spec else {}))
     size = sum(p.numel() * p.element_size() for p in module.parameters())
     external = f"{GRAPH}.data" if spec or size > EXTERNAL_DATA_BYTES else None
     if external:

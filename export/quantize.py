@@ -17,11 +17,13 @@ AVX2 CPU). Speculation is lossless only if a row's logits do not depend on the b
 measured (``bench/results/quant_cpu.md``), each row against the same row alone:
 
 - the attention's float32 softmax and ``probs @ values`` sum in orders that depend on the
-  row's column count and its ancestors' columns: fixed by running both in float64
-  (``graph.ExportTreeDecoder.softmax_dtype``);
-- int4 ``MatMulNBits`` take another kernel for one row than for two or more (every M >= 2
-  agrees bitwise, M = 1 does not): the package says ``min_rows`` 2, and the runtime runs a
-  one-row step (plain decoding) as two rows, the second a throwaway copy;
+  row's column count and its ancestors' columns (float64 only makes a different order rarer):
+  made exact sums on fixed grids, equal in any order (``graph.exact_sums``,
+  ``graph.ExportTreeDecoder.exact_attention``);
+- int4 ``MatMulNBits`` take another kernel for a chunk of one row (MLAS cuts the rows into
+  chunks of 128): the package says ``min_rows`` 2, and the runtime pads a forward of one row
+  (plain decoding) or ``128 j + 1`` rows (a 769-token prefill) with a throwaway row
+  (``runtimes.package.run_rows``);
 - int8 ``MatMulNBits`` at level 4 agree at every M.
 
 With both, a block's rows are bitwise the rows plain decoding computes.
@@ -114,9 +116,16 @@ def dequantize(packed, scales, zero_points, spec: QuantSpec, k: int) -> np.ndarr
 
 def fake_quantize(hf, spec: QuantSpec) -> int:
     """Replace every ``nn.Linear`` weight of ``hf`` (lm_head included, and so a tied input
-    embedding) with its quantize-dequantize round trip; returns how many were replaced."""
+    embedding) with its quantize-dequantize round trip, and round every value projection's
+    output to the grid the quantized graph keeps its values on (``graph.exact_sums``); returns
+    how many weights were replaced."""
     import torch
     from torch import nn
+
+    from .graph import V_GRID
+
+    def on_grid(module, args, out):
+        return torch.round(out * V_GRID) / V_GRID
 
     count = 0
     with torch.no_grad():
@@ -126,6 +135,9 @@ def fake_quantize(hf, spec: QuantSpec) -> int:
                 deq = dequantize(*block_quantize(w, spec), spec, w.shape[1])
                 module.weight.copy_(torch.from_numpy(deq))
                 count += 1
+    for name, module in hf.named_modules():
+        if name.endswith("v_proj"):
+            module.register_forward_hook(on_grid)
     return count
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
 from edgemtp.runtimes.package import (COMMIT, FIXED_INPUTS, PAST_LEN, check_step, kv_names,
-                                      load_package)
+                                      load_package, run_rows)
 
 _INT64, _BOOL, _FLOAT32 = np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.float32)
 _KEEP_MASK = 256  # largest block whose mask the backend keeps a bound copy of
@@ -271,8 +271,8 @@ class OrtBackend:
             self.commit_graph = self._session(ort, device, threads, pkg.root / COMMIT,
                                               graph="commit")
         self._table = pkg.embedding_table()  # memory-mapped; block-quantized rows de-quantized
-        # int4 kernels take another path for one row than for a block: such a package runs a
-        # one-row forward as two rows, so plain decoding computes what verification does
+        # int4 kernels take another path for a chunk of one row: such a package pads those
+        # forwards (package.run_rows), so plain decoding computes what verification does
         self.min_rows = pkg.weights.min_rows
         self._stats = (np.asarray(m["embeddings"]["mu"], dtype=np.float32),
                        np.asarray(m["embeddings"]["sigma"], dtype=np.float32))
@@ -365,11 +365,16 @@ class OrtBackend:
                                      f"{got}, the manifest implies {dims}")
 
 
-def _pad_rows(input_ids, position_ids, rows: int):
-    """A one-row block as ``rows`` rows: copies of the row, each attending to itself only."""
-    ids = np.repeat(np.asarray(input_ids, dtype=np.int64)[:1], rows)
-    pos = np.repeat(np.asarray(position_ids, dtype=np.int64)[:1], rows)
-    return ids, pos, np.eye(rows, dtype=np.bool_)
+def _pad_rows(input_ids, position_ids, tree_mask, rows: int):
+    """A block padded to ``rows`` rows with copies of its last row, each attending to itself
+    only (never committed: the block's own rows do not see them)."""
+    t = len(input_ids)
+    ids, pos = np.asarray(input_ids, dtype=np.int64), np.asarray(position_ids, dtype=np.int64)
+    ids = np.concatenate([ids, np.repeat(ids[-1:], rows - t)])
+    pos = np.concatenate([pos, np.repeat(pos[-1:], rows - t)])
+    mask = np.eye(rows, dtype=np.bool_)
+    mask[:t, :t] = tree_mask
+    return ids, pos, mask
 
 
 class _CacheCommits:
@@ -435,9 +440,10 @@ class OrtSession(_CacheCommits):
         # input_ids, position_ids: [T]; tree_mask: [T, T] bool; mask_embeds: [k, d] or None
         t, b = len(input_ids), self.backend
         b.check_step(topk, hidden)
-        p, run_t = self.cache_len, max(t, b.min_rows)
-        if run_t > t:  # a throwaway copy of the row, seeing only itself; never committed
-            input_ids, position_ids, tree_mask = _pad_rows(input_ids, position_ids, run_t)
+        p, run_t = self.cache_len, run_rows(t, b.min_rows)
+        if run_t > t:  # a throwaway copy of the last row, seeing only itself; never committed
+            input_ids, position_ids, tree_mask = _pad_rows(input_ids, position_ids, tree_mask,
+                                                           run_t)
         self._past_len[0] = p  # before _feed: a device provider copies it when bound
         self._feed(run_t, input_ids, position_ids, tree_mask, mask_embeds)
         if b.past_len:  # the past is a bucket of the cache, rebound when the bucket changes
@@ -609,9 +615,9 @@ class GraphSession(_CacheCommits):
                 full_logits: bool = False, hidden: bool = False) -> StepOut:
         b, n = self.backend, len(input_ids)
         b.check_step(topk, hidden)
-        t = max(n, b.min_rows)
-        if t > n:  # a throwaway copy of the row, seeing only itself; never committed
-            input_ids, position_ids, tree_mask = _pad_rows(input_ids, position_ids, t)
+        t = run_rows(n, b.min_rows)
+        if t > n:  # a throwaway copy of the last row, seeing only itself; never committed
+            input_ids, position_ids, tree_mask = _pad_rows(input_ids, position_ids, tree_mask, t)
         if t > self.kv.cap:
             raise ConfigError(f"a block of {t} rows exceeds the context ({b.max_context})")
         embeds = (np.zeros((1, b.hidden_size), dtype=np.float32) if mask_embeds is None

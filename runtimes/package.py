@@ -249,6 +249,20 @@ class PlanInfo:
         _relative(self.file, f"{label} file")
 
 
+SOFTMAX = ("float32", "float64", "exact")
+ROW_CHUNK = 128  # MLAS's SQNBitGemm splits a MatMulNBits' rows into chunks of this many
+
+
+def run_rows(t: int, min_rows: int) -> int:
+    """How many rows a forward of ``t`` rows runs as. ``min_rows`` 2 (int4 ``MatMulNBits``):
+    a chunk of one row takes the kernel's one-row path, which rounds differently, and MLAS
+    cuts the rows into chunks of :data:`ROW_CHUNK` -- so one row runs as two, and a block of
+    ``128 j + 1`` rows (a 769-token prefill) gets one throwaway row more."""
+    if min_rows > 1 and t % ROW_CHUNK == 1:
+        return t + 1
+    return max(t, min_rows)
+
+
 @dataclass(frozen=True, kw_only=True)
 class WeightsInfo:
     """How the graph stores its weights. ``format`` fp32/fp16: as the activations; int4/int8:
@@ -265,7 +279,9 @@ class WeightsInfo:
     accuracy_level: int | None = None
     tied_embedding: bool = False
     min_rows: int = 1  # a forward of fewer rows runs padded to this many (batch invariance)
-    softmax: str = "float32"  # the attention softmax's dtype
+    # the attention's sums: float32; float64 (exports before exact sums: invariant on short
+    # contexts only); exact (export.graph.exact_sums: the same bits in any block)
+    softmax: str = "float32"
 
     def __post_init__(self) -> None:
         _check(self.format in WEIGHT_FORMATS, f"'weights.format' must be one of "
@@ -276,8 +292,8 @@ class WeightsInfo:
                f"{self.block_size!r} for {self.format}")
         _check(self.min_rows in (1, 2), f"'weights.min_rows' must be 1 or 2, got "
                                         f"{self.min_rows!r}")
-        _check(self.softmax in ("float32", "float64"), f"'weights.softmax' must be float32 or "
-                                                       f"float64, got {self.softmax!r}")
+        _check(self.softmax in SOFTMAX, f"'weights.softmax' must be one of "
+                                        f"{', '.join(SOFTMAX)}, got {self.softmax!r}")
         _check(self.block_size is None or (self.block_size >= 16
                                            and self.block_size & (self.block_size - 1) == 0),
                f"'weights.block_size' must be a power of 2 >= 16, got {self.block_size!r}")

@@ -41,7 +41,7 @@ def int4_pkg(tmp_path_factory):
 def test_int4_package_holds_the_tied_table_once_quantized(int4_pkg):
     pkg = load_package(int4_pkg)
     assert pkg.weights.name == "int4-b32-asym-acc4" and pkg.weights.tied_embedding
-    assert pkg.weights.min_rows == 2 and pkg.weights.softmax == "float64"
+    assert pkg.weights.min_rows == 2 and pkg.weights.softmax == "exact"
     assert pkg.meta.dtype == "fp32" and pkg.meta.cache.dtype == "fp32"
     assert not (int4_pkg / "embeddings.npy").exists()
     proto = onnx.load(str(int4_pkg / "model.onnx"), load_external_data=False)
@@ -92,7 +92,7 @@ def _graph_and_reference(fmt: str, folder: Path):
     hf = AutoModelForCausalLM.from_pretrained(str(STORIES), dtype=torch.float32).eval()
     family = family_for(hf.config)
     decoder = ExportTreeDecoder(hf, family)
-    decoder.softmax_dtype = torch.float64
+    decoder.exact_attention = True
     graph = _write_graph(ExportDecoder(decoder, 31).eval(), folder, torch.float32, 17, fmt)
     fake_quantize(hf, graph.spec)
     return ExportDecoder(TreeDecoder(hf, family), 31).eval(), \
@@ -179,3 +179,95 @@ def test_smollm2_gguf_int4_package_is_small_and_chats_losslessly(tmp_path):
         for drafter in ("hybrid", "pld", "probe", "auto"):
             got = model.generate(ids, drafter=drafter, bc=10, max_new_tokens=48).token_ids
             assert got == plain, (question, drafter)
+
+
+def test_a_chain_inside_one_block_gives_plain_decodings_bits_at_a_long_context(int4_pkg):
+    """The chain test at 200 tokens of context: plain decoding's steps (each token alone, its
+    ancestors in the cache) against one causal block of the same tokens (its ancestors in the
+    block, at other columns), logits compared bitwise."""
+    model = Model.load(str(int4_pkg), threads=1)
+    prompt = np.random.default_rng(3).integers(3, 512, 200)
+    chain = np.random.default_rng(4).integers(3, 512, 12)
+
+    def prefilled():
+        session = model.backend.session()
+        session.forward(prompt, np.arange(200), np.tril(np.ones((200, 200), bool)), None)
+        session.commit(np.arange(200))
+        return session
+
+    session, steps = prefilled(), []
+    for i, token in enumerate(chain):
+        out = session.forward(chain[i:i + 1], np.array([200 + i]), np.ones((1, 1), bool), None,
+                              full_logits=True)
+        steps.append(out.logits[0].copy())
+        session.commit(np.array([0]))
+    block = prefilled().forward(chain, 200 + np.arange(12), np.tril(np.ones((12, 12), bool)),
+                                None, full_logits=True).logits
+    for i in range(12):
+        assert np.array_equal(steps[i], block[i]), i
+
+
+def test_exact_sums_give_the_same_bits_whichever_columns_the_ancestors_sit_in(tmp_path):
+    """exact_sums in onnxruntime: one row's attention over 700 columns, its last 10 either in
+    the past part or in the block part (shifted), is bitwise the same; the plain float64
+    softmax and ``probs @ values`` it replaced are not (so the test can fail)."""
+    import onnxruntime as ort
+    import torch
+
+    from edgemtp.export.graph import V_GRID, exact_sums
+
+    class Attention(torch.nn.Module):
+        def __init__(self, exact: bool, past: int):
+            super().__init__()
+            self.exact, self.past = exact, past
+
+        def forward(self, logits, v_past, v_new):
+            if self.exact:
+                return exact_sums(logits, v_past, v_new, self.past).float()
+            probs = torch.softmax(logits.double(), dim=-1)
+            return (probs[..., :self.past] @ v_past.double()
+                    + probs[..., self.past:] @ v_new.double()).float()
+
+    # uniform rows over values whose columns sum to nearly 0: the exact result is tiny, so the
+    # float64 rounding errors of a different grouping show in its float32 bits
+    rng = np.random.default_rng(0)
+    n, d = 700, 64
+    logits = np.zeros((3, 6, n), np.float32)
+    half = np.round(rng.normal(0, 100, (3, n // 2, d)) * V_GRID)
+    values = np.concatenate([half, -half[:, ::-1]], axis=1)
+    values[:, 0] += 1  # each column sums to 2^-18
+    values = (values / V_GRID).astype(np.float32)
+    assert np.abs(values).max() < 2 ** 10
+    outs = {}
+    for exact in (True, False):
+        for past in (n - 10, n - 1, 512, 256):
+            path = tmp_path / f"{exact}-{past}.onnx"
+            args = tuple(torch.from_numpy(x) for x in (logits, values[:, :past], values[:, past:]))
+            torch.onnx.export(Attention(exact, past), args, str(path), opset_version=17,
+                              input_names=["l", "vp", "vn"], dynamo=False)
+            s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            outs[exact, past] = s.run(None, {"l": logits, "vp": values[:, :past],
+                                             "vn": values[:, past:]})[0]
+    exact = [outs[True, p] for p in (n - 10, n - 1, 512, 256)]
+    assert all(np.array_equal(exact[0], o) for o in exact[1:])
+    plain = [outs[False, p] for p in (n - 10, n - 1, 512, 256)]
+    assert not all(np.array_equal(plain[0], o) for o in plain[1:])
+    assert np.abs(exact[0] - plain[0]).max() < 1e-7  # the grids cost next to nothing
+
+
+def test_a_block_of_128j_plus_1_rows_gives_the_rows_of_a_longer_block(int4_pkg):
+    """MLAS cuts a MatMulNBits' rows into chunks of 128 and runs a chunk of one row through
+    its one-row kernel: the runtime pads a block of 129 rows (as a one-row step) with a
+    throwaway row, so its rows are the bits the same rows give inside 130."""
+    from edgemtp.runtimes.package import run_rows
+
+    assert [run_rows(t, 2) for t in (1, 2, 128, 129, 257, 769)] == [2, 2, 128, 130, 258, 770]
+    assert [run_rows(t, 1) for t in (1, 129)] == [1, 129]
+    model = Model.load(str(int4_pkg), threads=2)
+    ids = np.random.default_rng(5).integers(3, 512, 130)
+
+    def rows(t):
+        return model.backend.session().forward(ids[:t], np.arange(t), np.tril(np.ones((t, t), bool)),
+                                               None, full_logits=True).logits.copy()
+
+    assert np.array_equal(rows(129), rows(130)[:129])
