@@ -126,7 +126,11 @@ def exact_sums(logits, v_past, v_new, past: int):
     elementwise, so a row gives the same bits alone, inside any block, and with its ancestors
     in the cache or in the block. The grids cost < 3e-8 in a probability and 2e-6 in a value
     (SmolLM2-135M's values stay under 16), far inside an int8-activation package's own error;
-    a value beyond 2^10 loses the guarantee, not correctness.
+    a value beyond 2^10 loses the guarantee, not correctness. One caveat: onnxruntime's Exp
+    (Eigen) may compute the last few elements of a tensor -- the last columns of the block's
+    last row -- with the scalar ``exp`` instead of the vectorized one; the two grids absorb a
+    last-bit difference there unless it straddles a grid step (odds ~1e-4 per differing
+    element, twice over).
     """
     logits = logits.double()
     e = torch.exp(logits - logits.amax(dim=-1, keepdim=True))

@@ -250,6 +250,9 @@ class PlanInfo:
 
 
 SOFTMAX = ("float32", "float64", "exact")
+# what inspect says of a package's attention sums (the float32 default says nothing)
+INVARIANCE = {"exact": "; attention as exact sums (a row's bits do not depend on its block)",
+              "float64": "; float64 attention (invariant on short contexts only: re-export)"}
 ROW_CHUNK = 128  # MLAS's SQNBitGemm splits a MatMulNBits' rows into chunks of this many
 
 
@@ -889,7 +892,8 @@ def describe(pkg: Package) -> str:
         f"opset {g.opset}, top-K {m.topk}, {len(g.inputs)} inputs, {len(g.outputs)} outputs",
         f"cache     {m.cache.layout}",
         f"weights   {pkg.weights.name}"
-        f"{', tied embedding stored once' if pkg.weights.tied_embedding else ''}",
+        f"{', tied embedding stored once' if pkg.weights.tied_embedding else ''}"
+        f"{INVARIANCE.get(pkg.weights.softmax, '')}",
     ]
     if m.gguf:
         types = ", ".join(f"{t} x{n}" for t, n in m.gguf.tensor_types.items())
