@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from pathlib import Path
@@ -64,6 +65,16 @@ def _check_hub(repo: str) -> None:
                              f"local model folder") from None
 
 
+def env_threads() -> int | None:
+    """Intra-op threads from ``$EDGEMTP_THREADS`` (a positive integer), None if unset."""
+    raw = os.environ.get("EDGEMTP_THREADS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"EDGEMTP_THREADS must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
 class Model:
     """A loaded model (a backend: the weights, once) and its tokenizer.
 
@@ -96,8 +107,10 @@ class Model:
         """``backend="auto"``: onnxruntime for a package written by ``edgemtp export`` (a
         folder with ``edgemtp.json``), torch for a Hugging Face folder. A package carries its
         own tokenizer files (a package exported without one loads with no tokenizer).
-        ``dtype=None``: the model's own (fp32 for a Hugging Face folder)."""
+        ``dtype=None``: the model's own (fp32 for a Hugging Face folder). ``threads=None``:
+        ``$EDGEMTP_THREADS`` if set, else the runtime's default (every physical core)."""
         check_model_path(path)
+        threads = threads if threads is not None else env_threads()
         if backend == "auto":
             from .runtimes.package import is_package  # numpy only
 

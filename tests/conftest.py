@@ -1,6 +1,7 @@
 """Shared test fixtures: real checkpoints and prompts from ../shared (never copied)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,14 @@ def stories_pkg(tmp_path_factory):
     out = tmp_path_factory.mktemp("ort") / "stories"
     export_package(str(STORIES), out, max_context=256, progress=False)
     return out
+
+
+# the shared test models are tiny: one intra-op thread is fastest, and several test processes
+# (and their CLI and server subprocesses, which inherit this) on CI's 2 cores must not
+# oversubscribe them: a spinning thread pool waiting on a busy core made a 48-token CLI run
+# of stories260K take 32 s instead of 9
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("EDGEMTP_THREADS", "1")
 
 
 def pytest_configure(config):

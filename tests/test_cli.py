@@ -283,3 +283,13 @@ def test_hf_prompt_tokenization_matches(tokenizer):
     ids = tokenizer(PROMPT).input_ids
     assert ids[0] == tokenizer.bos_token_id
     assert Tokenizer(str(MODEL_DIR)).encode(PROMPT) == ids
+
+
+def test_bad_edgemtp_threads_variable_is_one_line_error():
+    env = {**ENV, "EDGEMTP_THREADS": "two"}
+    p = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model",
+                        str(MODEL_DIR), "--prompt", "hi", "--max-new-tokens", "4"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == EXIT_USAGE and "Traceback" not in p.stderr, p.stderr
+    assert message_lines(p.stderr) == [
+        "edgemtp: error: EDGEMTP_THREADS must be a positive integer, got 'two'"]

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -186,7 +187,8 @@ def test_inspect_prints_manifest_plans_and_memory(pkg, capsys):
 def test_generate_from_package_matches_torch_backend_json(pkg):
     args = ["generate", "--prompt", "Once upon a time", "--bc", "30", "--json",
             "--max-new-tokens", "48"]
-    ours, ref = cli(*args, "--model", str(pkg)), cli(*args, "--model", str(STORIES))
+    with ThreadPoolExecutor(2) as pool:  # the two runs side by side
+        ours, ref = pool.map(lambda m: cli(*args, "--model", m), (str(pkg), str(STORIES)))
     assert ours.returncode == 0 and ref.returncode == 0, ours.stderr + ref.stderr
     a, b = json.loads(ours.stdout), json.loads(ref.stdout)
     assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
