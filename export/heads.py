@@ -38,12 +38,22 @@ HEADS_TOPK = 64      # candidates per head in the graph (a BC 60 tree needs 59 +
 FULL_VOCAB = 32768   # above this vocabulary, heads score only the most frequent tokens
 SUBSET = 8192        # ... this many of them (FR-Spec's frequency-ranked draft vocabulary)
 CHAIN = 1024         # residual heads over a subset: the chain's top-1 reads the first rows
-# peak learning rates: on stories260K (d = 64, inputs RMS-normalised, 300 steps) medusa reached
+# peak learning rates at d = 64 (stories260K, inputs RMS-normalised, 300 steps): medusa reached
 # val top-1 0.39/0.56/0.62/0.65 for head 1 at 3e-3/1e-2/3e-2/1e-1, residual 0.71/0.80/0.83 at
 # 3e-3/1e-2/3e-2 (0.88 either way after 1500 steps). A wider model wants less (Adam moves every
-# weight by ~lr, and a row of W sums d of them): SmolLM2 (d = 576) was trained with
-# --lr 3e-3 (residual) and 1e-2 (medusa), bench/results/heads_SmolLM2.md.
+# weight by ~lr, and a row of W sums d of them), so the default is scaled by sqrt(64 / d): on
+# SmolLM2 (d = 576, 150 steps x 64 rows) residual val top-1 of head 1 was 0.44 at 3e-3 and 0.18
+# at 1e-2 (main's unnormalised module: 0.30 and 0.07), bench/results/heads_SmolLM2.md.
 LR = {"medusa": 3e-2, "residual": 1e-2}
+
+
+def default_lr(kind: str, width: int) -> float:
+    """The peak learning rate for heads on a ``width``-wide model.
+
+    >>> default_lr("residual", 64), round(default_lr("residual", 576), 5)
+    (0.01, 0.00333)
+    """
+    return LR[kind] * min(1.0, (64 / width) ** 0.5)
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,7 @@ class TrainOptions:
     heads: int = 4
     steps: int = 1500
     batch: int = 256
-    lr: float | None = None   # None: LR[kind]
+    lr: float | None = None   # None: default_lr(kind, the model's width)
     seed: int = 0
     repeats: int = 3          # generations per training prompt (sampled prefix of 0..8 tokens)
     bos_samples: int = 128    # generations from BOS alone (a sampled prefix of 1..16 tokens)
@@ -70,9 +80,7 @@ class TrainOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= {low}, "
                                   f"got {value!r}")
-        if self.lr is None:
-            object.__setattr__(self, "lr", LR.get(self.kind, 1e-2))
-        if not (isinstance(self.lr, float) and 0 < self.lr < 1):
+        if self.lr is not None and not (isinstance(self.lr, float) and 0 < self.lr < 1):
             raise ConfigError(f"--lr must be a number in (0, 1), got {self.lr!r}")
         if self.heads > 10:
             raise ConfigError(f"--heads must be at most 10 (tree depths), got {self.heads}")
@@ -441,6 +449,8 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
         raise ConfigError(f"the package {str(root)!r} has an LM head separate from its input "
                           f"embedding; heads read the tied table, and untied models are not "
                           f"supported yet")
+    if opt.lr is None:
+        opt = replace(opt, lr=default_lr(opt.kind, pkg.meta.hidden_size))
     chat = model.tokenizer is not None and model.tokenizer.chat_template is not None
     if prompts is None:
         prompts, data, _ = training_prompts(chat)
