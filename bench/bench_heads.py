@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,11 +40,12 @@ METHODS = [
     ("hybrid", dict(drafter="hybrid")),
     ("heads medusa", dict(drafter="heads", heads="medusa")),
     ("heads residual", dict(drafter="heads", heads="residual")),
+    ("hybrid + medusa heads", dict(drafter="hybrid", heads="medusa")),
     ("hybrid + residual heads", dict(drafter="hybrid", heads="residual")),
 ]
 
 
-def eval_prompts(model: Model, n: int) -> tuple[list, str]:
+def eval_prompts(model: Model, n: int, stride: int = 1) -> tuple[list, str]:
     chat = model.tokenizer is not None and model.tokenizer.chat_template is not None
     train, _, held = training_prompts(chat)
     assert not set(train) & set(held)
@@ -51,15 +53,19 @@ def eval_prompts(model: Model, n: int) -> tuple[list, str]:
         return held[:n], f"story prompts 0-{min(n, len(held)) - 1} (held out)"
     # held = the first EVAL_PER_CATEGORY of each category, in file order: take n per category
     per = max(1, n)
-    picked = [q for i, q in enumerate(held) if i % EVAL_PER_CATEGORY < per]
+    picked = [q for i, q in enumerate(held) if i % EVAL_PER_CATEGORY < per
+              and (i // EVAL_PER_CATEGORY) % stride == 0]
+    which = "each category" if stride == 1 else f"every {stride}th category in file order"
     return ([model.encode_chat([{"role": "user", "content": q}]) for q in picked],
-            f"Spec-Bench, first {per} question(s) of each category, chat template (held out)")
+            f"Spec-Bench, first {per} question(s) of {which}, chat template (held out)")
 
 
-def step_costs(model: Model, reps: int = 300) -> dict:
+def step_costs(model: Model, rounds: int = 15, reps: int = 10) -> dict:
     """Median microseconds of a one-row base forward at P = 64 (t(1)) and of one heads run
     per kind (the drafter's extra work per step; the residual kind includes the root's
-    embedding lookup)."""
+    embedding lookup), and each kind's cost as a share of t(1): the median over ``rounds``
+    of (heads median / t(1) median) measured back to back in that round, so a load that
+    comes and goes on a shared machine moves both sides of each ratio alike."""
     b = model.backend
     s = b.session()
     n = 65
@@ -67,8 +73,6 @@ def step_costs(model: Model, reps: int = 300) -> dict:
     s.commit(np.arange(64))
 
     def timed(fn) -> float:
-        for _ in range(20):
-            fn()
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -77,15 +81,27 @@ def step_costs(model: Model, reps: int = 300) -> dict:
         return statistics.median(ts) * 1e6
 
     one = np.ones((1, 1), bool)
-    out = {"t1_us": timed(lambda: s.forward(np.array([5]), np.array([64]), one, None)),
-           "t1_hidden_us": timed(lambda: s.forward(np.array([5]), np.array([64]), one, None,
-                                                   hidden=True))}
     h = np.random.default_rng(0).standard_normal(b.hidden_size).astype(np.float32)
+    fns = {"t1": lambda: s.forward(np.array([5]), np.array([64]), one, None),
+           "t1_hidden": lambda: s.forward(np.array([5]), np.array([64]), one, None,
+                                          hidden=True)}
     for info in b.package.meta.heads:
         r = HeadsRunner.load(b.package, info.kind)
         embed = "root_embeds" in r.inputs
-        out[f"{info.kind}_us"] = timed(
-            lambda: r.run(h, b.embed(np.array([5]))[0] if embed else None))
+        fns[info.kind] = (lambda r=r, embed=embed:
+                          r.run(h, b.embed(np.array([5]))[0] if embed else None))
+    per: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():  # warm up
+        for _ in range(3):
+            fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            per[k].append(timed(fn))
+    out = {f"{k}_us": statistics.median(v) for k, v in per.items()}
+    for info in b.package.meta.heads:
+        ratios = [x / t for x, t in zip(per[info.kind], per["t1_hidden"])]
+        out[f"{info.kind}_share"] = statistics.median(ratios)
+    out["load_1min"], out["rounds"] = os.getloadavg()[0], rounds
     return out
 
 
@@ -132,13 +148,17 @@ def markdown(rows: list, costs: dict, heads: list, meta: dict) -> str:
                    f"generations ({t['data']}) | {'/'.join(f'{a:.2f}' for a in t['val_top1'])} | "
                    f"{t['loss_first']:.2f} -> {t['loss_last']:.2f} | {t['minutes']:.1f} | "
                    f"{t['gen_minutes']:.1f} |")
-    t1 = costs["t1_us"]
+    t1 = costs["t1_hidden_us"]
     out += ["", "## Step cost", "",
-            f"t(1) at P = 64: {t1:.0f} us ({costs['t1_hidden_us']:.0f} us with the hidden "
-            f"state bound). One heads run (the drafter's extra work per step):"]
+            f"t(1) at P = 64: {costs['t1_us']:.0f} us ({t1:.0f} us with the hidden state "
+            f"bound, as the heads drafter runs it); 1-minute load average "
+            f"{costs.get('load_1min', float('nan')):.2f} on {os.cpu_count()} cores. One heads "
+            f"run (the drafter's extra work per step), median of {costs.get('rounds', 15)} "
+            f"rounds each timing both back to back:"]
     for h in heads:
         us = costs[f"{h['kind']}_us"]
-        out.append(f"- {h['kind']}: {us:.0f} us = {100 * us / t1:.0f} % of t(1)")
+        share = costs.get(f"{h['kind']}_share", us / t1)
+        out.append(f"- {h['kind']}: {us:.0f} us = {100 * share:.1f} % of t(1)")
     return "\n".join(out) + "\n"
 
 
@@ -147,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--package", required=True)
     ap.add_argument("--prompts", type=int, default=24,
                     help="story prompts, or questions per Spec-Bench category (default 24)")
+    ap.add_argument("--stride", type=int, default=1,
+                    help="chat model: every STRIDE-th Spec-Bench category only (default 1: all)")
     ap.add_argument("--bc", default="10,30")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
@@ -155,7 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
     model = Model.load(a.package, backend="onnxruntime", threads=a.threads)
-    prompts, what = eval_prompts(model, a.prompts)
+    prompts, what = eval_prompts(model, a.prompts, a.stride)
     bcs = [int(b) for b in a.bc.split(",")]
     rows = run(model, prompts, bcs, a.new_tokens, a.repeats)
     costs = step_costs(model)

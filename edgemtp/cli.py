@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: 1500)")
     th.add_argument("--batch", type=int, default=256, help="rows per step (default: 256)")
     th.add_argument("--lr", type=float, default=None,
-                    help="peak learning rate (default: 3e-2 medusa, 1e-2 residual)")
+                    help="peak learning rate (default: 3e-2 medusa, 1e-2 residual, times "
+                         "sqrt(64 / hidden size) above 64)")
     th.add_argument("--seed", type=int, default=0)
     th.add_argument("--threads", type=int, default=2, help="CPU threads (default: 2)")
     th.add_argument("--vocab", type=int, default=None,

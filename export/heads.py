@@ -24,19 +24,36 @@ from pathlib import Path
 import numpy as np
 
 from edgemtp.errors import ConfigError
-from edgemtp.runtimes.heads import HEAD_KINDS, HEADS_DIR, HeadsInfo, HeadsTraining
+from edgemtp.runtimes.heads import (HEAD_KINDS, HEADS_DIR, ROW_INPUTS, HeadsInfo,
+                                     HeadsTraining, heads_session)
 from edgemtp.runtimes.package import MANIFEST, Manifest, load_package, record_files
 
 # The evaluation prompts (tests, benches) are the first EVAL_STORIES story prompts and the
 # first EVAL_PER_CATEGORY Spec-Bench questions of every category; training never sees them.
+# 5 (not 10): the 8 MT-bench categories have 10 questions each, so training sees 5 of each
+# of them and the evaluation the other 5 (with 10, those categories were never trained on).
 EVAL_STORIES = 24
-EVAL_PER_CATEGORY = 10
+EVAL_PER_CATEGORY = 5
 HEADS_TOPK = 64      # candidates per head in the graph (a BC 60 tree needs 59 + 1 for pruning)
 FULL_VOCAB = 32768   # above this vocabulary, heads score only the most frequent tokens
 SUBSET = 8192        # ... this many of them (FR-Spec's frequency-ranked draft vocabulary)
-# peak learning rates: on stories260K (300 steps) medusa reached val top-1 0.45/0.57/0.63/0.64
-# for head 1 at 3e-3/1e-2/3e-2/1e-1, residual 0.66/0.78 at 3e-3/1e-2
+CHAIN = 1024         # residual heads over a subset: the chain's top-1 reads the first rows
+# peak learning rates at d = 64 (stories260K, inputs RMS-normalised, 300 steps): medusa reached
+# val top-1 0.39/0.56/0.62/0.65 for head 1 at 3e-3/1e-2/3e-2/1e-1, residual 0.71/0.80/0.83 at
+# 3e-3/1e-2/3e-2 (0.88 either way after 1500 steps). A wider model wants less (Adam moves every
+# weight by ~lr, and a row of W sums d of them), so the default is scaled by sqrt(64 / d): on
+# SmolLM2 (d = 576, 150 steps x 64 rows) residual val top-1 of head 1 was 0.44 at 3e-3 and 0.18
+# at 1e-2 (main's unnormalised module: 0.30 and 0.07), bench/results/heads_SmolLM2.md.
 LR = {"medusa": 3e-2, "residual": 1e-2}
+
+
+def default_lr(kind: str, width: int) -> float:
+    """The peak learning rate for heads on a ``width``-wide model.
+
+    >>> default_lr("residual", 64), round(default_lr("residual", 576), 5)
+    (0.01, 0.00333)
+    """
+    return LR[kind] * min(1.0, (64 / width) ** 0.5)
 
 
 @dataclass(frozen=True)
@@ -45,7 +62,7 @@ class TrainOptions:
     heads: int = 4
     steps: int = 1500
     batch: int = 256
-    lr: float | None = None   # None: LR[kind]
+    lr: float | None = None   # None: default_lr(kind, the model's width)
     seed: int = 0
     repeats: int = 3          # generations per training prompt (sampled prefix of 0..8 tokens)
     bos_samples: int = 128    # generations from BOS alone (a sampled prefix of 1..16 tokens)
@@ -63,9 +80,7 @@ class TrainOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= {low}, "
                                   f"got {value!r}")
-        if self.lr is None:
-            object.__setattr__(self, "lr", LR.get(self.kind, 1e-2))
-        if not (isinstance(self.lr, float) and 0 < self.lr < 1):
+        if self.lr is not None and not (isinstance(self.lr, float) and 0 < self.lr < 1):
             raise ConfigError(f"--lr must be a number in (0, 1), got {self.lr!r}")
         if self.heads > 10:
             raise ConfigError(f"--heads must be at most 10 (tree depths), got {self.heads}")
@@ -86,14 +101,20 @@ def training_prompts(chat: bool) -> tuple[list[str], str, list[str]]:
         what = f"story prompts {EVAL_STORIES}-{len(stories) - 1} and BOS"
     else:
         seen: dict[str, int] = {}
-        train, held = [], []
+        by_cat: dict[str, list[str]] = {}
+        held = []
         with open(SPEC_BENCH) as f:
             for line in f:
                 row = json.loads(line)
                 i = seen[row["category"]] = seen.get(row["category"], -1) + 1
-                (held if i < EVAL_PER_CATEGORY else train).append(row["turns"][0])
-        what = (f"Spec-Bench questions after the first {EVAL_PER_CATEGORY} of each category "
-                f"(chat template) and BOS")
+                (held if i < EVAL_PER_CATEGORY else by_cat.setdefault(row["category"], [])
+                 ).append(row["turns"][0])
+        # round-robin over the categories, so the first N training prompts mix them all
+        pools = [c for c in by_cat.values() if c]
+        train = [c[i] for i in range(max(map(len, pools), default=0)) for c in pools
+                 if i < len(c)]
+        what = (f"Spec-Bench questions after the first {EVAL_PER_CATEGORY} of each category, "
+                f"categories interleaved (chat template)")
     assert not set(train) & set(held), "training and evaluation prompts overlap"
     return train, what, held
 
@@ -105,7 +126,12 @@ def generate_cache(model, prompts: list[list[int]], opt: TrainOptions, path: Pat
                    progress: bool = True) -> dict:
     """Generate from every prompt with the package itself, run one forward over each whole
     sequence and keep ``tokens, argmax [L]``, ``hidden [L, d]`` and the first greedy row.
-    Saved to ``path`` (``.npz``); a saved cache is reused."""
+    Saved to ``path`` (``.npz``); a saved cache is reused, and an interrupted run resumes
+    from ``path``'s ``.part.npz`` (rewritten every few sequences).
+
+    The greedy part is drafted by prompt lookup (BC 10): lossless, so the same tokens, and
+    on a model whose one-row step reads all its weights (SmolLM2 fp32 on CPU) a tree step
+    costs about as much as a one-row step, so the tokens come ~1.15x faster."""
     if path.is_file():
         with np.load(path) as z:
             return dict(z)
@@ -113,7 +139,6 @@ def generate_cache(model, prompts: list[list[int]], opt: TrainOptions, path: Pat
 
     from edgemtp.config import GenerationConfig
 
-    t0 = time.perf_counter()
     rng = np.random.default_rng(opt.seed)
     bos = model.backend.package.meta.bos_token_id
     jobs = [(p, int(rng.integers(0, 9)) if r else 0) for p in prompts for r in range(opt.repeats)]
@@ -121,17 +146,38 @@ def generate_cache(model, prompts: list[list[int]], opt: TrainOptions, path: Pat
         jobs += [([bos], int(rng.integers(1, 17))) for _ in range(opt.bos_samples)]
     b = model.backend
     session = b.session()
-    parts: dict[str, list] = {"tokens": [], "argmax": [], "hidden": [], "greedy": [], "seq": []}
+    parts: dict[str, list] = {k: [] for k in ("tokens", "argmax", "hidden", "greedy", "seq")}
+    partial, before = path.with_suffix(".part.npz"), 0.0
+    if partial.is_file():
+        with np.load(partial) as z:
+            lengths = z["lengths"].tolist()
+            edges = np.cumsum([0] + lengths)
+            for k in ("tokens", "argmax", "hidden", "seq"):
+                parts[k] = [z[k][x:y] for x, y in zip(edges[:-1], edges[1:])]
+            parts["greedy"] = list(z["greedy"])
+            before = float(z["seconds"])
+    t0 = time.perf_counter()
+
+    def gathered() -> dict:
+        return {"tokens": np.concatenate(parts["tokens"]),
+                "argmax": np.concatenate(parts["argmax"]),
+                "hidden": np.concatenate(parts["hidden"]), "seq": np.concatenate(parts["seq"]),
+                "greedy": np.array(parts["greedy"]),
+                "lengths": np.array([len(t) for t in parts["tokens"]]),
+                "seconds": np.float64(before + time.perf_counter() - t0)}  # for the record
+
     room = b.max_context - 1
-    for i, (ids, sampled) in enumerate(tqdm(jobs, desc="generating", disable=not progress)):
+    done = len(parts["tokens"])
+    for i, (ids, sampled) in enumerate(tqdm(jobs[done:], desc="generating", initial=done,
+                                            total=len(jobs), disable=not progress), start=done):
         ids = list(ids)[: room // 2]
         if sampled:
             cfg = GenerationConfig(drafter="none", temperature=1.0, max_new_tokens=sampled,
                                    seed=opt.seed * 100_003 + i)
             ids += model.generate(ids, cfg).token_ids
         start = len(ids)  # the first greedy token
-        cfg = GenerationConfig(drafter="none", max_new_tokens=min(opt.new_tokens,
-                                                                  room - len(ids)))
+        cfg = GenerationConfig(drafter="pld", bc=10, max_new_tokens=min(opt.new_tokens,
+                                                                        room - len(ids)))
         ids += model.generate(ids, cfg).token_ids
         seq = np.array(ids, dtype=np.int64)
         session.reset()
@@ -143,42 +189,56 @@ def generate_cache(model, prompts: list[list[int]], opt: TrainOptions, path: Pat
         parts["hidden"].append(np.array(out.hidden, dtype=np.float32))
         parts["greedy"].append(np.int64(start))
         parts["seq"].append(np.full(n, i, dtype=np.int64))
+        if (i + 1) % 10 == 0 and i + 1 < len(jobs):
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(partial.with_suffix(".tmp.npz"), **gathered())
+            partial.with_suffix(".tmp.npz").replace(partial)
     session.reset()
-    cache = {"tokens": np.concatenate(parts["tokens"]), "argmax": np.concatenate(parts["argmax"]),
-             "hidden": np.concatenate(parts["hidden"]), "seq": np.concatenate(parts["seq"]),
-             "greedy": np.array(parts["greedy"]),
-             "lengths": np.array([len(t) for t in parts["tokens"]]),
-             "seconds": np.float64(time.perf_counter() - t0)}  # kept for the record
+    cache = gathered()
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, **cache)
+    partial.unlink(missing_ok=True)
     return cache
 
 
 def rows(cache: dict, heads: int) -> np.ndarray:
-    """Global row indices ``t`` whose next ``heads`` tokens are greedy (see the module doc).
+    """Global row indices ``t`` whose next ``heads`` tokens are greedy (see the module doc):
+    after the generation's greedy start, and (where the cache has tokens) each equal to the
+    argmax of the row before it in the one-pass forward.
 
     >>> c = {"lengths": np.array([6]), "greedy": np.array([2])}
     >>> rows(c, 2).tolist()       # tokens 2..5 greedy: t + 1 >= 2 and t + 2 <= 5
     [1, 2, 3]
+    >>> c.update(tokens=np.array([7, 7, 3, 4, 9, 6]), argmax=np.array([0, 3, 4, 5, 6, 0]))
+    >>> rows(c, 2).tolist()       # token 4 (9) is not the argmax of row 3 (5)
+    [1]
     """
     out, offset = [], 0
     for n, g in zip(cache["lengths"].tolist(), cache["greedy"].tolist()):
         first, last = max(g - 1, 0), n - 1 - heads
         out.append(np.arange(offset + first, offset + last + 1))
         offset += n
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    t = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    if "tokens" in cache and len(t):
+        tokens, argmax = cache["tokens"], cache["argmax"]
+        ok = np.ones(len(t), dtype=bool)
+        for j in range(1, heads + 1):
+            ok &= tokens[t + j] == argmax[t + j - 1]
+        t = t[ok]
+    return t
 
 
 # -- training ------------------------------------------------------------------------------
 
 
 def _vocab(cache: dict, v: int, opt: TrainOptions) -> np.ndarray | None:
-    """The M most frequent argmax tokens of the training text (None: the whole vocabulary)."""
+    """The M most frequent argmax tokens of the training text, most frequent first (None: the
+    whole vocabulary)."""
     m = opt.vocab if opt.vocab is not None else (v if v <= FULL_VOCAB else SUBSET)
     if m >= v:
         return None
     counts = np.bincount(cache["argmax"], minlength=v)
-    return np.sort(np.argsort(-counts, kind="stable")[:m])
+    return np.argsort(-counts, kind="stable")[:m]
 
 
 def train(model_heads, cache: dict, opt: TrainOptions, vocab, checkpoint: Path,
@@ -284,12 +344,12 @@ def plot_loss(history: list[float], path: Path, title: str) -> None:
 # -- export --------------------------------------------------------------------------------
 
 
-def export_heads(model_heads, lm_head: np.ndarray, path: Path, topk: int, opset: int = 17
-                 ) -> float:
+def export_heads(model_heads, lm_head: np.ndarray, path: Path, topk: int,
+                 chain: int | None = None, opset: int = 17) -> float:
     """Trace :class:`models.heads.HeadsGraph` to ``path``; returns the largest log-prob
     difference of the graph in onnxruntime against PyTorch on random hidden states (top-K ids
-    must be equal where the log-probs are clearly apart)."""
-    import onnxruntime as ort
+    must be equal where the log-probs are clearly apart). ``chain``: the residual kind's
+    chain rows, the first ``chain`` of ``lm_head`` (None: all)."""
     import torch
 
     from edgemtp.models.heads import HeadsGraph, MedusaHeads
@@ -301,21 +361,23 @@ def export_heads(model_heads, lm_head: np.ndarray, path: Path, topk: int, opset:
     x = torch.randn(3, d, generator=gen)
     roots = torch.randn(3, d, generator=gen)
     table = torch.from_numpy(np.ascontiguousarray(lm_head, dtype=np.float32))
-    names = ["hidden", *(["root_embeds"] if residual else []), "lm_head"]
-    args = (x, roots if residual else None, table)
+    if residual:
+        names = ["hidden", "root_embeds", "lm_head", "lm_chain"]
+        feeds = [x, roots, table, table[:chain or len(table)].clone()]
+    else:
+        names, feeds = ["hidden", "lm_head"], [x, table]
     axes = {"hidden": {0: "N"}, "root_embeds": {0: "N"}, "lm_head": {0: "M"},
-            "ids": {0: "N"}, "logprobs": {0: "N"}}
+            "lm_chain": {0: "C"}, "ids": {0: "N"}, "logprobs": {0: "N"}}
 
-    class _Graph(torch.nn.Module):  # the residual kind's signature has root_embeds
+    class _Graph(torch.nn.Module):  # the residual kind's signature has root_embeds, lm_chain
         def __init__(self):
             super().__init__()
             self.g = graph
 
         def forward(self, *a):
-            return self.g(a[0], a[1] if residual else None, a[-1])
+            return self.g(*a) if residual else self.g(a[0], None, a[1])
 
     wrapped = _Graph().eval()
-    feeds = [a for a in args if a is not None]
     with torch.no_grad():
         torch.onnx.export(wrapped, tuple(feeds), str(path), input_names=names,
                           output_names=["ids", "logprobs"],
@@ -323,8 +385,10 @@ def export_heads(model_heads, lm_head: np.ndarray, path: Path, topk: int, opset:
                                         or k in ("ids", "logprobs")},
                           opset_version=opset, dynamo=False)
         ref_ids, ref_lp = (t.numpy() for t in wrapped(*feeds))
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    ids, lp = sess.run(None, {n: a.numpy() for n, a in zip(names, feeds)})
+    rows = {n: a.numpy() for n, a in zip(names, feeds) if n in ROW_INPUTS}
+    _rows_as_initializers(path, rows)
+    sess = heads_session(path, 1, rows)
+    ids, lp = sess.run(None, {n: a.numpy() for n, a in zip(names, feeds) if n not in rows})
     diff = float(np.abs(lp - ref_lp).max())
     # relative to the log-prob scale: the residual kind chains H steps of float32 sums, and
     # a 576-wide model's log-probs differ by ~5e-3 on a scale of ~30 (SmolLM2)
@@ -336,6 +400,26 @@ def export_heads(model_heads, lm_head: np.ndarray, path: Path, topk: int, opset:
                           f"{diff:.2e} (limit {max(limit, 1e-3):.1e}), top-1 ids equal: "
                           f"{bool(same.all())}")
     return diff
+
+
+def _rows_as_initializers(path: Path, rows: dict[str, np.ndarray]) -> None:
+    """Turn the graph inputs named in ``rows`` into initializers whose data is external and
+    absent: the runtime supplies it (:func:`runtimes.heads.heads_session`)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    keep = [i for i in model.graph.input if i.name not in rows]
+    del model.graph.input[:]
+    model.graph.input.extend(keep)
+    for name, a in rows.items():
+        t = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=a.shape,
+                             data_location=onnx.TensorProto.EXTERNAL)
+        for k, v in (("location", f"{name}.supplied-by-edgemtp"), ("offset", "0"),
+                     ("length", str(a.nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = k, v
+        model.graph.initializer.append(t)
+    onnx.save(model, str(path))
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -365,6 +449,8 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
         raise ConfigError(f"the package {str(root)!r} has an LM head separate from its input "
                           f"embedding; heads read the tied table, and untied models are not "
                           f"supported yet")
+    if opt.lr is None:
+        opt = replace(opt, lr=default_lr(opt.kind, pkg.meta.hidden_size))
     chat = model.tokenizer is not None and model.tokenizer.chat_template is not None
     if prompts is None:
         prompts, data, _ = training_prompts(chat)
@@ -383,13 +469,15 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
     options = {} if opt.kind == "medusa" else {"table": torch.from_numpy(table)}
     heads = build(opt.kind, torch.from_numpy(np.ascontiguousarray(lm_head)), opt.heads,
                   **options)  # residual: teacher-forced tokens embedded from the whole table
+    heads.set_scale(torch.from_numpy(cache["hidden"][rows(cache, opt.heads)]))
     result = train(heads, cache, opt, vocab, work / f"{opt.kind}_{key}_h{opt.heads}.pt",
                    progress)
 
     out = root / HEADS_DIR
     out.mkdir(exist_ok=True)
     topk = min(HEADS_TOPK, len(lm_head))
-    export_heads(heads, lm_head, out / f"{opt.kind}.onnx", topk)
+    chain = CHAIN if opt.kind == "residual" and vocab is not None and len(vocab) > CHAIN else None
+    export_heads(heads, lm_head, out / f"{opt.kind}.onnx", topk, chain)
     vocab_file = None
     if vocab is not None:
         vocab_file = f"{HEADS_DIR}/{opt.kind}.vocab.npy"
@@ -399,7 +487,8 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
     plot_loss(hist, root / plot, f"{opt.kind} heads, {root.name}")
     info = HeadsInfo(
         kind=opt.kind, file=f"{HEADS_DIR}/{opt.kind}.onnx", heads=opt.heads, topk=topk,
-        vocab=len(lm_head), vocab_file=vocab_file,
+        vocab=len(lm_head), vocab_file=vocab_file, chain=chain,
+        supplied=ROW_INPUTS if opt.kind == "residual" else ROW_INPUTS[:1],
         width=getattr(heads, "width", None), loss_plot=plot,
         training=HeadsTraining(
             data=data or "given prompts", prompts=len(ids) + 1, sequences=len(cache["lengths"]),

@@ -34,36 +34,65 @@ from torch import nn
 KINDS = ("medusa", "residual")
 
 
-class MedusaHeads(nn.Module):
+def unit(x: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to RMS 1. The heads read directions, not scales: SmolLM2's final-norm
+    state has RMS ~1.9 with a few dimensions near 15, its embedding rows RMS ~0.14, so raw
+    inputs made Adam's per-weight step ~45x too large on the hidden state and left the
+    token embedding almost unseen (the residual kind's val top-1 stayed at 0.06).
+    Written as RMSNorm with a gain of ``ones`` so onnxruntime fuses it into one node (its
+    per-node cost is most of a heads run on a model as small as stories260K)."""
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * ones
+
+
+class _Scaled(nn.Module):
+    """The shared part of both kinds: ``scale [d]``, the RMS per dimension of the model's
+    hidden states (set from training data by :meth:`set_scale`), so a head's output
+    ``scale * f(unit(h))`` lands on the state's own scale whatever the final norm's gains."""
+
     def __init__(self, lm_head: torch.Tensor, heads: int) -> None:
         super().__init__()
         v, d = lm_head.shape
         self.register_buffer("lm_head", lm_head.detach().float().clone(), persistent=False)
+        self.register_buffer("scale", torch.ones(d))
+        self.register_buffer("ones", torch.ones(d), persistent=False)
         self.heads = heads
+
+    def set_scale(self, hidden: torch.Tensor) -> None:
+        # hidden: [N, d] states of the model on training text
+        self.scale.copy_(hidden.float().pow(2).mean(0).sqrt().clamp_min(1e-3))
+
+
+class MedusaHeads(_Scaled):
+    def __init__(self, lm_head: torch.Tensor, heads: int) -> None:
+        super().__init__(lm_head, heads)
+        d = lm_head.shape[1]
         self.weight = nn.Parameter(torch.zeros(heads, d, d))  # zero: starts as the base head
         self.bias = nn.Parameter(torch.zeros(heads, d))
 
     def states(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        # hidden: [N, d] -> [N, H, d]
-        z = torch.einsum("nd,hed->nhe", hidden, self.weight) + self.bias
-        return hidden[:, None, :] + F.silu(z)
+        # hidden: [N, d] -> [N, H, d]; one MatMul for all heads (ONNX Einsum was ~6 ms here)
+        hh, d = self.bias.shape
+        z = F.linear(unit(hidden, self.ones), self.weight.reshape(hh * d, d)).view(-1, hh, d)
+        z = z + self.bias
+        return hidden[:, None, :] + self.scale * F.silu(z)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         return self.states(hidden) @ self.lm_head.T                   # [N, H, V]
 
 
-class ResidualHeads(nn.Module):
+class ResidualHeads(_Scaled):
     """``table``: the whole input embedding, for teacher-forced tokens outside ``lm_head``'s
     rows (a vocabulary subset); default ``lm_head`` (tied, whole vocabulary)."""
 
     def __init__(self, lm_head: torch.Tensor, heads: int, width: int | None = None,
                  table: torch.Tensor | None = None) -> None:
-        super().__init__()
-        v, d = lm_head.shape
-        self.register_buffer("lm_head", lm_head.detach().float().clone(), persistent=False)
+        super().__init__(lm_head, heads)
+        d = lm_head.shape[1]
         self.register_buffer("table", self.lm_head if table is None else table.detach().float(),
                              persistent=False)
-        self.heads, self.width = heads, width or 2 * d
+        # the module runs once per head, so its weights are read H times a heads run: at
+        # d = 576 a 2d-wide one (8 MB) cost more than the LM-head rows; small models keep 2d
+        self.width = width or (2 * d if d < 256 else d)
         self.up = nn.Linear(2 * d, self.width)
         self.down = nn.Linear(self.width, d)
         nn.init.zeros_(self.down.weight)  # zero: h(t + j) starts as h(t)
@@ -71,7 +100,8 @@ class ResidualHeads(nn.Module):
 
     def step(self, h: torch.Tensor, token_embed: torch.Tensor) -> torch.Tensor:
         # h, token_embed: [N, d] -> h of the next row
-        return h + self.down(F.silu(self.up(torch.cat([h, token_embed], dim=-1))))
+        x = torch.cat([unit(h, self.ones), unit(token_embed, self.ones)], dim=-1)
+        return h + self.scale * self.down(F.silu(self.up(x)))
 
     def states(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced states ``[N, H, d]``: step ``j`` reads the true token ``tokens[:, j-1]``."""
@@ -94,25 +124,38 @@ def build(kind: str, lm_head: torch.Tensor, heads: int, **options) -> nn.Module:
 class HeadsGraph(nn.Module):
     """What ``heads/<kind>.onnx`` computes: hidden ``[N, d]`` (and, residual kind, the
     embeddings of the roots ``[N, d]``, the tokens the base model chose after each row) ->
-    the top-K ids (rows of ``lm_head``) and log-probs of every head, ``[N, H, K]``. The LM
-    head is the graph *input* ``lm_head [M, d]``: the runtime binds rows of the package's own
-    embedding table (tied models), so the heads graph holds no copy of it. The residual kind
-    feeds each step's argmax to the next step in-graph (top-1 expansion)."""
+    the top-K ids (rows of ``lm_head``) and log-probs of every head, ``[N, H, K]``.
+
+    ``lm_head [M, d]`` is the LM head's rows the heads score; the exported graph declares it
+    as an initializer whose data the runtime hands to onnxruntime from the package's own
+    embedding table when it loads the graph (tied models), so the heads file holds no copy,
+    and onnxruntime still treats the rows as constant weights (packed once at load: a
+    MatMul whose right side is a graph input re-packs all M rows every run, 2-3x slower).
+    Every head's state goes through ONE LM-head MatMul ``[N*H, d] x [d, M]``, so the rows
+    are read once per run, not once per head. The residual kind feeds each step's top-1
+    token to the next step in-graph (top-1 expansion); that token is the argmax over
+    ``lm_chain [C, d]``, the first ``C`` rows of ``lm_head`` (the same memory; rows are in
+    frequency order), so the chain reads ``C`` rows a step instead of ``M``.
+    """
 
     def __init__(self, heads: nn.Module, topk: int) -> None:
         super().__init__()
         self.heads, self.topk = heads, topk
 
-    def forward(self, hidden, root_embeds, lm_head):
+    def forward(self, hidden, root_embeds, lm_head, lm_chain=None):
+        # shapes are reshaped with constants only (-1 for N): no shape arithmetic in-graph
+        hh, d = self.heads.heads, lm_head.shape[1]
         if isinstance(self.heads, MedusaHeads):
-            logits = self.heads.states(hidden) @ lm_head.T                # [N, H, M]
+            states = self.heads.states(hidden).reshape(-1, d)                 # [N*H, d]
         else:
             per, h, e = [], hidden, root_embeds
-            for _ in range(self.heads.heads):
+            for j in range(hh):
                 h = self.heads.step(h, e)
-                step = h @ lm_head.T                                      # [N, M]
-                e = lm_head[step.argmax(dim=-1)]  # tied: the LM head row is the embedding
-                per.append(step)
-            logits = torch.stack(per, dim=1)
+                per.append(h)
+                if j + 1 < hh:  # tied: the LM head row is the embedding
+                    e = lm_chain[F.linear(h, lm_chain).argmax(dim=-1)]
+            states = torch.cat(per, dim=-1).reshape(-1, d)                    # [N*H, d]
+        logits = F.linear(states, lm_head)                                    # [N*H, M]
         top, ids = logits.topk(self.topk, dim=-1)
-        return ids, top - torch.logsumexp(logits, dim=-1, keepdim=True)
+        lp = top - torch.logsumexp(logits, dim=-1, keepdim=True)
+        return ids.reshape(-1, hh, self.topk), lp.reshape(-1, hh, self.topk)

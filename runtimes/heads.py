@@ -4,19 +4,23 @@ onnxruntime (imported when a runner is made, never by the core).
 
 ::
 
-    heads/medusa.onnx    hidden [N, d], lm_head [M, d]                  -> ids, logprobs [N, H, K]
-    heads/residual.onnx  hidden [N, d], root_embeds [N, d], lm_head [M, d] -> ids, logprobs
-    heads/<kind>.vocab.npy  the M token ids the heads score (absent: the whole vocabulary)
+    heads/medusa.onnx    hidden [N, d]                      -> ids, logprobs [N, H, K]
+    heads/residual.onnx  hidden [N, d], root_embeds [N, d]  -> ids, logprobs
+                         supplied rows: lm_head [M, d] (both), lm_chain [C, d] (residual)
+    heads/<kind>.vocab.npy  the M token ids the heads score, most frequent first (absent: the
+                            whole vocabulary)
 
-``lm_head`` is an input, not a weight of the heads graph: the runner binds the rows of the
-package's own embedding table (the LM head of a tied model), so the heads add no copy of the
-LM head on disk, and in memory only the rows of a vocabulary subset (``M < V``).
+The LM head's rows are not stored in the heads graph: it declares ``lm_head`` (and
+``lm_chain``, the first ``C`` of the same rows) as initializers with absent external data,
+which the runner supplies from the package's own embedding table (the LM head of a tied
+model) when it loads the graph. So the heads add no copy of the LM head on disk, and
+onnxruntime still sees constant weights, which it packs once at load rather than every run.
+(Heads graphs from before that, listed without ``supplied``, take the rows as inputs.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +29,7 @@ from edgemtp.errors import ConfigError, ModelLoadError
 
 HEADS_DIR = "heads"
 HEAD_KINDS = ("medusa", "residual")
+ROW_INPUTS = ("lm_head", "lm_chain")  # LM-head rows the runtime supplies to a heads graph
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +62,8 @@ class HeadsInfo:
     vocab: int                  # M tokens scored (== vocab_size: the whole vocabulary)
     vocab_file: str | None = None
     width: int | None = None    # the residual module's inner width
+    chain: int | None = None    # residual: rows the in-graph top-1 chain reads (None: all M)
+    supplied: tuple[str, ...] = ()  # ROW_INPUTS the graph declares as supplied initializers
     loss_plot: str | None = None
     training: HeadsTraining | None = None
 
@@ -98,19 +105,35 @@ def pick(infos, kind: str | None, where: str) -> HeadsInfo:
     raise ConfigError(f"{where} has heads {', '.join(i.kind for i in infos)}, not {kind!r}")
 
 
-@lru_cache(maxsize=8)
-def _graph(path: str, stamp: tuple[int, int], threads: int):
-    # one InferenceSession per heads file (its weights), shared by every generation
+def heads_session(path, threads: int, rows: dict[str, np.ndarray]):
+    """An InferenceSession of a heads graph, with the LM-head ``rows`` it declares supplied
+    (onnxruntime reads them from this memory, which must outlive the session)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
+    if rows:
+        opts.add_external_initializers(
+            list(rows), [ort.OrtValue.ortvalue_from_numpy(a) for a in rows.values()])
     try:
-        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types
-        raise ModelLoadError(f"cannot load the heads graph {path!r}: "
+        raise ModelLoadError(f"cannot load the heads graph {str(path)!r}: "
                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+_SESSIONS: dict[tuple, object] = {}
+
+
+def _graph(path: Path, stamp: tuple, threads: int, rows: dict[str, np.ndarray]):
+    # one InferenceSession per heads file, rows and thread count, shared by every
+    # generation; the rows are kept with it (onnxruntime reads their memory), so their id
+    # in the key cannot be reused while the entry lasts
+    key = (str(path), stamp, threads, tuple(id(a) for a in rows.values()))
+    if key not in _SESSIONS:
+        _SESSIONS[key] = heads_session(path, threads, rows), rows
+    return _SESSIONS[key][0]
 
 
 _TABLES: dict[tuple, tuple[np.ndarray, np.ndarray | None]] = {}
@@ -150,20 +173,27 @@ class HeadsRunner:
         self._ids = np.zeros((1, i.heads, i.topk), dtype=np.int64)
         self._lp = np.zeros((1, i.heads, i.topk), dtype=np.float32)
         io = self._io = s.io_binding()
-        feeds = {"hidden": self._hidden, "root_embeds": self._root, "lm_head": self.lm_head}
+        feeds = {"hidden": self._hidden, "root_embeds": self._root, **self.rows(i, self.lm_head)}
         for name in self.inputs:
             a = feeds[name]
             io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
         for name, a in (("ids", self._ids), ("logprobs", self._lp)):
             io.bind_output(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
 
+    @staticmethod
+    def rows(info: HeadsInfo, lm_head: np.ndarray) -> dict[str, np.ndarray]:
+        """The LM-head rows by graph name: ``lm_chain`` is a view of ``lm_head``'s first
+        ``C`` rows (contiguous, so the same memory)."""
+        return {"lm_head": lm_head, "lm_chain": lm_head[:info.chain or len(lm_head)]}
+
     @classmethod
     def load(cls, package, kind: str | None = None, threads: int = 1) -> "HeadsRunner":
         info = pick(package.meta.heads, kind, f"the package {str(package.root)!r}")
         path = package.root / info.file
         st = path.stat()
-        session = _graph(str(path), (st.st_size, st.st_mtime_ns), threads)
         lm_head, vocab = _table(package, info.vocab_file)
+        supplied = {k: v for k, v in cls.rows(info, lm_head).items() if k in info.supplied}
+        session = _graph(path, (st.st_size, st.st_mtime_ns), threads, supplied)
         return cls(info, session, lm_head, vocab)
 
     def run(self, hidden: np.ndarray, root_embed: np.ndarray | None = None

@@ -111,12 +111,12 @@ def test_short_training_lowers_the_loss_and_lists_the_heads(trained):
     assert all(f in meta.files for h in meta.heads for f in h.files())
 
 
-@pytest.mark.parametrize("kind", ["medusa", "residual"])
-def test_heads_graph_agrees_with_pytorch(kind, tmp_path):
-    import onnxruntime as ort
-
+@pytest.mark.parametrize("kind,chain", [("medusa", None), ("residual", None),
+                                        ("residual", 40)])
+def test_heads_graph_agrees_with_pytorch(kind, chain, tmp_path):
     from edgemtp.export.heads import export_heads
     from edgemtp.models.heads import HeadsGraph, build
+    from edgemtp.runtimes.heads import ROW_INPUTS, HeadsInfo, HeadsRunner, heads_session
 
     torch.manual_seed(0)
     table = torch.randn(96, 16)
@@ -125,18 +125,50 @@ def test_heads_graph_agrees_with_pytorch(kind, tmp_path):
         for p in heads.parameters():
             p.add_(0.3 * torch.randn_like(p))
     path = tmp_path / f"{kind}.onnx"
-    assert export_heads(heads, table.numpy(), path, topk=8) < 1e-3
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert export_heads(heads, table.numpy(), path, topk=8, chain=chain) < 1e-3
+    # the LM-head rows are not in the file: the runtime supplies them (a view for the chain)
+    import onnx
+
+    held = {t.name: t for t in onnx.load(str(path), load_external_data=False).graph.initializer}
+    for name in ("lm_head", "lm_chain") if kind == "residual" else ("lm_head",):
+        assert held[name].data_location == onnx.TensorProto.EXTERNAL
+        assert not held[name].raw_data
+    info = HeadsInfo(kind=kind, file=path.name, heads=3, topk=8, vocab=96, chain=chain)
+    rows = {k: v for k, v in HeadsRunner.rows(info, table.numpy()).items() if k in ROW_INPUTS}
+    assert np.shares_memory(rows["lm_chain"], rows["lm_head"])
+    sess = heads_session(path, 1, rows if kind == "residual" else {"lm_head": rows["lm_head"]})
+    assert {i.name for i in sess.get_inputs()} == {"hidden", *(["root_embeds"] if kind ==
+                                                               "residual" else [])}
     x, roots = torch.randn(5, 16), torch.randn(5, 16)
-    feeds = {"hidden": x.numpy(), "root_embeds": roots.numpy(), "lm_head": table.numpy()}
+    feeds = {"hidden": x.numpy(), "root_embeds": roots.numpy()}
     ids, lp = sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})
     with torch.no_grad():
-        ref_ids, ref_lp = HeadsGraph(heads, 8)(x, roots, table)
+        ref_ids, ref_lp = HeadsGraph(heads, 8)(x, roots, table, table[:chain or 96])
     np.testing.assert_allclose(lp, ref_lp.numpy(), atol=1e-4)
     assert (ids[..., 0] == ref_ids[..., 0].numpy()).all()
     assert ids.shape == (5, 3, 8)
     if kind == "medusa":  # the heads are trained apart: they do not all predict the same
         assert len({tuple(ids[0, j, :3]) for j in range(3)}) > 1
+
+
+@pytest.mark.parametrize("kind", ["medusa", "residual"])
+def test_heads_step_does_not_depend_on_the_input_scale(kind):
+    """Inputs are RMS-normalised inside the module and the step is scaled by the states'
+    own RMS per dimension: a model whose final norm is 40x larger gets the same step."""
+    from edgemtp.models.heads import build
+
+    torch.manual_seed(2)
+    table = torch.randn(50, 12)
+    heads = build(kind, table, 2)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+        x, toks = torch.randn(4, 12), torch.randint(0, 50, (4, 2))
+        heads.set_scale(x)
+        small = heads.states(x, toks) - x[:, None]
+        heads.set_scale(40 * x)
+        big = heads.states(40 * x, toks) - 40 * x[:, None]
+    np.testing.assert_allclose(big.numpy(), 40 * small.numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_residual_graph_feeds_its_own_argmax_like_teacher_forcing():
@@ -151,7 +183,7 @@ def test_residual_graph_feeds_its_own_argmax_like_teacher_forcing():
         for p in heads.parameters():
             p.add_(0.2 * torch.randn_like(p))
         x, root = torch.randn(4, 8), torch.randint(0, 64, (4,))
-        ids, lp = HeadsGraph(heads, 64)(x, table[root], table)
+        ids, lp = HeadsGraph(heads, 64)(x, table[root], table, table)
         forced = torch.stack([root, ids[:, 0, 0], ids[:, 1, 0]], dim=1)
         ref = torch.log_softmax(heads.logits(x, forced), dim=-1)
     np.testing.assert_allclose(lp[:, :, 0].numpy(), ref.max(-1).values.numpy(), atol=1e-5)
