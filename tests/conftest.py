@@ -2,6 +2,7 @@
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -46,23 +47,48 @@ N_REFS, REF_TOKENS = 24, 128
 QUICK = 6  # prompts of the default run's equality sweeps; the slow ones take all N_REFS
 
 
+class GreedyRefs(Sequence):
+    """transformers' greedy ``generate`` of REF_TOKENS new tokens per prompt, each computed the
+    first time a test reads it (a worker whose tests read the first few prompts only does not
+    pay for all 24)."""
+
+    def __init__(self, hf, prompts) -> None:
+        self.hf, self.prompts, self.done = hf, prompts, {}
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]
+        if i not in self.done:
+            import torch
+
+            ids = self.prompts[i]
+            with torch.no_grad():
+                self.done[i] = self.hf.generate(
+                    torch.tensor([ids]), max_new_tokens=REF_TOKENS, do_sample=False,
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    pad_token_id=0)[0, len(ids):].tolist()
+        return self.done[i]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+
 @pytest.fixture(scope="session")
 def stories_refs(stories_path):
     """``(hf, prompts, refs)``: the shared model in transformers, the first 24 story prompts
     as its tokenizer encodes them, and transformers' own greedy ``generate`` of 128 new
-    tokens for each (a prefix of it is the greedy output of fewer tokens). Computed once per
-    test session for every module that checks equality against it."""
-    import torch
+    tokens for each (a prefix of it is the greedy output of fewer tokens; :class:`GreedyRefs`,
+    computed when first read). Shared by every module that checks equality against it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(stories_path)
     hf = AutoModelForCausalLM.from_pretrained(stories_path).eval()
     prompts = [tok(p).input_ids for p in story_prompts(N_REFS)]
-    with torch.no_grad():
-        refs = [hf.generate(torch.tensor([ids]), max_new_tokens=REF_TOKENS, do_sample=False,
-                            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                            pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
-    return hf, prompts, refs
+    return hf, prompts, GreedyRefs(hf, prompts)
 
 
 @pytest.fixture(scope="session")
