@@ -110,7 +110,6 @@ class ExportTreeDecoder(TreeDecoder):
 E_GRID = 2.0 ** 39   # exp(l - max) in [0, 1] -> integers <= 2^39; a row of < 2^13 sums exactly
 P_GRID = 2.0 ** 24   # probabilities -> integers <= 2^24
 V_GRID = 2.0 ** 18   # values -> multiples of 2^-18 (exact sums while |v| < 2^10)
-MAX_EXACT_COLUMNS = 2 ** 13
 
 
 def exact_sums(logits, v_past, v_new, past: int):
