@@ -32,8 +32,8 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from edgemtp.errors import UnsupportedModelError
 from edgemtp.models.decoder import TreeDecoder
@@ -74,12 +74,16 @@ class ExportTreeDecoder(TreeDecoder):
         # x: [1, T, d]; mask: [1, 1, T, P + T] bool; past_k/v: [1, P, H_kv, D]
         attn, hd, g = layer.self_attn, self.head_dim, self.n_heads // self.n_kv
         h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(1, -1, self.n_heads, hd)
-        k = attn.k_proj(h).view(1, -1, self.n_kv, hd)
-        v = attn.v_proj(h).view(1, -1, self.n_kv, hd)
+        # one MatMul for q, k and v (one quantized kernel call instead of three)
+        q, k, v = fused_linear(h, attn.q_proj, attn.k_proj, attn.v_proj)
+        q = q.view(1, -1, self.n_heads, hd)
+        k = k.view(1, -1, self.n_kv, hd)
+        v = v.view(1, -1, self.n_kv, hd)
         if self.family.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        # the rotary embedding of q and k at once, its halves sliced at constant offsets
+        qk = rotate(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin, hd // 2)
+        q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]                 # [1, H(_kv), T, D]
         # query head h = kv * g + j reads KV head kv (as repeat_interleave): rows j * T + t
         q = q.reshape(self.n_kv, -1, hd)                                  # [H_kv, g*T, D]
         # the past is never copied: its sequence-major [P, H_kv, D] is read in place by
@@ -104,6 +108,31 @@ class ExportTreeDecoder(TreeDecoder):
         out = attn.o_proj(out.reshape(1, self.n_heads, -1, hd).transpose(1, 2)
                           .reshape(1, -1, self.n_heads * hd))
         return out, k.transpose(1, 2), v
+
+    def _mlp(self, layer, x):
+        mlp = layer.mlp
+        gate, up = fused_linear(layer.post_attention_layernorm(x), mlp.gate_proj, mlp.up_proj)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def fused_linear(x, *linears: nn.Linear):
+    """``linear(x)`` for each of ``linears`` as one MatMul over their concatenated weights (the
+    export folds the concatenation into one initializer; a quantized package quantizes each
+    output column on its own, so the weights are those of the separate projections)."""
+    weight = torch.cat([m.weight for m in linears], dim=0)
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.bias if m.bias is not None
+                          else m.weight.new_zeros(m.out_features) for m in linears])
+    return F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1)
+
+
+def rotate(x, cos, sin, half: int):
+    """``apply_rotary_pos_emb``'s arithmetic on ``x [1, H, T, D]`` with ``cos``/``sin``
+    ``[1, T, D]``, the halves sliced at the constant ``half = D / 2`` (transformers'
+    ``rotate_half`` reads ``x.shape[-1]``, which traces to a Shape/Gather/Div chain per call)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 # exact_sums' grids (powers of two: every scaling below is exact)

@@ -67,8 +67,11 @@ class TreeDecoder(nn.Module):
             new_keys.append(k)
             new_values.append(v)
             x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(layer, x)
         return self.model.norm(x), new_keys, new_values
+
+    def _mlp(self, layer, x):
+        return layer.mlp(layer.post_attention_layernorm(x))
 
     def _attention(self, layer, x, cos, sin, mask, past_k, past_v):
         # x: [1, T, d]; past_k/v: [1, P, H_kv, D] -> attention over [P + T] keys

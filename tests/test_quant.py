@@ -47,7 +47,7 @@ def test_int4_package_holds_the_tied_table_once_quantized(int4_pkg):
     proto = onnx.load(str(int4_pkg / "model.onnx"), load_external_data=False)
     ops = [n.op_type for n in proto.graph.node]
     assert ops.count("GatherBlockQuantized") == 1 and "Gather" in ops
-    assert ops.count("MatMulNBits") == 5 * 7 + 1  # q k v o gate up down per layer + lm_head
+    assert ops.count("MatMulNBits") == 5 * 4 + 1  # qkv, o, gate-up, down per layer + lm_head
     floats = [i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT
               and sorted(i.dims) == [64, 512]]
     assert not floats, [i.name for i in floats]  # no float [V, d] or [d, V] table left
