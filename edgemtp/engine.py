@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from .backend import Backend, Session
+from .backend import Backend, Session, StepOut
 from .config import GenerationConfig
 from .drafters import Drafter, get as drafter_spec, make_drafter
 from .errors import ConfigError
@@ -21,6 +21,9 @@ from .plans import Plan
 from .verify import Verifier
 
 Decode = Callable[[list[int]], str]
+PREFILL_CHUNK = 128  # prompt rows per prefill forward: attention over a chunk's rows and the
+                     # rows before it only (a fraction of the full square), and a smaller
+                     # scores tensor; a multiple of MLAS's 128-row chunks
 BLOCK_CACHE = 256  # per-plan step buffers a generation keeps (oldest out first)
 
 
@@ -162,22 +165,36 @@ class Generation:
     # -- stages -----------------------------------------------------------------------------
 
     def _prefill(self) -> list[int]:
-        # block: [prompt, m_1..m_k], causal; mask j sits at position t - 1 + j
+        # block: [prompt, m_1..m_k], causal; mask j sits at position t - 1 + j. A long
+        # prompt goes in chunks of PREFILL_CHUNK rows first, committed as they come, the last
+        # chunk with the masks: the same chunks whatever the drafter, so plain decoding and
+        # every drafter start from the same cache
         t0 = perf_counter()
         b, k, t = self.session, self.drafter.mask_tokens, self.prompt.size
         b.reset()
         self.drafter.start(self.prompt)
-        ids = np.concatenate([self.prompt, self.backend.vocab_size + np.arange(k)])
-        causal = np.tril(np.ones((t + k, t + k), dtype=bool))
-        out = b.forward(ids, np.arange(t + k), causal, self.drafter.mask_embeds(),
+        c0, seen = 0, []  # seen: the earlier chunks' outputs, which drafters observe too
+        while t - c0 > PREFILL_CHUNK:
+            chunk = self.prompt[c0:c0 + PREFILL_CHUNK]
+            part = b.forward(chunk, c0 + np.arange(chunk.size),
+                             np.tril(np.ones((chunk.size, chunk.size), dtype=bool)), None,
+                             topk=self.drafter.topk, hidden=self._hidden)
+            seen.append(_copy_rows(part))
+            b.commit(np.arange(chunk.size))
+            c0 += chunk.size  # (the prefill counts as one forward call, however chunked)
+        n = t - c0  # prompt rows in the last chunk
+        ids = np.concatenate([self.prompt[c0:], self.backend.vocab_size + np.arange(k)])
+        causal = np.tril(np.ones((n + k, n + k), dtype=bool))
+        out = b.forward(ids, c0 + np.arange(n + k), causal, self.drafter.mask_embeds(),
                         topk=self.drafter.topk, full_logits=self.verifier.sample,
                         hidden=self._hidden)
-        root = self.verifier.target(out, t - 1)
+        root = self.verifier.target(out, n - 1)
         new = self._emit([root])
         if not self.done:
-            b.commit(np.arange(t))
+            b.commit(np.arange(n))
             self._root = root
-            self.drafter.observe(out, np.arange(t, t + k), new, np.arange(t))
+            whole = _join_rows([*seen, out]) if seen else out
+            self.drafter.observe(whole, np.arange(t, t + k), new, np.arange(t))
         self.stats.forward_calls += 1
         self.stats.time_prefill += perf_counter() - t0
         return new
@@ -247,3 +264,22 @@ class Generation:
             ids[n * (plan.k + 1):] = tokens[n:]
         np.add(plan.positions, p, out=positions)
         return ids, positions, mask_rows
+
+
+def _copy_rows(out):
+    """A prefill chunk's per-row outputs, copied out of the backend's reused buffers."""
+    return StepOut(argmax=np.array(out.argmax), topk_ids=np.array(out.topk_ids),
+                   topk_logprobs=np.array(out.topk_logprobs),
+                   hidden=None if out.hidden is None else np.array(out.hidden))
+
+
+def _join_rows(outs):
+    """The per-row outputs of a chunked prefill as one block's (logits stay the last
+    chunk's: only its rows are read from them)."""
+    last = outs[-1]
+    return StepOut(argmax=np.concatenate([o.argmax for o in outs]),
+                   topk_ids=np.concatenate([o.topk_ids for o in outs]),
+                   topk_logprobs=np.concatenate([o.topk_logprobs for o in outs]),
+                   logits=last.logits,
+                   hidden=None if last.hidden is None
+                   else np.concatenate([o.hidden for o in outs]))

@@ -108,6 +108,8 @@ def dequantize(packed, scales, zero_points, spec: QuantSpec, k: int) -> np.ndarr
     >>> bool(err.max() <= 0.5 / 15 + 1e-6)     # half a step of 15 levels over the range
     True
     """
+    if spec.symmetric:  # the quantizer leaves zero_points untouched; the kernels use 2^(bits-1)
+        zero_points = None
     return dequantize_rows(packed, scales, zero_points, spec.bits, spec.block_size)[:, :k]
 
 

@@ -77,6 +77,38 @@ def test_every_drafter_equals_plain_decoding_of_the_int4_package(int4_pkg):
         assert got == plain, drafter
 
 
+def test_symmetric_int4_has_no_zero_points_and_stays_lossless(tmp_path):
+    # --symmetric: onnxruntime-genai's layout (a scale per block, no zero point), the
+    # self-check's reference de-quantizes it the same way (it passes: the export completes)
+    out = tmp_path / "sym"
+    export_package(str(STORIES), out, dtype="int4", max_context=128, progress=False,
+                   symmetric=True)
+    pkg = load_package(out)
+    assert pkg.weights.name == "int4-b32-sym-acc4" and pkg.weights.min_rows == 2
+    proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    nbits = [n for n in proto.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")]
+    assert nbits and all(len([i for i in n.input if i]) == 3 for n in nbits)
+    model, prompt = Model.load(str(out), threads=1), "Once upon a time"
+    plain = model.generate(prompt, drafter="none", max_new_tokens=32).token_ids
+    for drafter in ("probe", "hybrid", "auto"):
+        assert model.generate(prompt, drafter=drafter, bc=10,
+                              max_new_tokens=32).token_ids == plain, drafter
+
+
+def test_symmetric_without_int_weights_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "edgemtp.cli", "export", str(STORIES), "-o",
+                           str(tmp_path / "x"), "--symmetric"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "symmetric quantization is for int4/int8 exports, not fp32; drop --symmetric or "
+        "export --dtype int4|int8")
+    assert not (tmp_path / "x").exists()
+
+
 def _graph_and_reference(fmt: str, folder: Path):
     """What export does up to the self-check: trace, quantize, and the PyTorch reference with
     the same de-quantized weights."""
