@@ -352,6 +352,7 @@ def summarise(methods: list[Method], rec: dict, tasks: dict) -> dict:
         tokens = sum(rec[m.name][c]["tokens"] for c in cats)
         forward = sum(rec[m.name][c]["forward"] for c in cats)
         rows.append(dict(method=m.name, group=m.group, tok_s=per_cat,
+                         tokens={c: rec[m.name][c]["tokens"] for c in cats},
                          mean_tok_s=statistics.mean(per_cat.values()),
                          identical_to_greedy=identical, differs_in=sorted(set(differs)),
                          be=round(tokens / forward, 3) if forward else None))
@@ -413,6 +414,12 @@ def markdown(result: dict) -> str:
               "| method | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
     lines += [f"| {r['method']} | " + " | ".join(f"{r['tok_s'][c]:.1f}" for c in cats) + " |"
               for r in rows]
+    # runtimes with other weights write other answers: a short answer to a long prompt is
+    # mostly prefill, so its tok/s is not the same measure as a long answer's
+    lines += ["", "## Generated tokens per category (first repeat)", "",
+              "| method | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
+    lines += [f"| {r['method']} | " + " | ".join(str(r["tokens"][c]) for c in cats) + " |"
+              for r in rows if "tokens" in r]
     if result["skipped"]:
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in result["skipped"].items())]
     return "\n".join(lines) + "\n"
