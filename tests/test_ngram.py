@@ -227,7 +227,7 @@ def test_pld_finds_the_obvious_match_in_a_repetitive_prompt(stories):
 _family_configs = family_configs
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_equals_transformers_greedy_on_random_configs(family, tmp_path):
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(_family_configs()[family]).eval()

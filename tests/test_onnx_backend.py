@@ -76,7 +76,8 @@ def test_stories_probe_equals_transformers(stories_case, bc, k, tree):
     assert not bad, f"prompts {bad} differ from transformers greedy generate"
 
 
-@pytest.mark.parametrize("drafter", ["pld", "stand", "lade", "hybrid"])
+@pytest.mark.parametrize("drafter", ["pld", pytest.param("stand", marks=pytest.mark.slow),
+                                     pytest.param("lade", marks=pytest.mark.slow), "hybrid"])
 def test_stories_lookup_drafters_equal_transformers(stories_case, drafter):
     # LADE and the hybrid carry a lookahead window next to the tree: rows the graph runs
     # but the cache never keeps

@@ -227,6 +227,27 @@ def test_demo_exports_then_runs_every_method_losslessly(stories_path, tmp_path):
     assert "onnxruntime greedy runs at" in proc.stdout
 
 
+@pytest.mark.slow
+def test_the_default_main_job_chats_with_smollm2_int4(tmp_path):
+    # ./run.sh with no arguments: the shared SmolLM2 GGUF exported to an int4 package, chat
+    # questions, greedy and the CPU drafters, every output equal to the package's greedy
+    from pathlib import Path
+
+    gguf = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" \
+        / "SmolLM2-135M-Instruct-GGUF"
+    if not gguf.is_dir():
+        pytest.skip("no ../shared/models/SmolLM2-135M-Instruct-GGUF")
+    proc = cli("demo", "--prompts", "1", "--max-new-tokens", "24", "--threads", "2",
+               "--out", str(tmp_path))
+    manifest = json.loads((tmp_path / "SmolLM2-135M-Instruct-GGUF-int4" / "edgemtp.json")
+                          .read_text())
+    assert manifest["weights"]["format"] == "int4"
+    rows = [ln for ln in proc.stdout.splitlines() if re.search(r"\d+\.\d\dx\s+(yes|NO)$", ln)]
+    assert [r.split()[0] for r in rows] == ["greedy", "probe", "prompt", "hybrid", "auto"]
+    assert all(ln.endswith("yes") for ln in rows), proc.stdout
+    assert "transformers" not in proc.stdout.split("method")[1], proc.stdout
+
+
 def test_demo_chat_on_a_model_without_a_template_is_one_line(stories_pkg):
     # --chat puts Spec-Bench questions under the model's chat template; stories260K has none
     proc = subprocess.run([sys.executable, "-m", "edgemtp.cli", "demo", "--chat", "--model",
