@@ -176,3 +176,25 @@ def test_sampling_is_seeded(stories):
     b = Generation(backend, config, prompts[0]).run().token_ids
     c = Generation(backend, config.with_(seed=8), prompts[0]).run().token_ids
     assert a == b and a != c
+
+
+def test_a_prompt_longer_than_a_prefill_chunk_still_equals_transformers(stories):
+    # prompts over PREFILL_CHUNK tokens are prefilled in chunks committed as they come; the
+    # tokens must still be transformers' (its prefill is one pass), and the prefill counts as
+    # one forward call
+    from edgemtp.engine import PREFILL_CHUNK
+
+    backend, prompts, _, hf = stories
+    ids = np.concatenate([np.asarray(p) for p in prompts])[:PREFILL_CHUNK * 2 + 37]
+    assert len(ids) > 2 * PREFILL_CHUNK
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                           attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           pad_token_id=0)[0, len(ids):].tolist()
+    plain = Generation(backend, GenerationConfig(max_new_tokens=32, drafter="none"), ids).run()
+    assert plain.token_ids == want
+    assert plain.stats.forward_calls == len(want)  # the chunked prefill counts once
+    for drafter in ("probe", "hybrid", "auto"):
+        got = Generation(backend, GenerationConfig(max_new_tokens=32, drafter=drafter, bc=30),
+                         ids).run().token_ids
+        assert got == want, drafter
