@@ -89,7 +89,7 @@ def command(a) -> int:
 
         run_path = str(Path(a.out) / (Path(model_path).name
                                       + (f"-{export_dtype}" if a.chat else "")))
-        if not (a.chat and is_package(run_path)):  # the chat model is exported once
+        if not (a.chat and _current(run_path, export_dtype)):  # the chat model: once
             print(export_package(model_path, run_path, dtype=export_dtype,
                                  max_context=a.max_context or (2048 if a.chat else None),
                                  force=True, trust_remote_code=a.trust_remote_code).summary(),
@@ -102,6 +102,23 @@ def command(a) -> int:
         prompts = [model.encode_chat([{"role": "user", "content": q}]) for q in prompts]
     return _compare(model, run_path, prompts, a, reference, shown,
                     CHAT_CONFIGS if default else CONFIGS)
+
+
+def _current(path: str, dtype: str) -> bool:
+    """A package already at ``path`` that this version would export the same way (an int4 or
+    int8 package from before the exact attention sums is exported again)."""
+    if not is_package(path):
+        return False
+    from edgemtp.runtimes.package import load_package
+
+    from edgemtp.errors import EdgeMTPError
+
+    try:
+        pkg = load_package(path)
+    except EdgeMTPError:
+        return False
+    return pkg.weights.format == dtype and (dtype not in ("int4", "int8")
+                                            or pkg.weights.softmax == "exact")
 
 
 def _questions(n: int) -> list[str]:
