@@ -174,10 +174,11 @@ class Generation:
         b.reset()
         self.drafter.start(self.prompt)
         c0, seen = 0, []  # seen: the earlier chunks' outputs, which drafters observe too
+        if t > PREFILL_CHUNK:
+            chunk_mask = np.tril(np.ones((PREFILL_CHUNK, PREFILL_CHUNK), dtype=bool))
         while t - c0 > PREFILL_CHUNK:
             chunk = self.prompt[c0:c0 + PREFILL_CHUNK]
-            part = b.forward(chunk, c0 + np.arange(chunk.size),
-                             np.tril(np.ones((chunk.size, chunk.size), dtype=bool)), None,
+            part = b.forward(chunk, c0 + np.arange(PREFILL_CHUNK), chunk_mask, None,
                              topk=self.drafter.topk, hidden=self._hidden)
             seen.append(_copy_rows(part))
             b.commit(np.arange(chunk.size))
