@@ -538,7 +538,8 @@ def memory_plan(pkg, facts: Facts) -> MemoryPlan:
     rows = []
     for dtype, nbytes in PLAN_DTYPES.items():
         weights = pkg.weight_bytes() * nbytes // PLAN_DTYPES[m.dtype]
-        kv_row = pkg.kv_cache_bytes(1, dtype)
+        # the package's own dtype: its cache as it runs (an exact package: float64 values)
+        kv_row = pkg.kv_cache_bytes(1, None if dtype == m.dtype else dtype)
         fixed = weights + emb + workspace_bytes(m, t, 0, nbytes)
         per_row = kv_row + t * m.num_heads * 4     # the cache row and its attention column
         total = _with_margin(fixed + per_row * m.max_context)
@@ -649,7 +650,8 @@ def describe_plan(p: MemoryPlan) -> list[str]:
         "",
         "formula   total = (weights + KV cache + workspace + embedding table) x "
         f"{1 + MARGIN:.2f} (allocator and runtime margin)",
-        "          KV cache = 2 x layers x max context x KV heads x head dim x bytes",
+        "          KV cache = 2 x layers x max context x KV heads x head dim x bytes (an "
+        "int4/int8 package keeps its values in float64: 4 B keys + 8 B values)",
         "          workspace = T x (12 x hidden x bytes + (heads x (max context + T) + vocab) "
         "x 4 B): one block's activations, fp32 scores and logits",
         "          embedding table: host-side (mask initialisation), counted in host or "

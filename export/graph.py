@@ -8,7 +8,9 @@ Graph contract (``../shared/DESIGN.md``)::
              position_ids [1, T] int64
              tree_mask [1, 1, T, T] bool   the block only; the graph adds the cache columns
              mask_embeds [k, d] float32
-             past_key_i, past_value_i [1, P, H_kv, D]     per layer, sequence-major
+             past_key_i, past_value_i [1, P, H_kv, D]     per layer, sequence-major (the
+                                            values float64 in an int4/int8 package, whose
+                                            exact attention sums read them so)
              past_len [1] int64             the first past_len of the P rows are the cache;
                                             the rest are masked (a backend may bind a fixed
                                             or bucketed view of its cache: fewer rebinds, and
@@ -98,9 +100,11 @@ class ExportTreeDecoder(TreeDecoder):
         logits = scores * attn.scaling + bias
         v_past, v_new = past_v.squeeze(0).permute(1, 0, 2), v[0].transpose(0, 1)
         if self.exact_attention:
-            v = torch.round(v * V_GRID) / V_GRID  # what the cache keeps (see exact_sums)
+            # what the cache keeps (see exact_sums), in float64: p @ V is summed in float64,
+            # and a float64 cache spares a cast of the whole past every layer and step
+            v = (torch.round(v * V_GRID) / V_GRID).double()
             v_new = v[0].transpose(0, 1)
-            out = exact_sums(logits, v_past, v_new, past).to(v.dtype)
+            out = exact_sums(logits, v_past, v_new, past).to(x.dtype)
         else:
             probs = torch.softmax(logits, dim=-1).to(v_past.dtype)
             out = (torch.matmul(probs[..., :past], v_past)
@@ -212,8 +216,9 @@ def example_inputs(decoder: TreeDecoder, dtype: torch.dtype, t: int = 5, p: int 
     mask = torch.tril(torch.ones(t, t, dtype=torch.bool))[None, None]
     embeds = torch.zeros(k, hidden, dtype=torch.float32)
     layers = len(decoder.model.layers)
-    past = [torch.zeros(1, p, decoder.n_kv, decoder.head_dim, dtype=dtype)
-            for _ in range(2 * layers)]
+    v_dtype = torch.float64 if getattr(decoder, "exact_attention", False) else dtype
+    past = [torch.zeros(1, p, decoder.n_kv, decoder.head_dim, dtype=dt)
+            for _ in range(layers) for dt in (dtype, v_dtype)]
     return (ids, pos, mask, embeds, *past, torch.tensor([p - 1]))
 
 
@@ -261,7 +266,7 @@ def tidy_graph(model, module: ExportDecoder) -> None:
                 dim.dim_value = value
 
 
-def commit_graph(layers: int, dtype: str, opset: int):
+def commit_graph(layers: int, dtype: str, opset: int, value_dtype: str | None = None):
     """The tiny graph a device-resident cache commits with: it gathers the accepted rows of
     the block's K/V and writes each layer's rows straight into the cache (the backend binds
     every output to the cache memory at row P), so no K/V ever leaves the device.
@@ -271,7 +276,8 @@ def commit_graph(layers: int, dtype: str, opset: int):
     """
     from onnx import TensorProto, helper
 
-    elem = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
+    elems = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "fp64": TensorProto.DOUBLE}
+    elem = {"key": elems[dtype], "value": elems[value_dtype or dtype]}
     shape = [layers, "T", "H", "D"]
     nodes = [helper.make_node("Constant", [], ["ones"], value=helper.make_tensor(
         "ones", TensorProto.INT64, [layers], [1] * layers))]
@@ -280,11 +286,12 @@ def commit_graph(layers: int, dtype: str, opset: int):
         names = [f"commit_{kv}_{i}" for i in range(layers)]
         nodes.append(helper.make_node("Gather", [src, "rows"], [f"{kv}_rows"], axis=1))
         nodes.append(helper.make_node("Split", [f"{kv}_rows", "ones"], names, axis=0))
-        outputs += [helper.make_tensor_value_info(n, elem, [1, "R", "H", "D"]) for n in names]
+        outputs += [helper.make_tensor_value_info(n, elem[kv], [1, "R", "H", "D"])
+                    for n in names]
     graph = helper.make_graph(
         nodes, "edgemtp_kv_commit",
-        [helper.make_tensor_value_info("present_keys", elem, shape),
-         helper.make_tensor_value_info("present_values", elem, shape),
+        [helper.make_tensor_value_info("present_keys", elem["key"], shape),
+         helper.make_tensor_value_info("present_values", elem["value"], shape),
          helper.make_tensor_value_info("rows", TensorProto.INT64, ["R"])],
         outputs)
     # IR 8 keeps the graph loadable by older onnxruntime builds (Jetson wheels lag behind)

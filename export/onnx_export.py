@@ -293,7 +293,9 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
             fake_quantize(hf, graph.spec)
 
     with _stage(bar, "onnx.checker", tmp):
-        onnx.save_model(commit_graph(len(decoder.model.layers), dtype, opset), str(tmp / COMMIT))
+        value_dtype = "fp64" if decoder.exact_attention else None  # see graph.exact_sums
+        onnx.save_model(commit_graph(len(decoder.model.layers), dtype, opset, value_dtype),
+                        str(tmp / COMMIT))
         for name in (GRAPH, COMMIT):
             try:
                 onnx.checker.check_model(str(tmp / name))  # by path: works with external data
@@ -338,7 +340,8 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
             graph=GraphInfo(opset=opset, external_data=graph.external,
                             inputs=tuple(graph_inputs(layers)),
                             outputs=tuple(graph_outputs(layers, hidden))),
-            cache=CacheInfo(dtype=dtype), plans=tuple(plans), embeddings=embeddings,
+            cache=CacheInfo(dtype=dtype, value_dtype=value_dtype), plans=tuple(plans),
+            embeddings=embeddings,
             tokenizer=tokenizer is not None, tokenizer_files=tokenizer_files,
             files=record_files(tmp),
             self_check=SelfCheckInfo(

@@ -57,6 +57,10 @@ class CheckResult:
         return max(self.token_rows, self.mask_rows)
 
 
+ONNX_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
+              "tensor(double)": np.float64}
+
+
 def self_check(graph: Path, module, budgets: list[tuple[int, int]], tokenizer,
                tol: tuple[float, float]) -> CheckResult:
     """Run both checks; raises :class:`SelfCheckError` on the first row over tolerance."""
@@ -125,7 +129,10 @@ def _both(session, module, names, inputs, reference_inputs=None):
     # the graph runs on inputs, PyTorch on reference_inputs (default: the same)
     with torch.no_grad():
         ref = [x.numpy() for x in module(*(reference_inputs or inputs))]
-    feeds = {n: x.numpy() for n, x in zip(names, inputs)}
+    # each as the graph declares it (an exact package keeps V in float64)
+    types = {i.name: ONNX_TYPES.get(i.type) for i in session.get_inputs()}
+    feeds = {n: x.numpy().astype(types[n] or x.numpy().dtype, copy=False)
+             for n, x in zip(names, inputs)}
     return ref, session.run(None, feeds)
 
 

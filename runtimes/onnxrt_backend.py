@@ -106,31 +106,40 @@ class KVCache:
 
     device = "cpu"
 
-    def __init__(self, layers: int, rows: int, heads: int, dim: int, dtype) -> None:
+    def __init__(self, layers: int, rows: int, heads: int, dim: int, dtype,
+                 v_dtype=None) -> None:
+        # v_dtype: the values' own dtype where it differs from the keys' (float64 in an exact
+        # package: its attention sums p @ V in float64, so it keeps V in float64 rather than
+        # casting the whole past every step)
         self.layers, self.rows, self.tail = layers, rows, [heads, dim]
-        self.dtype = np.dtype(dtype)
+        self.dtype, self.v_dtype = np.dtype(dtype), np.dtype(v_dtype or dtype)
         self.row_bytes = heads * dim * self.dtype.itemsize
+        self.v_row_bytes = heads * dim * self.v_dtype.itemsize
         self.past = kv_names("past", layers)
         self.present = kv_names("present", layers)
         self.k_ptr, self.v_ptr = self._alloc_cache()
         self.cap, self.new_k_ptr, self.new_v_ptr = 0, 0, 0
-        stride = rows * self.row_bytes  # (name, pointer) of every layer's past, graph order
-        self._past_at = [(name, ptr + i * stride) for i in range(layers)
-                         for name, ptr in zip(self.past[2 * i:2 * i + 2], (self.k_ptr, self.v_ptr))]
+        # (name, pointer, dtype) of every layer's past, graph order
+        k_stride, v_stride = rows * self.row_bytes, rows * self.v_row_bytes
+        self._past_at = [at for i in range(layers) for at in (
+            (self.past[2 * i], self.k_ptr + i * k_stride, self.dtype),
+            (self.past[2 * i + 1], self.v_ptr + i * v_stride, self.v_dtype))]
 
     def bind_past(self, bind: Binder, p: int) -> None:
-        shape, dtype, fn = [1, p, *self.tail], self.dtype, bind.input
-        for name, ptr in self._past_at:
+        shape, fn = [1, p, *self.tail], bind.input
+        for name, ptr, dtype in self._past_at:
             fn(name, dtype, shape, ptr)
 
     def bind_present(self, bind: Binder, t: int) -> None:
         if self.cap < t:
             self.cap = max(t, 64)
             self.new_k_ptr, self.new_v_ptr = self._alloc_new(self.cap)
-        shape, stride = [1, t, *self.tail], self.cap * self.row_bytes
+        shape = [1, t, *self.tail]
+        k_stride, v_stride = self.cap * self.row_bytes, self.cap * self.v_row_bytes
         for i in range(self.layers):
-            bind.output(self.present[2 * i], self.dtype, shape, self.new_k_ptr + i * stride)
-            bind.output(self.present[2 * i + 1], self.dtype, shape, self.new_v_ptr + i * stride)
+            bind.output(self.present[2 * i], self.dtype, shape, self.new_k_ptr + i * k_stride)
+            bind.output(self.present[2 * i + 1], self.v_dtype, shape,
+                        self.new_v_ptr + i * v_stride)
 
 
 def lazy_zeros(shape, dtype) -> np.ndarray:
@@ -150,12 +159,12 @@ class HostKV(KVCache):
 
     def _alloc_cache(self):
         shape = (self.layers, self.rows, *self.tail)
-        self.k, self.v = lazy_zeros(shape, self.dtype), lazy_zeros(shape, self.dtype)
+        self.k, self.v = lazy_zeros(shape, self.dtype), lazy_zeros(shape, self.v_dtype)
         return self.k.ctypes.data, self.v.ctypes.data
 
     def _alloc_new(self, cap: int):
         self.new_k = np.empty((self.layers, cap, *self.tail), dtype=self.dtype)
-        self.new_v = np.empty_like(self.new_k)
+        self.new_v = np.empty((self.layers, cap, *self.tail), dtype=self.v_dtype)
         return self.new_k.ctypes.data, self.new_v.ctypes.data
 
     def commit(self, rows: np.ndarray, p: int) -> None:
@@ -188,9 +197,9 @@ class DeviceKV(KVCache):
         self.bind = Binder(ort, self.io, device)
         super().__init__(*dims)
 
-    def _alloc(self, rows: int):
+    def _alloc(self, rows: int, dtype):
         return self.ort.OrtValue.ortvalue_from_shape_and_type(
-            [self.layers, rows, *self.tail], self.dtype, self.device, 0)
+            [self.layers, rows, *self.tail], dtype, self.device, 0)
 
     def _alloc_cache(self):
         # zeroed: a format 2 graph reads rows past P (masked, but 0 x NaN is NaN, and fresh
@@ -198,11 +207,11 @@ class DeviceKV(KVCache):
         # (on CPU an OrtValue wraps the array it is made from: one array each)
         shape = [self.layers, self.rows, *self.tail]
         self.k, self.v = (self.ort.OrtValue.ortvalue_from_numpy(
-            np.zeros(shape, dtype=self.dtype), self.device, 0) for _ in range(2))
+            np.zeros(shape, dtype=dtype), self.device, 0) for dtype in (self.dtype, self.v_dtype))
         return self.k.data_ptr(), self.v.data_ptr()
 
     def _alloc_new(self, cap: int):
-        self.new_k, self.new_v = self._alloc(cap), self._alloc(cap)
+        self.new_k, self.new_v = self._alloc(cap, self.dtype), self._alloc(cap, self.v_dtype)
         return self.new_k.data_ptr(), self.new_v.data_ptr()
 
     def commit(self, rows: np.ndarray, p: int) -> None:
@@ -212,9 +221,9 @@ class DeviceKV(KVCache):
         _bind(io, "rows", rows)
         out = self.bind.output
         for i in range(self.layers):
-            at = (i * self.rows + p) * self.row_bytes
-            out(f"commit_key_{i}", self.dtype, shape, self.k_ptr + at)
-            out(f"commit_value_{i}", self.dtype, shape, self.v_ptr + at)
+            at = i * self.rows + p
+            out(f"commit_key_{i}", self.dtype, shape, self.k_ptr + at * self.row_bytes)
+            out(f"commit_value_{i}", self.v_dtype, shape, self.v_ptr + at * self.v_row_bytes)
         self.session.run_with_iobinding(io)
 
 
@@ -404,9 +413,10 @@ class OrtSession(_CacheCommits):
         layers, dims = m["num_layers"], (m["num_kv_heads"], m["head_dim"])
         if b.commit_graph is not None:
             self.kv = DeviceKV(ort, b.commit_graph, DEVICES[b.device][1], layers, b.max_context,
-                               *dims, b.package.np_dtype)
+                               *dims, b.package.np_dtype, b.package.np_value_dtype)
         else:
-            self.kv = HostKV(layers, b.max_context, *dims, b.package.np_dtype)
+            self.kv = HostKV(layers, b.max_context, *dims, b.package.np_dtype,
+                             b.package.np_value_dtype)
         self._io = b.graph.io_binding()
         public = b.public_binding
         self._host = Binder(ort, self._io, "cpu", public)           # fixed inputs, outputs
@@ -601,7 +611,8 @@ class GraphSession(_CacheCommits):
                               "device cache (device_cache=True)")
         self.device = DEVICES[b.device][1]
         self.kv = DeviceKV(b.ort, b.commit_graph, self.device, m["num_layers"], b.max_context,
-                           m["num_kv_heads"], m["head_dim"], b.package.np_dtype)
+                           m["num_kv_heads"], m["head_dim"], b.package.np_dtype,
+                           b.package.np_value_dtype)
         # the block's new K/V: allocated once for the longest block (a prefill of the whole
         # context plus mask slots), so their addresses hold for every captured shape
         self.kv.cap = b.max_context + 8

@@ -214,11 +214,16 @@ class GraphInfo:
 class CacheInfo:
     dtype: str
     layout: str = CACHE_LAYOUT
+    # the values' dtype where it is not ``dtype``: "fp64" in a package with exact attention
+    # sums (int4/int8), which add p @ V in float64 and so keep V in float64 (None: ``dtype``)
+    value_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.layout == CACHE_LAYOUT, f"'cache.layout' must be {CACHE_LAYOUT!r}, got "
                                             f"{self.layout!r}")
         _check_dtype(self.dtype, "cache.dtype")
+        _check(self.value_dtype in (None, "fp64"),
+               f"'cache.value_dtype' must be absent or 'fp64', got {self.value_dtype!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -681,6 +686,12 @@ class Package:
         return NP_DTYPES[self.meta.dtype]
 
     @property
+    def np_value_dtype(self):
+        """The V cache's dtype: float64 in a package whose exact attention reads V in float64
+        (``cache.value_dtype``), else the package's dtype."""
+        return np.float64 if self.meta.cache.value_dtype == "fp64" else self.np_dtype
+
+    @property
     def weights(self) -> WeightsInfo:
         """The graph's weight format (an older package: the same as its dtype)."""
         return self.meta.weights or WeightsInfo(format=self.meta.dtype)
@@ -692,9 +703,10 @@ class Package:
     def kv_cache_bytes(self, rows: int | None = None, dtype: str | None = None) -> int:
         """K and V for every layer at ``rows`` cache rows (default: the max context)."""
         m = self.meta
-        itemsize = np.dtype(NP_DTYPES[dtype or m.dtype]).itemsize
-        return (2 * m.num_layers * (rows or m.max_context) * m.num_kv_heads * m.head_dim
-                * itemsize)
+        k = np.dtype(NP_DTYPES[dtype or m.dtype]).itemsize
+        v = np.dtype(self.np_value_dtype).itemsize if dtype is None else k
+        return (m.num_layers * (rows or m.max_context) * m.num_kv_heads * m.head_dim
+                * (k + v))
 
     def weight_bytes(self) -> int:
         g = self.meta.graph
@@ -890,7 +902,8 @@ def describe(pkg: Package) -> str:
         f"{list(m.eos_token_ids)}   tokenizer {'yes' if m.tokenizer else 'no'}",
         f"graph     {g.file}{' + ' + g.external_data if g.external_data else ''}, "
         f"opset {g.opset}, top-K {m.topk}, {len(g.inputs)} inputs, {len(g.outputs)} outputs",
-        f"cache     {m.cache.layout}",
+        f"cache     {m.cache.layout}"
+        f"{', values in float64 (exact attention sums)' if m.cache.value_dtype else ''}",
         f"weights   {pkg.weights.name}"
         f"{', tied embedding stored once' if pkg.weights.tied_embedding else ''}"
         f"{INVARIANCE.get(pkg.weights.softmax, '')}",
@@ -917,11 +930,18 @@ def describe(pkg: Package) -> str:
         lines.append(f"heads     {h.file}: {h.summary()}")
     weights = pkg.weight_bytes()
     lines += ["", f"memory    weights {_size(weights)} ({pkg.weights.name}, on disk)"]
-    for dt in NP_DTYPES:
-        kv, size = pkg.kv_cache_bytes(dtype=dt), np.dtype(NP_DTYPES[dt]).itemsize
-        lines.append(f"          KV cache at {m.max_context} tokens, {dt}: {_size(kv)} "
-                     f"(2 x {m.num_layers} layers x {m.max_context} x "
-                     f"{m.num_kv_heads} x {m.head_dim} x {size} B)")
-    lines.append(f"          total ({m.dtype} cache): "
+    if m.cache.value_dtype:  # exact attention sums: fp32 keys, float64 values, as it runs
+        k, v = np.dtype(pkg.np_dtype).itemsize, np.dtype(pkg.np_value_dtype).itemsize
+        lines.append(f"          KV cache at {m.max_context} tokens: "
+                     f"{_size(pkg.kv_cache_bytes())} ({m.num_layers} layers x {m.max_context} x "
+                     f"{m.num_kv_heads} x {m.head_dim} x ({k} B keys + {v} B values))")
+    else:
+        for dt in NP_DTYPES:
+            kv, size = pkg.kv_cache_bytes(dtype=dt), np.dtype(NP_DTYPES[dt]).itemsize
+            lines.append(f"          KV cache at {m.max_context} tokens, {dt}: {_size(kv)} "
+                         f"(2 x {m.num_layers} layers x {m.max_context} x "
+                         f"{m.num_kv_heads} x {m.head_dim} x {size} B)")
+    lines.append(f"          total ({m.dtype} cache"
+                 f"{', float64 values' if m.cache.value_dtype else ''}): "
                  f"{_size(weights + pkg.kv_cache_bytes())}")
     return "\n".join(lines)

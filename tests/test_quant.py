@@ -69,6 +69,51 @@ def test_host_table_is_the_graphs_dequantized_embedding(int4_pkg):
     assert np.allclose(pkg.meta.embeddings.mu, want.mean(0), atol=1e-6)
 
 
+def test_int4_package_keeps_its_values_in_float64_and_binds_them_as_such(int4_pkg):
+    # the exact sums add p @ V in float64: the graph takes and gives V in float64 and the
+    # cache holds it so, rather than a cast of the whole past every layer and step
+    pkg = load_package(int4_pkg)
+    assert pkg.meta.cache.value_dtype == "fp64" and pkg.np_value_dtype == np.float64
+    proto = onnx.load(str(int4_pkg / "model.onnx"), load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in list(proto.graph.input) + list(proto.graph.output)}
+    assert types["past_value_0"] == types["present_value_4"] == onnx.TensorProto.DOUBLE
+    assert types["past_key_0"] == types["present_key_4"] == onnx.TensorProto.FLOAT
+    commit = onnx.load(str(int4_pkg / "kv_commit.onnx"))
+    ctypes = {v.name: v.type.tensor_type.elem_type
+              for v in list(commit.graph.input) + list(commit.graph.output)}
+    assert ctypes["present_values"] == ctypes["commit_value_0"] == onnx.TensorProto.DOUBLE
+    assert ctypes["present_keys"] == ctypes["commit_key_0"] == onnx.TensorProto.FLOAT
+    # both caches: the committed rows are the block's V on the exact grid, and the KV bytes
+    # the package reports are the ones it holds (4 B keys + 8 B values)
+    m = pkg.meta
+    assert pkg.kv_cache_bytes(10) == m.num_layers * 10 * m.num_kv_heads * m.head_dim * 12
+    from edgemtp.runtimes.onnxrt_backend import OrtBackend
+
+    for device_cache in (False, True):
+        s = OrtBackend(str(int4_pkg), threads=1, device_cache=device_cache).session()
+        n = 6
+        s.forward(np.arange(n) + 3, np.arange(n), np.tril(np.ones((n, n), bool)), None)
+        s.commit(np.arange(n))
+        kv = s.kv
+        v = kv.v if isinstance(kv.v, np.ndarray) else kv.v.numpy()
+        assert v.dtype == np.float64 and np.abs(v[:, :n]).max() > 0
+        assert np.array_equal(v[:, :n] * 2.0 ** 18, np.round(v[:, :n] * 2.0 ** 18))
+        assert not np.any(v[:, n:])
+    # and a generation through either cache is plain decoding's
+    from edgemtp import GenerationConfig
+    from edgemtp.engine import Generation
+
+    ids = [1, 403, 407, 261]
+    want = Generation(OrtBackend(str(int4_pkg), threads=1),
+                      GenerationConfig(max_new_tokens=24, drafter="none"), ids).run().token_ids
+    for device_cache in (False, True):
+        got = Generation(OrtBackend(str(int4_pkg), threads=1, device_cache=device_cache),
+                         GenerationConfig(max_new_tokens=24, bc=30, drafter="hybrid"),
+                         ids).run().token_ids
+        assert got == want, device_cache
+
+
 def test_every_drafter_equals_plain_decoding_of_the_int4_package(int4_pkg):
     model, prompt = Model.load(str(int4_pkg), threads=1), "Once upon a time"
     plain = model.generate(prompt, drafter="none", max_new_tokens=48).token_ids

@@ -106,7 +106,8 @@ def command(a) -> int:
 
 def _current(path: str, dtype: str) -> bool:
     """A package already at ``path`` that this version would export the same way (an int4 or
-    int8 package from before the exact attention sums is exported again)."""
+    int8 package from before the exact attention sums, or before its values were kept in
+    float64, is exported again)."""
     if not is_package(path):
         return False
     from edgemtp.runtimes.package import load_package
@@ -117,8 +118,8 @@ def _current(path: str, dtype: str) -> bool:
         pkg = load_package(path)
     except EdgeMTPError:
         return False
-    return pkg.weights.format == dtype and (dtype not in ("int4", "int8")
-                                            or pkg.weights.softmax == "exact")
+    return pkg.weights.format == dtype and (dtype not in ("int4", "int8") or (
+        pkg.weights.softmax == "exact" and pkg.meta.cache.value_dtype == "fp64"))
 
 
 def _questions(n: int) -> list[str]:
