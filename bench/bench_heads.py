@@ -42,6 +42,8 @@ METHODS = [
     ("heads residual", dict(drafter="heads", heads="residual")),
     ("hybrid + medusa heads", dict(drafter="hybrid", heads="medusa")),
     ("hybrid + residual heads", dict(drafter="hybrid", heads="residual")),
+    ("auto", dict(drafter="auto")),
+    ("auto + residual heads", dict(drafter="auto", heads="residual")),
 ]
 
 
@@ -130,13 +132,15 @@ def markdown(rows: list, costs: dict, heads: list, meta: dict) -> str:
            f"{meta['machine']}. BE = committed tokens / forward calls (prefill included); "
            f"tok/s: median of {meta['repeats']} run(s) on a shared machine (noisy). Lossless: "
            f"every output equals greedy decoding's.", "",
-           "| method | BC | BE | BE / probe | fwd calls | tok/s | lossless |",
-           "|---|---:|---:|---:|---:|---:|:---:|"]
+           "| method | BC | BE | BE / probe | fwd calls | tok/s | tok/s / greedy | lossless |",
+           "|---|---:|---:|---:|---:|---:|---:|:---:|"]
     probe = {r["bc"]: r["block_efficiency"] for r in rows if r["method"] == "probe k=1"}
+    greedy = next(r["tokens_per_second"] for r in rows if r["method"] == "greedy")
     for r in rows:
         ratio = (f"{r['block_efficiency'] / probe[r['bc']]:.2f}x" if r["bc"] in probe else "")
         out.append(f"| {r['method']} | {r['bc'] or 1} | {r['block_efficiency']:.3f} | {ratio} | "
                    f"{r['forward_calls']} | {r['tokens_per_second']:.1f} | "
+                   f"{r['tokens_per_second'] / greedy:.2f}x | "
                    f"{'yes' if r['lossless'] else '**NO**'} |")
     out += ["", "## Heads", "", "| kind | heads | scored tokens | training | val top-1 per "
             "head | loss first -> last | train min | generate min |",

@@ -78,7 +78,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="who proposes the tree: " + "; ".join(
                        f"{n}: {s.summary}" for n, s in drafters.REGISTRY.items()))
     g.add_argument("--heads", default=None, choices=("medusa", "residual"),
-                   help="with --drafter heads: which of the package's heads (default: its first)")
+                   help="a package's learned heads: with --drafter heads, which (default: "
+                        "its first); with hybrid or auto, use them (hybrid: in place of mask "
+                        "tokens; auto: weighed like every other drafter)")
     g.add_argument("--lade", type=_int_list, default=None, metavar="L,W,G",
                    help="lookahead decoding's n-gram size, window and guess set (with "
                         "--drafter lade; default: the paper's for BC 10/30/60)")

@@ -98,7 +98,7 @@ class GenerationConfig:
                    f"lookahead needs three integers (L, W, G), got {list(self.lookahead)}")
         if self.heads is not None:
             _check("heads" in spec.options,
-                   "heads (a kind) only applies to drafter='heads' or 'hybrid'")
+                   "heads (a kind) only applies to drafter='heads', 'hybrid' or 'auto'")
             _check(self.heads in ("medusa", "residual"),
                    f"heads must be medusa or residual, got {self.heads!r}")
         spec.budget(self)  # the drafter's budget rule: fail before any model is loaded

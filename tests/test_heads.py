@@ -210,6 +210,39 @@ def test_heads_equal_transformers_greedy(trained, stories_refs, bc):
         assert tokens / calls > 1.2, (drafter, kind, bc, tokens / calls)  # drafts accepted
 
 
+def test_auto_weighs_the_heads_and_stays_transformers_greedy(trained, stories_refs):
+    # on a device where a block costs what a row does (a GPU's curve, given), auto runs the
+    # heads (and the hybrid with heads) for most steps, and every output is still greedy's
+    from edgemtp.latency import LatencyCurve
+
+    hf, prompts, refs = stories_refs
+    pkg, _ = trained
+    backend = _ort(pkg)
+    flat = LatencyCurve((1, 64), (0.02, 0.02))
+    picked: dict[str, int] = {}
+    calls = tokens = 0
+    memory: dict = {None: {}, "residual": {}}  # what auto learns, kept across generations
+    for i, (ids, ref) in enumerate(zip(prompts[:QUICK], refs)):
+        for heads in (None, "residual"):
+            config = GenerationConfig(drafter="auto", heads=heads, bc=30, max_new_tokens=128,
+                                      latency=flat)
+            g = Generation(backend, config, ids, memory=memory[heads])
+            r = g.run()
+            assert r.token_ids == ref, f"auto heads={heads}: prompt {i} differs"
+            if heads:
+                assert g.drafter.hidden
+                for name, n in g.drafter.picked.items():
+                    picked[name] = picked.get(name, 0) + n
+                calls += r.stats.forward_calls
+                tokens += r.stats.new_tokens
+            else:
+                assert not g.drafter.hidden  # no heads: no hidden states bound
+    with_heads = sum(n for name, n in picked.items()
+                     if name.startswith("heads") or name.startswith("hybrid"))
+    assert with_heads > sum(picked.values()) / 2, picked
+    assert tokens / calls > 1.5, tokens / calls
+
+
 def test_heads_sampling_matches_model_distribution(trained, stories_refs):
     from test_lossless import SAMPLING, _chi_square_p, _exact_joint
 
@@ -250,7 +283,7 @@ def test_heads_on_the_torch_backend_is_one_clear_error(stories_path):
 def test_heads_option_needs_the_heads_drafter():
     from edgemtp.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="only applies to drafter='heads' or 'hybrid'"):
+    with pytest.raises(ConfigError, match="only applies to drafter='heads', 'hybrid' or 'auto'"):
         GenerationConfig(heads="medusa")
     with pytest.raises(ConfigError, match="medusa or residual"):
         GenerationConfig(drafter="heads", heads="eagle")

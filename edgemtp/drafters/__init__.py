@@ -82,7 +82,9 @@ REGISTRY: dict[str, DrafterSpec] = {spec.name: spec for spec in (
     DrafterSpec("probe", "mask-token probing, static or dynamic tree", ProbeDrafter,
                 _probe_budget, uses_masks=True),
     DrafterSpec("auto", "plain decoding, probing or a lookup chain per step, by expected "
-                        "tokens/s on this device", AutoDrafter, lambda c: check_bc(c.bc)),
+                        "tokens/s on this device (--heads KIND: a package's learned heads "
+                        "too)", AutoDrafter, lambda c: check_bc(c.bc),
+                options=frozenset({"heads"})),
     DrafterSpec("pld", "prompt lookup: a chain of the tokens that followed the context's "
                        "suffix earlier", PromptLookupDrafter,
                 lambda c: chain_length(c.bc) + 1),

@@ -33,6 +33,12 @@ Two more kinds of candidate come from whole drafters:
   Every one of them observes every step, so its n-gram pool, stored distributions and mask
   embeddings stay current when another plan runs.
 
+- **learned heads** (``heads=KIND``, a package with ``edgemtp train-heads``): the heads
+  drafter at the same two budgets, weighed like the whole drafters above on any device (its
+  upkeep is one heads run per awake step); the hybrid then takes the heads' candidates in
+  place of mask tokens. A dormant heads drafter woken for a step first runs the heads on the
+  last step's hidden state.
+
 Where speculation cannot pay (a mid-size model on a 2-core CPU) it decodes plainly, so it
 is never much slower than plain decoding. Verification is the engine's one lossless walk,
 whoever drafted.
@@ -55,6 +61,7 @@ from ..errors import ConfigError
 from ..latency import measure_latency
 from ..plans import Plan
 from ..tree import prune, static_tree
+from .heads import HeadsDrafter, HeadsHybridDrafter
 from .hybrid import HybridDrafter
 from .lookahead import LookaheadDrafter
 from .ngram_index import (MAX_NGRAM, P_EDGES, ContextModel, GrownTree, chain_plan, grow,
@@ -102,6 +109,11 @@ class WholeDrafter:
         # step but picked once in 20 pays for 20 observes), so on a fast forward a drafter
         # that seldom wins goes dormant and costs nothing, and on a slow one it stays
         self.upkeep, self.share = 0.0, 0.25
+        # steady: dormant only while it cannot beat plain decoding (learned heads, whose
+        # upkeep is small and whose estimate holds step to step), not whenever one step's
+        # best choice (a long lookup chain) beats it, which would put it to sleep for
+        # ``sleep_steps`` steps at a time
+        self.steady = False
 
     def catch_up(self, tokens: list[int]) -> None:
         if len(tokens) > self.seen:
@@ -180,6 +192,12 @@ class AutoDrafter:
         # 2-core x86 CPU): weighed only where a forward pass is slow enough to hide that
         self.wholes = (self._wholes(backend, config, memory)
                        if self.latency(1) >= WHOLE_MIN_T1 else [])
+        # learned heads (heads=KIND): their upkeep is one small heads run per awake step, so
+        # they are weighed on any device (the hybrid above then takes heads, not masks)
+        if config.heads is not None:
+            self.wholes += self._heads(backend, config, memory)
+        self.hidden = any(getattr(w.drafter, "hidden", False) for w in self.wholes)
+        self._last_obs: tuple | None = None  # the last observe's arguments (waking heads)
         self.hybrid = next((w.drafter for w in self.wholes if w.name.startswith("hybrid")),
                            None)
         self.k2 = [w for w in self.wholes if w.name.startswith("probe k=2")]
@@ -248,16 +266,31 @@ class AutoDrafter:
         self.picked: dict[str, int] = {}   # kind of step -> steps, for reports
 
     @staticmethod
+    def _heads(backend: Backend, config: GenerationConfig, memory: dict
+               ) -> list[WholeDrafter]:
+        out = []
+        for bc in auto_budgets(config.bc) or (config.bc,):
+            d = HeadsDrafter(backend, replace(config, bc=bc, drafter="heads"), memory)
+            # optimistic prior: a good step of the heads (their tree is as deep as the heads)
+            w = WholeDrafter(f"heads BC={bc}", d, min(3.0, d.runner.info.heads + 1.0),
+                             memory.setdefault(("auto-whole", "heads", config.heads, bc), {}))
+            w.bc, w.steady = bc, True
+            out.append(w)
+        return out
+
+    @staticmethod
     def _wholes(backend: Backend, config: GenerationConfig, memory: dict
                 ) -> list[WholeDrafter]:
         out = []
+        hybrid = HybridDrafter if config.heads is None else HeadsHybridDrafter
         for bc in auto_budgets(config.bc):
             for name, make, best, sub in (
-                    ("hybrid", HybridDrafter, 3.0, dict(drafter="hybrid")),
+                    ("hybrid", hybrid, 3.0, dict(drafter="hybrid")),
                     ("lade", LookaheadDrafter, None, dict(drafter="lade")),
                     ("probe k=2", ProbeDrafter, 3.0,
                      dict(drafter="probe", mask_tokens=2, tree="dynamic", branching=None))):
-                c = replace(config, bc=bc, **sub)
+                heads = config.heads if sub["drafter"] == "hybrid" else None
+                c = replace(config, bc=bc, heads=heads, **sub)
                 d = make(backend, c, memory)
                 w = WholeDrafter(f"{name} BC={bc}", d, best if best else float(d.n),
                                  memory.setdefault(("auto-whole", name, bc), {}))
@@ -350,17 +383,21 @@ class AutoDrafter:
         nothing."""
         hope = None
         trying = self._steps - self._tried >= self.try_every
+        plain_rate = 1.0 / (self._lat[1] + self._host("plain"))
         for w in self.wholes:
             if w in self.k2 and not self._k2_ready:
                 continue  # a k = 2 plan needs the last step's 2 masks
+            floor = plain_rate if w.steady else best_rate  # below it, w goes dormant
             if w.asleep:
                 if self._steps < w.wake_at:
                     continue
-                if self._ceiling(w) <= best_rate:
+                if self._ceiling(w) <= floor:
                     w.wake_at = self._steps + self.sleep_steps
                     continue
                 w.asleep = False
                 w.catch_up(self.index.tokens)
+                if hasattr(w.drafter, "refresh") and self._last_obs is not None:
+                    w.drafter.refresh(*self._last_obs)  # heads: candidates for this step
             f = w.feature(root)
             e, t, n = w.estimate(f)
             cost = self._lat_at(t) + self._host(w.name) + w.charge()
@@ -371,7 +408,7 @@ class AutoDrafter:
             if rate > best_rate:
                 if trying and (hope is None or (n, -rate) < hope[0]):
                     hope = ((n, -rate), w, f)  # the least tried of those that could win
-            elif self._ceiling(w) <= best_rate:
+            elif self._ceiling(w) <= floor:
                 w.asleep, w.wake_at = True, self._steps + self.sleep_steps
         if hope is not None and not isinstance(best[0], WholeDrafter):
             self._tried = self._steps
@@ -486,6 +523,7 @@ class AutoDrafter:
                 self.context.dists.skip(len(path_rows))
             self.context.extend(new_tokens)
         tokens, k2_step = self.index.tokens, len(mask_rows) == 2
+        self._last_obs = (out, mask_rows, new_tokens, path_rows) if self.hidden else None
         for w in self.wholes:  # every awake drafter sees every step; a dormant one catches up
             if w.asleep and not (k2_step and w in self.k2):  # (k = 2: 2 masks' candidates)
                 continue

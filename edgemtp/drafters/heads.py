@@ -115,10 +115,19 @@ class HeadsDrafter:
         if self._pools is not None:  # new_tokens: the true tokens at depths 1, 2, ...
             self.calibration.record(*self._pools, truth=new_tokens)
             self._pools = None
-        # the last committed row's hidden state; the bonus token is the next root
+        self.refresh(out, mask_rows, new_tokens, path_rows)
+
+    def refresh(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
+                path_rows: np.ndarray) -> None:
+        """The candidates for the step after ``out``: the heads on the last committed row's
+        hidden state (the bonus token is the next root). ``auto`` calls it alone when it wakes
+        a dormant heads drafter, which did not observe the steps it slept through."""
         root = np.array(new_tokens[-1:], dtype=np.int64)
         hidden = out.hidden[path_rows[-1]]
         self._cand = self.runner.run(hidden, None if self.embed is None else self.embed(root)[0])
+
+    def catch_up(self, tokens) -> None:
+        """Nothing to catch up: the heads read only the last step (see :meth:`refresh`)."""
 
 
 class HeadsHybridDrafter(HybridDrafter):
@@ -147,6 +156,11 @@ class HeadsHybridDrafter(HybridDrafter):
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
                 path_rows: np.ndarray) -> None:
         super().observe(out, mask_rows[:0], new_tokens, path_rows)
-        self.heads.observe(out, mask_rows, new_tokens, path_rows)
+        self.refresh(out, mask_rows, new_tokens, path_rows)
+
+    def refresh(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
+                path_rows: np.ndarray) -> None:
+        """The heads' candidates for the step after ``out`` (see :meth:`HeadsDrafter.refresh`)."""
+        self.heads.refresh(out, mask_rows, new_tokens, path_rows)
         ids, lp = self.heads._cand
         self._cand = (ids[:, :self.topk].tolist(), np.exp(lp[:, :self.topk]).tolist())
