@@ -123,6 +123,16 @@ def genai_model(hf: Path, work: Path, precision: str, threads: int) -> Path:
 
 # --- one runner per method: ids -> (new ids, seconds) --------------------------------------
 
+# the time the current generation's first new token came out (perf_counter), set by each
+# runner: the prefill and first token are then told apart from the decoding that follows
+FIRST: dict[str, float] = {}
+
+
+def first_token(at: float | None = None) -> None:
+    """Mark the current generation's first new token (now, or at ``at``), once."""
+    FIRST.setdefault("at", time.perf_counter() if at is None else at)
+
+
 class Method:
     """A named way to generate: ``run(ids) -> new token ids``; ``group``/``kind`` say what its
     greedy reference is (``group``'s ``greedy`` method) for the identity check."""
@@ -151,6 +161,7 @@ def llama_cpp_methods(gguf: Path, threads: int, new_tokens: int, ctx: int) -> li
             out = []
             for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
                                     repeat_penalty=1.0, reset=True):
+                first_token()
                 out.append(int(tok))
                 if tok == eos or len(out) >= new_tokens:
                     break
@@ -177,6 +188,7 @@ def genai_methods(hf: Path, work: Path, threads: int, new_tokens: int) -> list[M
             gen.append_tokens(ids)
             while not gen.is_done():
                 gen.generate_next_token()
+                first_token()
             return [int(t) for t in gen.get_sequence(0)[len(ids):]]
 
         out.append(Method(f"genai {precision} greedy", f"genai {precision}", run, greedy=True))
@@ -190,12 +202,27 @@ def transformers_methods(hf: Path, threads: int, new_tokens: int) -> list[Method
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
 
+    from transformers.generation.streamers import BaseStreamer
+
+    class FirstToken(BaseStreamer):  # put() gets the prompt first, then the new tokens
+        def __init__(self):
+            self.calls = 0
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2:
+                first_token()
+
+        def end(self):
+            pass
+
     def runner(**kw):
         def run(ids):
             x = torch.tensor([ids])
             with torch.inference_mode():
                 y = model.generate(x, attention_mask=torch.ones_like(x),
-                                   max_new_tokens=new_tokens, do_sample=False, **kw)
+                                   max_new_tokens=new_tokens, do_sample=False,
+                                   streamer=FirstToken(), **kw)
             return y[0, len(ids):].tolist()
 
         return run
@@ -213,7 +240,9 @@ def edgemtp_methods(pkg: Path, dtype: str, threads: int, new_tokens: int,
 
     def runner(config: GenerationConfig, stats: list):
         def run(ids):
+            t0 = time.perf_counter()
             r = model.generate(list(ids), config)
+            first_token(t0 + r.stats.time_prefill)
             stats.append((r.stats.new_tokens, r.stats.forward_calls))
             return list(r.token_ids)
 
@@ -299,7 +328,8 @@ def sitting(methods: list[Method], tasks: dict[str, list[list[int]]], repeats: i
         m.run(warm)  # loads kernels, measures auto's latency curve, fills caches
         if m.stats is not None:
             m.stats.clear()
-    rec = {m.name: {c: {"tokens": 0, "seconds": [0.0] * repeats, "outputs": [], "forward": 0}
+    rec = {m.name: {c: {"tokens": 0, "seconds": [0.0] * repeats, "outputs": [], "forward": 0,
+                        "decode_tokens": 0, "decode_seconds": [0.0] * repeats}
                     for c in tasks} for m in methods}
     jobs = [(r, c, i, ids) for r in range(repeats) for c, prompts in tasks.items()
             for i, ids in enumerate(prompts)]
@@ -311,6 +341,7 @@ def sitting(methods: list[Method], tasks: dict[str, list[list[int]]], repeats: i
             if m.name in failed:
                 bar.update()
                 continue
+            FIRST.clear()
             t0 = time.perf_counter()
             try:
                 new = m.run(ids)
@@ -319,11 +350,15 @@ def sitting(methods: list[Method], tasks: dict[str, list[list[int]]], repeats: i
                 log(f"{m.name} failed on a {cat} prompt and is left out: {failed[m.name]}")
                 bar.update()
                 continue
-            dt = time.perf_counter() - t0
+            end = time.perf_counter()
+            dt = end - t0
             cell = rec[m.name][cat]
             cell["seconds"][r] += dt
+            # decoding only: from the first new token to the last (prefill and first token out)
+            cell["decode_seconds"][r] += end - FIRST.get("at", end)
             if r == 0:
                 cell["tokens"] += len(new)
+                cell["decode_tokens"] += max(len(new) - 1, 0)
                 cell["outputs"].append(new)
                 if m.stats:
                     cell["forward"] += m.stats[-1][1]
@@ -351,7 +386,12 @@ def summarise(methods: list[Method], rec: dict, tasks: dict) -> dict:
                                                        rec[ref][c]["outputs"]) if a != b]
         tokens = sum(rec[m.name][c]["tokens"] for c in cats)
         forward = sum(rec[m.name][c]["forward"] for c in cats)
+        # decode tok/s over all categories: new tokens after the first / the time they took
+        dec_s = statistics.median([sum(rec[m.name][c]["decode_seconds"][r] for c in cats)
+                                   for r in range(len(rec[m.name][cats[0]]["seconds"]))])
+        dec_tokens = sum(rec[m.name][c]["decode_tokens"] for c in cats)
         rows.append(dict(method=m.name, group=m.group, tok_s=per_cat,
+                         decode_tok_s=dec_tokens / dec_s if dec_s > 0 else None,
                          tokens={c: rec[m.name][c]["tokens"] for c in cats},
                          mean_tok_s=statistics.mean(per_cat.values()),
                          identical_to_greedy=identical, differs_in=sorted(set(differs)),
@@ -378,8 +418,10 @@ def peer_ratios(rows: list[dict]) -> list[tuple[str, str, float]]:
     for a, b in pairs:
         if a in by and b in by:
             cats = by[a]["tok_s"]
+            da, db = by[a].get("decode_tok_s"), by[b].get("decode_tok_s")
             out.append((a, b, statistics.mean(by[a]["tok_s"][c] / by[b]["tok_s"][c]
-                                              for c in cats)))
+                                              for c in cats),
+                        da / db if da and db else None))
     return out
 
 
@@ -397,19 +439,26 @@ def markdown(result: dict) -> str:
         "included), per category, then the mean over categories. `vs greedy`: per-category "
         "ratio to the same runtime's greedy, mean (min). `identical`: outputs equal to that "
         "greedy's, prompts.", "",
-        "| method | mean tok/s | vs greedy, mean (min) | BE | identical |",
-        "|---|---:|---:|---:|---:|"]
+        "`decode tok/s`: the new tokens after the first over the time from the first to the "
+        "last, summed over all prompts: decoding speed without the prefill, so runtimes whose "
+        "weights answer at other lengths compare like for like.", "",
+        "| method | mean tok/s | decode tok/s | vs greedy, mean (min) | BE | identical |",
+        "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         vs = (f"{r['vs_own_greedy_mean']:.2f}× ({r['vs_own_greedy_min']:.2f}×)"
               if "vs_own_greedy" in r else "–")
         ident = "–" if r["identical_to_greedy"] is None else "{}/{}".format(
             *r["identical_to_greedy"]) + (f" (not: {', '.join(r['differs_in'])})"
                                           if r.get("differs_in") else "")
-        lines.append(f"| {r['method']} | {r['mean_tok_s']:.1f} | {vs} | "
+        dec = r.get("decode_tok_s")
+        lines.append(f"| {r['method']} | {r['mean_tok_s']:.1f} | "
+                     f"{'–' if dec is None else f'{dec:.1f}'} | {vs} | "
                      f"{r['be'] if r['be'] else '–'} | {ident} |")
-    lines += ["", "## Plain decoding against the peers (mean of per-category ratios)", "",
-              "| ratio | value |", "|---|---:|"]
-    lines += [f"| {a} / {b} | {v:.2f}× |" for a, b, v in result["peer_ratios"]]
+    lines += ["", "## Plain decoding against the peers", "",
+              "| ratio | tok/s (mean of per-category ratios) | decode tok/s |",
+              "|---|---:|---:|"]
+    lines += [f"| {a} / {b} | {v:.2f}× | {'–' if d is None else f'{d:.2f}×'} |"
+              for a, b, v, *rest in result["peer_ratios"] for d in [rest[0] if rest else None]]
     lines += ["", "## tok/s per category", "",
               "| method | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
     lines += [f"| {r['method']} | " + " | ".join(f"{r['tok_s'][c]:.1f}" for c in cats) + " |"
