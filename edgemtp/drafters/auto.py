@@ -214,6 +214,12 @@ class AutoDrafter:
         self.topk_max = self.topk = max([self.width, *(w.drafter.topk for w in self.wholes)])
         self.prune = config.prune
         self._lat = np.array([self.latency(max(t, 1)) for t in range(max(config.bc, 4) + 1)])
+        # a try of a whole drafter that is not winning costs a block of its narrowest budget
+        # instead of a plain step: tried more rarely where that block costs more (a 2-core CPU
+        # running int4 weights: ~3x at 10 positions), every try_every steps where it is flat
+        narrow = min([w.bc for w in self.wholes] or [1])
+        self._try_every = int(round(self.try_every * max(1.0, self._lat_at(narrow)
+                                                         / self._lat[1])))
         # mask-only steps only where probing could ever pay: even a sure accept doubles the
         # tokens of a step at best, so a 4-position block must cost under twice a 1-position one
         self.explore = config.bc >= 4 and 2.0 * self.latency(1) > self.latency(4)
@@ -382,7 +388,7 @@ class AutoDrafter:
         (the context they read is auto's own), so drafters that cannot win cost the host
         nothing."""
         hope = None
-        trying = self._steps - self._tried >= self.try_every
+        trying = self._steps - self._tried >= self._try_every
         plain_rate = 1.0 / (self._lat[1] + self._host("plain"))
         for w in self.wholes:
             if w in self.k2 and not self._k2_ready:
