@@ -198,8 +198,9 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     if a.trt:  # fail before a long export when the engine could not be built after it
         from edgemtp.runtimes.trt_backend import cuda_device
-        from edgemtp.runtimes.trt_engine import import_tensorrt
+        from edgemtp.runtimes.trt_engine import check_trt_weights, import_tensorrt
 
+        check_trt_weights(a.dtype, f"edgemtp export --trt --dtype {a.dtype}")
         import_tensorrt("edgemtp export --trt")
         cuda_device()
     report = export_package(a.model, a.output, dtype=a.dtype, max_context=a.max_context,

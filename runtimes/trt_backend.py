@@ -31,7 +31,7 @@ import numpy as np
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, EdgeMTPError, ModelLoadError
 from edgemtp.runtimes.package import NP_DTYPES, PAST_LEN, check_step, kv_names, load_package
-from edgemtp.runtimes.trt_engine import (_logger, engine_name, import_tensorrt,
+from edgemtp.runtimes.trt_engine import (_logger, check_trt_weights, engine_name, import_tensorrt,
                                          select_profile)
 
 _MIN_CAP = 64  # block rows the per-session buffers are first sized for
@@ -225,6 +225,7 @@ class TrtBackend:
         if dtype is not None and dtype != m.dtype:
             raise ConfigError(f"the package {str(pkg.root)!r} holds {m.dtype} weights and a "
                               f"package's dtype is fixed at export; drop --dtype {dtype}")
+        check_trt_weights(pkg.weights.format, f"the package {str(pkg.root)!r}")
         if not m.engines:
             raise ModelLoadError(f"the package {str(pkg.root)!r} has no TensorRT engine; build "
                                  f"one on this machine: edgemtp build-engine {str(pkg.root)}")

@@ -27,7 +27,7 @@ import shutil
 import time
 from pathlib import Path
 
-from edgemtp.errors import BackendUnavailableError, EdgeMTPError, ModelLoadError
+from edgemtp.errors import BackendUnavailableError, ConfigError, EdgeMTPError, ModelLoadError
 from edgemtp.runtimes.package import (ENGINES, MANIFEST, EngineInfo, EngineProfile, Manifest,
                                       PAST_LEN, Package, _plain, _sha256, kv_names,
                                       load_package)
@@ -41,6 +41,18 @@ INSTALL = ("on JetPack 6: sudo apt install python3-libnvinfer; on a desktop: "
 
 class EngineBuildError(EdgeMTPError):
     """TensorRT could not parse the graph or build an engine."""
+
+
+TRT_WEIGHTS = ("fp32", "fp16")  # int4/int8 graphs use onnxruntime's MatMulNBits (CPU kernels)
+
+
+def check_trt_weights(fmt: str, who: str) -> None:
+    """One line for a weight format TensorRT cannot build (``fmt``: ``weights.format`` or
+    an export's ``--dtype``)."""
+    if fmt not in TRT_WEIGHTS:
+        raise ConfigError(f"{who}: TensorRT builds fp16 or fp32 packages, not {fmt} (an {fmt} "
+                          f"graph runs onnxruntime's MatMulNBits CPU kernels and exact float64 "
+                          f"attention); export with --dtype fp16 for TensorRT")
 
 
 def import_tensorrt(who: str = "backend 'tensorrt'"):
@@ -181,9 +193,10 @@ def build_engine(package, *, workspace_gib: float = WORKSPACE_GIB,
     skips the kernel timing already done."""
     from edgemtp.runtimes.trt_backend import cuda_device
 
-    trt = import_tensorrt("building a TensorRT engine")
     pkg = package if isinstance(package, Package) else load_package(package, check_plans=False,
                                                                     check_engines=False)
+    check_trt_weights(pkg.weights.format, f"the package {str(pkg.root)!r}")
+    trt = import_tensorrt("building a TensorRT engine")
     gpu, capability = cuda_device()
     version = trt.__version__
     name = engine_name(version, capability)

@@ -222,3 +222,21 @@ def test_the_graph_masks_with_a_finite_value(stories_pkg):
     floats = [c for c in consts if c.dtype.kind == "f"]
     assert all(np.isfinite(c).all() for c in floats)
     assert any(c.size == 1 and float(c.reshape(-1)[0]) == -65504.0 for c in floats)
+
+
+def test_tensorrt_refuses_an_int4_package_in_one_line(tmp_path):
+    # int4/int8 graphs run onnxruntime's MatMulNBits and float64 values: refused before
+    # TensorRT is imported or an export starts
+    from edgemtp.export.onnx_export import export_package
+
+    pkg = tmp_path / "int4"
+    export_package(str(STORIES), pkg, dtype="int4", max_context=128, bc=(10,),
+                   mask_tokens=(1,), progress=False)
+    why = "TensorRT builds fp16 or fp32 packages, not int4"
+    _one_line_error(_cli("build-engine", pkg), why, "--dtype fp16")
+    _one_line_error(_cli("generate", "--backend", "tensorrt", "--device", "cuda", "--model", pkg,
+                         "--prompt", "Once upon a time"), why)
+    out = tmp_path / "never"
+    _one_line_error(_cli("export", STORIES, "-o", out, "--trt", "--dtype", "int8"),
+                    "TensorRT builds fp16 or fp32 packages, not int8")
+    assert not out.exists()
