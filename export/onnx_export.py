@@ -278,6 +278,7 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
         decoder = ExportTreeDecoder(hf, job.family)
         if job.options.dtype in QUANTIZED:  # batch-invariant softmax (export.quantize)
             decoder.exact_attention = True
+            decoder.fuse(job.context)  # onnxruntime contrib ops, as MatMulNBits already are
         topk = min(int(hf.config.vocab_size),
                    max(static_plan(b, k).n_nodes for b, k in job.budgets) + 1)
         hidden = job.options.hidden_states
@@ -515,7 +516,9 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str,
     weights = WeightsInfo(format=fmt, tied_embedding=tied is not None,
                           **({"block_size": spec.block_size, "symmetric": spec.symmetric,
                               "accuracy_level": spec.accuracy_level,
-                              "min_rows": spec.min_rows, "softmax": "exact"} if spec else {}))
+                              "min_rows": spec.min_rows, "softmax": "exact",
+                              "fused": bool(getattr(module.decoder, "fused", False))}
+                             if spec else {}))
     size = sum(p.numel() * p.element_size() for p in module.parameters())
     external = f"{GRAPH}.data" if spec or size > EXTERNAL_DATA_BYTES else None
     if external:

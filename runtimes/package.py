@@ -290,6 +290,9 @@ class WeightsInfo:
     # the attention's sums: float32; float64 (exports before exact sums: invariant on short
     # contexts only); exact (export.graph.exact_sums: the same bits in any block)
     softmax: str = "float32"
+    # rotary and residual + RMSNorm as onnxruntime's fused contrib ops (int4/int8 exports
+    # from 2026-11-25 on: export.graph.ExportTreeDecoder.fuse)
+    fused: bool = False
 
     def __post_init__(self) -> None:
         _check(self.format in WEIGHT_FORMATS, f"'weights.format' must be one of "
@@ -906,7 +909,8 @@ def describe(pkg: Package) -> str:
         f"{', values in float64 (exact attention sums)' if m.cache.value_dtype else ''}",
         f"weights   {pkg.weights.name}"
         f"{', tied embedding stored once' if pkg.weights.tied_embedding else ''}"
-        f"{INVARIANCE.get(pkg.weights.softmax, '')}",
+        f"{INVARIANCE.get(pkg.weights.softmax, '')}"
+        f"{', fused rotary and RMSNorm kernels' if pkg.weights.fused else ''}",
     ]
     if m.gguf:
         types = ", ".join(f"{t} x{n}" for t, n in m.gguf.tensor_types.items())

@@ -56,6 +56,33 @@ def test_int4_package_holds_the_tied_table_once_quantized(int4_pkg):
     assert gather.input[2:] == lm_head.input[2:4]  # the same scales and zero points
 
 
+def test_int4_graph_runs_rotary_and_residual_norms_as_fused_contrib_ops(int4_pkg):
+    """Quantized graphs, tied to onnxruntime by MatMulNBits anyway, take its fused
+    RotaryEmbedding and SkipSimplifiedLayerNormalization (fewer nodes per layer); rotary
+    tables cover the whole context; fp32 graphs stay standard ONNX (TensorRT parses them)."""
+    proto = onnx.load(str(int4_pkg / "model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in proto.graph.node]
+    layers = load_package(int4_pkg).meta.num_layers
+    assert load_package(int4_pkg).weights.fused
+    assert ops.count("RotaryEmbedding") == 2 * layers           # q and k
+    assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers
+    assert "ReduceLogSumExp" not in ops
+    rotary = next(n for n in proto.graph.node if n.op_type == "RotaryEmbedding")
+    tables = {i.name: i for i in proto.graph.initializer}
+    nodes = {o: n for n in proto.graph.node for o in n.output}
+    cos = rotary.input[2]
+    dims = (tables[cos].dims if cos in tables
+            else onnx.helper.get_attribute_value(nodes[cos].attribute[0]).dims)
+    assert list(dims) == [256, load_package(int4_pkg).meta.head_dim // 2]  # max_context 256
+
+
+def test_fp32_graph_has_no_onnxruntime_contrib_ops(tmp_path):
+    out = tmp_path / "fp32"
+    export_package(str(STORIES), out, dtype="fp32", max_context=64, progress=False)
+    proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    assert {n.domain for n in proto.graph.node} <= {"", "ai.onnx"}
+
+
 def test_host_table_is_the_graphs_dequantized_embedding(int4_pkg):
     from transformers import AutoModelForCausalLM
 

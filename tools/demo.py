@@ -106,8 +106,8 @@ def command(a) -> int:
 
 def _current(path: str, dtype: str) -> bool:
     """A package already at ``path`` that this version would export the same way (an int4 or
-    int8 package from before the exact attention sums, or before its values were kept in
-    float64, is exported again)."""
+    int8 package from before the exact attention sums, before its values were kept in
+    float64, or before its fused kernels, is exported again)."""
     if not is_package(path):
         return False
     from edgemtp.runtimes.package import load_package
@@ -119,7 +119,8 @@ def _current(path: str, dtype: str) -> bool:
     except EdgeMTPError:
         return False
     return pkg.weights.format == dtype and (dtype not in ("int4", "int8") or (
-        pkg.weights.softmax == "exact" and pkg.meta.cache.value_dtype == "fp64"))
+        pkg.weights.softmax == "exact" and pkg.meta.cache.value_dtype == "fp64"
+        and pkg.weights.fused))
 
 
 def _questions(n: int) -> list[str]:
