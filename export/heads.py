@@ -34,7 +34,7 @@ from edgemtp.runtimes.package import MANIFEST, Manifest, load_package, record_fi
 # of them and the evaluation the other 5 (with 10, those categories were never trained on).
 EVAL_STORIES = 24
 EVAL_PER_CATEGORY = 5
-HEADS_TOPK = 64      # candidates per head in the graph (a BC 60 tree needs 59 + 1 for pruning)
+HEADS_TOPK = 32      # candidates per head in the graph (see bench/results/heads_stories260K.md: 32 vs 64)
 FULL_VOCAB = 32768   # above this vocabulary, heads score only the most frequent tokens
 SUBSET = 8192        # ... this many of them (FR-Spec's frequency-ranked draft vocabulary)
 CHAIN = 1024         # residual heads over a subset: the chain's top-1 reads the first rows

@@ -72,8 +72,9 @@ class MedusaHeads(_Scaled):
     def states(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         # hidden: [N, d] -> [N, H, d]; one MatMul for all heads (ONNX Einsum was ~6 ms here)
         hh, d = self.bias.shape
-        z = F.linear(unit(hidden, self.ones), self.weight.reshape(hh * d, d)).view(-1, hh, d)
-        z = z + self.bias
+        # the bias inside the linear: one Gemm node in the graph, not MatMul + Add
+        z = F.linear(unit(hidden, self.ones), self.weight.reshape(hh * d, d),
+                     self.bias.reshape(hh * d)).view(-1, hh, d)
         return hidden[:, None, :] + self.scale * F.silu(z)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,9 +132,10 @@ class HeadsGraph(nn.Module):
     embedding table when it loads the graph (tied models), so the heads file holds no copy,
     and onnxruntime still treats the rows as constant weights (packed once at load: a
     MatMul whose right side is a graph input re-packs all M rows every run, 2-3x slower).
-    Every head's state goes through ONE LM-head MatMul ``[N*H, d] x [d, M]``, so the rows
-    are read once per run, not once per head. The residual kind feeds each step's top-1
-    token to the next step in-graph (top-1 expansion); that token is the argmax over
+    Every head's state goes through ONE LM-head MatMul ``[N, H, d] x [d, M]`` (one GEMM
+    over the ``N * H`` rows), so the rows are read once per run, not once per head. The
+    residual kind feeds each step's top-1 token to the next step in-graph (top-1
+    expansion); that token is the argmax over
     ``lm_chain [C, d]``, the first ``C`` rows of ``lm_head`` (the same memory; rows are in
     frequency order), so the chain reads ``C`` rows a step instead of ``M``.
     """
@@ -146,16 +148,23 @@ class HeadsGraph(nn.Module):
         # shapes are reshaped with constants only (-1 for N): no shape arithmetic in-graph
         hh, d = self.heads.heads, lm_head.shape[1]
         if isinstance(self.heads, MedusaHeads):
-            states = self.heads.states(hidden).reshape(-1, d)                 # [N*H, d]
+            states = self.heads.states(hidden)                                # [N, H, d]
         else:
+            r = self.heads
+            # scale * down(x) folded into one Gemm: diag(scale) W_down, scale * b_down
+            w = r.down.weight * r.scale[:, None]
+            b = r.down.bias * r.scale
             per, h, e = [], hidden, root_embeds
             for j in range(hh):
-                h = self.heads.step(h, e)
+                x = torch.cat([unit(h, r.ones), unit(e, r.ones)], dim=-1)
+                h = h + F.linear(F.silu(r.up(x)), w, b)                       # r.step(h, e)
                 per.append(h)
                 if j + 1 < hh:  # tied: the LM head row is the embedding
                     e = lm_chain[F.linear(h, lm_chain).argmax(dim=-1)]
-            states = torch.cat(per, dim=-1).reshape(-1, d)                    # [N*H, d]
-        logits = F.linear(states, lm_head)                                    # [N*H, M]
-        top, ids = logits.topk(self.topk, dim=-1)
-        lp = top - torch.logsumexp(logits, dim=-1, keepdim=True)
-        return ids.reshape(-1, hh, self.topk), lp.reshape(-1, hh, self.topk)
+            states = torch.cat(per, dim=-1).reshape(-1, hh, d)                # [N, H, d]
+        logits = F.linear(states, lm_head)                                    # [N, H, M]
+        # the top-K of the log-softmax: two nodes (LogSoftmax, TopK), where the top-K of the
+        # logits minus a logsumexp took eight (ReduceLogSumExp alone was several times
+        # slower); a heads run's cost is mostly onnxruntime's per-node overhead
+        lp, ids = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
+        return ids, lp                                                        # [N, H, K]
