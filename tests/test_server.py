@@ -428,8 +428,14 @@ def test_sigterm_under_load_finishes_what_was_accepted_and_exits_0(chat_pkg, ref
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
     def one(i):
-        r = client.completions.create(model="stories-chat", prompt=PROMPTS[i], max_tokens=64,
-                                      stream=i % 2 == 1)
+        try:
+            r = client.completions.create(model="stories-chat", prompt=PROMPTS[i],
+                                          max_tokens=64, stream=i % 2 == 1)
+        except openai.APIStatusError as e:
+            # a request still on its way when SIGTERM lands was never accepted: it gets a
+            # clean 503, not a dropped connection (on a loaded machine some arrive late)
+            assert e.status_code == 503 and "shutting down" in str(e), e
+            return None
         return streamed(r, chat=False)[0] if i % 2 else r.choices[0].text
 
     with ThreadPoolExecutor(6) as pool:
@@ -440,7 +446,9 @@ def test_sigterm_under_load_finishes_what_was_accepted_and_exits_0(chat_pkg, ref
                 time.sleep(0.01)
         s.proc.send_signal(signal.SIGTERM)
         got = [f.result() for f in futures]
-    assert got == [expected(ref, PROMPTS[i], max_new_tokens=64) for i in range(6)]
+    done = [i for i, g in enumerate(got) if g is not None]
+    assert len(done) >= 2  # the two running when the signal came, at least, finished
+    assert [got[i] for i in done] == [expected(ref, PROMPTS[i], max_new_tokens=64) for i in done]
     assert s.proc.wait(60) == 0
     assert "Traceback" not in s.stderr() and "edgemtp: stopped" in s.stderr()
     with pytest.raises(httpx.ConnectError):
