@@ -115,9 +115,13 @@ class ExportTreeDecoder(TreeDecoder):
                           tree_mask], dim=-1)
         layers = self.model.layers
         h = layers[0].input_layernorm(x)
+        # the tables end at the context's last position; a block near the end may hold draft
+        # rows past it (never committed, never read for an emitted token), which
+        # RotaryEmbedding would refuse: they read the last row instead
+        pos = position_ids.clamp(max=self.cos_cache.shape[0] - 1)
         new_keys, new_values = [], []
         for i, (layer, pk, pv) in enumerate(zip(layers, past_keys, past_values)):
-            a, k, v = self._fused_attention(layer, h, position_ids, mask, pk, pv)
+            a, k, v = self._fused_attention(layer, h, pos, mask, pk, pv)
             new_keys.append(k)
             new_values.append(v)
             norm = layer.post_attention_layernorm

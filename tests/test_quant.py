@@ -76,6 +76,21 @@ def test_int4_graph_runs_rotary_and_residual_norms_as_fused_contrib_ops(int4_pkg
     assert list(dims) == [256, load_package(int4_pkg).meta.head_dim // 2]  # max_context 256
 
 
+def test_blocks_reaching_past_the_context_end_run_on_the_fused_graph(tmp_path):
+    """Near the end of the context a tree may hold draft rows at positions past the rotary
+    tables (max_context rows); they are never committed, and the generation ends at the
+    context with plain decoding's tokens."""
+    out = tmp_path / "int4-64"
+    export_package(str(STORIES), out, dtype="int4", max_context=64, progress=False)
+    model = Model.load(str(out), threads=1)
+    prompt = model.encode("Once upon a time, there was a little girl named Lily. She loved to")
+    plain = model.generate(prompt, drafter="none", max_new_tokens=200)
+    assert plain.stop_reason == "max_context"
+    for d in ("probe", "pld", "hybrid", "auto"):
+        got = model.generate(prompt, drafter=d, bc=30, max_new_tokens=200)
+        assert got.token_ids == plain.token_ids and got.stop_reason == "max_context", d
+
+
 def test_fp32_graph_has_no_onnxruntime_contrib_ops(tmp_path):
     out = tmp_path / "fp32"
     export_package(str(STORIES), out, dtype="fp32", max_context=64, progress=False)
