@@ -109,10 +109,7 @@ class ExportTreeDecoder(TreeDecoder):
             return super().body(input_ids, position_ids, tree_mask, mask_embeds, past_keys,
                                 past_values, past_len)
         x = self.embed(input_ids, mask_embeds)
-        rows = past_keys[0].shape[1]
-        cache_cols = (torch.arange(rows, device=tree_mask.device) < past_len)
-        mask = torch.cat([cache_cols[None, None, None].expand(1, 1, tree_mask.shape[2], rows),
-                          tree_mask], dim=-1)
+        mask = self.block_mask(tree_mask, past_keys[0].shape[1], past_len)
         layers = self.model.layers
         h = layers[0].input_layernorm(x)
         # the tables end at the context's last position; a block near the end may hold draft
@@ -126,15 +123,14 @@ class ExportTreeDecoder(TreeDecoder):
             new_values.append(v)
             norm = layer.post_attention_layernorm
             h, x = SkipNorm.apply(a, x, norm.weight, _eps(norm))
-            gate, up = fused_linear(h, layer.mlp.gate_proj, layer.mlp.up_proj)
-            m = layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            m = self._gated_mlp(layer.mlp, h)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, x = SkipNorm.apply(m, x, norm.weight, _eps(norm))
         return h, new_keys, new_values
 
     def _fused_attention(self, layer, h, position_ids, mask, past_k, past_v):
         # h: [1, T, d] (normed); mask: [1, 1, T, P + T] bool; past_k/v: [1, P, H_kv, D]
-        attn, hd, g = layer.self_attn, self.head_dim, self.n_heads // self.n_kv
+        attn, hd = layer.self_attn, self.head_dim
         q, k, v = fused_linear(h, attn.q_proj, attn.k_proj, attn.v_proj)
         if self.family.qk_norm:
             q = attn.q_norm(q.view(1, -1, self.n_heads, hd)).flatten(2)
@@ -143,23 +139,13 @@ class ExportTreeDecoder(TreeDecoder):
         k = Rotary.apply(k, position_ids, self.cos_cache, self.sin_cache, self.n_kv)
         k = k.view(1, -1, self.n_kv, hd)                          # [1, T, H_kv, D]: present
         q = q.view(1, -1, self.n_heads, hd).transpose(1, 2).reshape(self.n_kv, -1, hd)
-        past = past_k.shape[1]
-        # 3-D MatMuls over the squeezed cache: onnxruntime fuses these permutes into
-        # FusedMatMul (transBatchB); a 4-D permute stays a Transpose, an O(P) copy per layer
-        scores = torch.cat([torch.matmul(q, past_k.squeeze(0).permute(1, 2, 0)),
-                            torch.matmul(q, k[0].permute(1, 2, 0))], dim=-1).float()
-        bias = torch.where(mask, 0.0, MASKED).repeat(1, 1, g, 1)[0]
-        logits = (scores if self.q_scaled else scores * attn.scaling) + bias
-        v = (torch.round(v.view(1, -1, self.n_kv, hd) * V_GRID) / V_GRID).double()
-        out = exact_sums(logits, past_v.squeeze(0).transpose(0, 1), v[0].transpose(0, 1),
-                         past).to(h.dtype)
-        out = attn.o_proj(out.reshape(1, self.n_heads, -1, hd).transpose(1, 2)
-                          .reshape(1, -1, self.n_heads * hd))
+        out, v = self._attend(attn, q, k[0].permute(1, 2, 0), v.view(1, -1, self.n_kv, hd),
+                              mask, past_k, past_v, None if self.q_scaled else attn.scaling)
         return out, k, v
 
     def _attention(self, layer, x, cos, sin, mask, past_k, past_v):
         # x: [1, T, d]; mask: [1, 1, T, P + T] bool; past_k/v: [1, P, H_kv, D]
-        attn, hd, g = layer.self_attn, self.head_dim, self.n_heads // self.n_kv
+        attn, hd = layer.self_attn, self.head_dim
         h = layer.input_layernorm(x)
         # one MatMul for q, k and v (one quantized kernel call instead of three)
         q, k, v = fused_linear(h, attn.q_proj, attn.k_proj, attn.v_proj)
@@ -173,34 +159,46 @@ class ExportTreeDecoder(TreeDecoder):
         q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]                 # [1, H(_kv), T, D]
         # query head h = kv * g + j reads KV head kv (as repeat_interleave): rows j * T + t
         q = q.reshape(self.n_kv, -1, hd)                                  # [H_kv, g*T, D]
+        out, v = self._attend(attn, q, k[0].transpose(1, 2), v, mask, past_k, past_v,
+                              attn.scaling)
+        return out, k.transpose(1, 2), v
+
+    def _attend(self, attn, q, k_t, v, mask, past_k, past_v, scale):
+        """Attention of ``q [H_kv, g*T, D]`` (rotated) over the past and the block's own
+        keys ``k_t [H_kv, D, T]``, then o_proj; ``v [1, T, H_kv, D]``. ``scale``: the softmax
+        scale, or None where q already carries it. Returns the output and the block's V as
+        the cache keeps it (on the exact sums' grid, float64, in an int4/int8 export)."""
+        hd, g = self.head_dim, self.n_heads // self.n_kv
         # the past is never copied: its sequence-major [P, H_kv, D] is read in place by
         # MatMuls onnxruntime fuses with the permutes (FusedMatMul, transBatchB); only the
         # block's own K/V and the [H_kv, g*T, P + T] scores are new tensors
         past = past_k.shape[1]
         scores = torch.cat([torch.matmul(q, past_k.squeeze(0).permute(1, 2, 0)),   # [H_kv, g*T, P]
-                            torch.matmul(q, k[0].transpose(1, 2))], dim=-1).float()
+                            torch.matmul(q, k_t)], dim=-1).float()
         # a finite mask value: -inf makes a fully masked row NaN, and -65504 (fp16's lowest)
         # stays finite in fp16 too; exp() of it underflows to exactly 0 in the softmax
         bias = torch.where(mask, 0.0, MASKED).repeat(1, 1, g, 1)[0]       # [1, g*T, P+T]
-        logits = scores * attn.scaling + bias
-        v_past, v_new = past_v.squeeze(0).permute(1, 0, 2), v[0].transpose(0, 1)
+        logits = (scores if scale is None else scores * scale) + bias
+        v_past = past_v.squeeze(0).permute(1, 0, 2)
         if self.exact_attention:
             # what the cache keeps (see exact_sums), in float64: p @ V is summed in float64,
             # and a float64 cache spares a cast of the whole past every layer and step
             v = (torch.round(v * V_GRID) / V_GRID).double()
-            v_new = v[0].transpose(0, 1)
-            out = exact_sums(logits, v_past, v_new, past).to(x.dtype)
+            out = exact_sums(logits, v_past, v[0].transpose(0, 1), past).to(q.dtype)
         else:
             probs = torch.softmax(logits, dim=-1).to(v_past.dtype)
             out = (torch.matmul(probs[..., :past], v_past)
-                   + torch.matmul(probs[..., past:], v_new)).to(v.dtype)  # [H_kv, g*T, D]
+                   + torch.matmul(probs[..., past:], v[0].transpose(0, 1))).to(v.dtype)
         out = attn.o_proj(out.reshape(1, self.n_heads, -1, hd).transpose(1, 2)
                           .reshape(1, -1, self.n_heads * hd))
-        return out, k.transpose(1, 2), v
+        return out, v
 
     def _mlp(self, layer, x):
-        mlp = layer.mlp
-        gate, up = fused_linear(layer.post_attention_layernorm(x), mlp.gate_proj, mlp.up_proj)
+        return self._gated_mlp(layer.mlp, layer.post_attention_layernorm(x))
+
+    @staticmethod
+    def _gated_mlp(mlp, h):
+        gate, up = fused_linear(h, mlp.gate_proj, mlp.up_proj)
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
 

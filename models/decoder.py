@@ -52,15 +52,7 @@ class TreeDecoder(nn.Module):
         final norm, what the LM head reads) and the block's new K/V per layer."""
         x = self.embed(input_ids, mask_embeds)
         cos, sin = self.model.rotary_emb(x, position_ids)
-        rows = past_keys[0].shape[1]
-        # the cache is visible to every block row: prepend all-true columns in-graph (the
-        # first past_len of the bound rows when it is given)
-        if past_len is None:
-            cache_cols = torch.ones_like(tree_mask[..., :1]).expand(-1, -1, -1, rows)
-        else:
-            cache_cols = (torch.arange(rows, device=tree_mask.device) < past_len)
-            cache_cols = cache_cols[None, None, None].expand(1, 1, tree_mask.shape[2], rows)
-        mask = torch.cat([cache_cols, tree_mask], dim=-1)
+        mask = self.block_mask(tree_mask, past_keys[0].shape[1], past_len)
         new_keys, new_values = [], []
         for layer, pk, pv in zip(self.model.layers, past_keys, past_values):
             h, k, v = self._attention(layer, x, cos, sin, mask, pk, pv)
@@ -69,6 +61,17 @@ class TreeDecoder(nn.Module):
             x = x + h
             x = x + self._mlp(layer, x)
         return self.model.norm(x), new_keys, new_values
+
+    @staticmethod
+    def block_mask(tree_mask, rows: int, past_len=None):
+        """``[1, 1, T, rows + T]``: the cache is visible to every block row (the first
+        ``past_len`` of the ``rows`` bound when it is given), then the block's own mask."""
+        if past_len is None:
+            cache_cols = torch.ones_like(tree_mask[..., :1]).expand(-1, -1, -1, rows)
+        else:
+            cache_cols = (torch.arange(rows, device=tree_mask.device) < past_len)
+            cache_cols = cache_cols[None, None, None].expand(1, 1, tree_mask.shape[2], rows)
+        return torch.cat([cache_cols, tree_mask], dim=-1)
 
     def _mlp(self, layer, x):
         return layer.mlp(layer.post_attention_layernorm(x))

@@ -99,10 +99,17 @@ class ResidualHeads(_Scaled):
         nn.init.zeros_(self.down.weight)  # zero: h(t + j) starts as h(t)
         nn.init.zeros_(self.down.bias)
 
-    def step(self, h: torch.Tensor, token_embed: torch.Tensor) -> torch.Tensor:
-        # h, token_embed: [N, d] -> h of the next row
+    def step(self, h: torch.Tensor, token_embed: torch.Tensor,
+             folded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        # h, token_embed: [N, d] -> h of the next row; folded: :meth:`folded_down`
         x = torch.cat([unit(h, self.ones), unit(token_embed, self.ones)], dim=-1)
-        return h + self.scale * self.down(F.silu(self.up(x)))
+        y = F.silu(self.up(x))
+        return h + (self.scale * self.down(y) if folded is None else F.linear(y, *folded))
+
+    def folded_down(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``scale * down(y)`` as one linear: ``diag(scale) W_down``, ``scale * b_down`` (one
+        Gemm in the exported graph instead of Gemm and Mul)."""
+        return self.down.weight * self.scale[:, None], self.down.bias * self.scale
 
     def states(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced states ``[N, H, d]``: step ``j`` reads the true token ``tokens[:, j-1]``."""
@@ -150,14 +157,10 @@ class HeadsGraph(nn.Module):
         if isinstance(self.heads, MedusaHeads):
             states = self.heads.states(hidden)                                # [N, H, d]
         else:
-            r = self.heads
-            # scale * down(x) folded into one Gemm: diag(scale) W_down, scale * b_down
-            w = r.down.weight * r.scale[:, None]
-            b = r.down.bias * r.scale
+            folded = self.heads.folded_down()
             per, h, e = [], hidden, root_embeds
             for j in range(hh):
-                x = torch.cat([unit(h, r.ones), unit(e, r.ones)], dim=-1)
-                h = h + F.linear(F.silu(r.up(x)), w, b)                       # r.step(h, e)
+                h = self.heads.step(h, e, folded)
                 per.append(h)
                 if j + 1 < hh:  # tied: the LM head row is the embedding
                     e = lm_chain[F.linear(h, lm_chain).argmax(dim=-1)]
