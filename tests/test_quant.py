@@ -8,6 +8,8 @@ format); SmolLM2 from its GGUF in the slow run.
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -89,6 +91,21 @@ def test_blocks_reaching_past_the_context_end_run_on_the_fused_graph(tmp_path):
     for d in ("probe", "pld", "hybrid", "auto"):
         got = model.generate(prompt, drafter=d, bc=30, max_new_tokens=200)
         assert got.token_ids == plain.token_ids and got.stop_reason == "max_context", d
+
+
+def test_a_bad_fused_flag_in_the_manifest_is_one_line(int4_pkg, tmp_path):
+    pkg = tmp_path / "pkg"
+    shutil.copytree(int4_pkg, pkg)
+    m = json.loads((pkg / MANIFEST).read_text())
+    m["weights"]["fused"] = "yes"
+    (pkg / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ModelLoadError, match="'weights.fused' should be true or false, got 'yes'"
+                       ) as err:
+        load_package(pkg)
+    assert "\n" not in str(err.value)
+    out = subprocess.run([sys.executable, "-m", "edgemtp.cli", "inspect", str(pkg)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
 
 
 def test_fp32_graph_has_no_onnxruntime_contrib_ops(tmp_path):
