@@ -31,12 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT / ".." / "shared"
 CONFIGS = {  # label -> generation options
     "greedy": dict(drafter="none"),
-    "probe k=1 BC 30": dict(bc=30),
-    "probe k=2 BC 60 dynamic": dict(bc=60, mask_tokens=2),
+    "probe k=1 BC 30": dict(drafter="probe", bc=30),
+    "probe k=2 BC 60 dynamic": dict(drafter="probe", bc=60, mask_tokens=2),
     "pld BC 10": dict(drafter="pld", bc=10),
     "hybrid BC 30": dict(drafter="hybrid", bc=30),
-    "probe BC 30, sampling": dict(bc=30, temperature=0.8, top_p=0.9, seed=1),
-    "probe BC 30, 2 stop strings": dict(bc=30, stop=("zebra xylophone", "qqq")),
+    "probe BC 30, sampling": dict(drafter="probe", bc=30, temperature=0.8, top_p=0.9, seed=1),
+    "probe BC 30, 2 stop strings": dict(drafter="probe", bc=30, stop=("zebra xylophone", "qqq")),
 }
 
 CHILD = r"""

@@ -45,11 +45,11 @@ SIZES = (1, 2, 4, 10, 30, 60)
 # (label, generation options); the block size T each one runs follows from its plan
 CONFIGS = [
     ("greedy", dict(drafter="none")),
-    ("probe k=1 BC=10", dict(bc=10)),
-    ("probe k=1 BC=30", dict(bc=30)),
-    ("probe k=1 BC=60", dict(bc=60)),
-    ("probe k=2 BC=30 dynamic", dict(bc=30, mask_tokens=2, tree="dynamic")),
-    ("probe k=2 BC=60 dynamic", dict(bc=60, mask_tokens=2, tree="dynamic")),
+    ("probe k=1 BC=10", dict(drafter="probe", bc=10)),
+    ("probe k=1 BC=30", dict(drafter="probe", bc=30)),
+    ("probe k=1 BC=60", dict(drafter="probe", bc=60)),
+    ("probe k=2 BC=30 dynamic", dict(drafter="probe", bc=30, mask_tokens=2, tree="dynamic")),
+    ("probe k=2 BC=60 dynamic", dict(drafter="probe", bc=60, mask_tokens=2, tree="dynamic")),
 ]
 HF = "transformers generate (greedy)"
 # the issue's own measurement for a ~100M Llama on this 2-core machine, ms

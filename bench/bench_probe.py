@@ -64,8 +64,8 @@ def run(model: Model, prompts: list[str], new_tokens: int, repeats: int) -> list
     with tqdm(total=len(PLANS) * len(prompts) * repeats, desc="bench", unit="gen",
               file=sys.stderr) as bar:  # closed before a Ctrl-C message
         for label, opts, proto in PLANS:
-            m = measure(model, prompts, GenerationConfig(max_new_tokens=new_tokens, **opts), bar,
-                        repeats)
+            config = GenerationConfig(max_new_tokens=new_tokens, **{"drafter": "probe", **opts})
+            m = measure(model, prompts, config, bar, repeats)
             hist = Counter()
             for r in m.results[0]:
                 hist.update(r.stats.accept_histogram())

@@ -29,8 +29,9 @@ from edgemtp.tools.prompts import story_prompts
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT / ".." / "shared"
 KINDS = {"static": True, "concat": False}
-CONFIGS = {"greedy": dict(drafter="none"), "probe BC 10": dict(bc=10),
-           "probe BC 30": dict(bc=30), "hybrid BC 30": dict(drafter="hybrid", bc=30)}
+CONFIGS = {"greedy": dict(drafter="none"), "probe BC 10": dict(drafter="probe", bc=10),
+           "probe BC 30": dict(drafter="probe", bc=30),
+           "hybrid BC 30": dict(drafter="hybrid", bc=30)}
 
 
 def latency(backend, t: int, p: int, repeats: int) -> float:

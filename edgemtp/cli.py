@@ -64,8 +64,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--bc", type=int, default=30, help="block-complexity budget (default: 30)")
-    g.add_argument("--mask-tokens", "-k", type=int, default=1, help="mask tokens per node")
-    g.add_argument("--tree", choices=TREES, default="dynamic")
+    g.add_argument("--mask-tokens", "-k", type=int, default=None,
+                   help="mask tokens per node (default: 1; given without --drafter: probing)")
+    g.add_argument("--tree", choices=TREES, default="dynamic",
+                   help="probing's tree (default: dynamic; static without --drafter: probing)")
     g.add_argument("--branching", type=_int_list, default=None,
                    help="static branching K1,...,Kk (with --tree static)")
     g.add_argument("--mask-init", choices=[m for m in MASK_INITS if m != "vector"],
@@ -74,8 +76,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prune", action="store_true", help="keep candidates equal to their parent")
     g.add_argument("--no-calibrate", action="store_true",
                    help="dynamic tree by raw cumulative probability (the paper's Algorithm 1)")
-    g.add_argument("--drafter", choices=drafters.names(), default="probe",
-                   help="who proposes the tree: " + "; ".join(
+    g.add_argument("--drafter", choices=drafters.names(), default=None,
+                   help="who proposes the tree (default: auto, which speculates only where it "
+                        "pays on this device; probe with -k or --tree static): " + "; ".join(
                        f"{n}: {s.summary}" for n, s in drafters.REGISTRY.items()))
     g.add_argument("--heads", default=None, choices=("medusa", "residual"),
                    help="a package's learned heads: with --drafter heads, which (default: "
@@ -139,7 +142,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         result = gen.result
         result.text = model.tokenizer.decode(result.token_ids)
         print(json.dumps({
-            "text": result.text, "token_ids": result.token_ids,
+            "text": result.text, "token_ids": result.token_ids, "drafter": config.drafter,
             "stop_reason": result.stop_reason, "forward_calls": result.stats.forward_calls,
             "block_efficiency": round(result.stats.block_efficiency, 4),
             "tokens_per_second": round(result.stats.tokens_per_second, 2),

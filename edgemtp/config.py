@@ -28,7 +28,11 @@ class GenerationConfig:
     (:func:`edgemtp.budgets.lade_shape`).
 
     ``drafter`` names an entry of :data:`edgemtp.drafters.REGISTRY`, whose budget rule is
-    checked here, before any model is loaded.
+    checked here, before any model is loaded. Left out it is ``"auto"`` -- plain decoding,
+    probing or lookup per step by expected tokens/s on this device, so a default generation
+    is never much slower than plain decoding (probing at BC 30 costs ~5x a token on a 2-core
+    CPU) -- or ``"probe"`` where a probing option is given (``mask_tokens``, or
+    ``tree="static"``): asking for mask tokens means asking for probing.
 
     ``temperature == 0`` means greedy decoding; ``> 0`` samples losslessly from the model's
     processed distribution (temperature, then top-k, then top-p, as ``transformers`` does).
@@ -36,7 +40,7 @@ class GenerationConfig:
 
     max_new_tokens: int = 128
     bc: int = 30
-    mask_tokens: int = 1
+    mask_tokens: int | None = None  # None: 1 (and the drafter, if left out, is not "probe")
     tree: str = "dynamic"
     branching: tuple[int, ...] | None = None
     mask_init: str = "mean"
@@ -44,7 +48,7 @@ class GenerationConfig:
     ema: float = 0.1
     prune: bool = True
     calibrate: bool = True
-    drafter: str = "probe"
+    drafter: str | None = None  # None: "auto", or "probe" given probing options (see above)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -66,6 +70,11 @@ class GenerationConfig:
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         check_bc(self.bc)
+        if self.drafter is None:
+            probing = self.mask_tokens is not None or self.tree == "static"
+            object.__setattr__(self, "drafter", "probe" if probing else "auto")
+        if self.mask_tokens is None:
+            object.__setattr__(self, "mask_tokens", 1)
         _check(isinstance(self.mask_tokens, int) and self.mask_tokens >= 1,
                f"mask_tokens must be an integer >= 1, got {self.mask_tokens!r}")
         _check(self.tree in TREES, f"tree must be one of {', '.join(TREES)}, got {self.tree!r}")

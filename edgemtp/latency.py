@@ -3,8 +3,13 @@ budget pays."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -74,3 +79,61 @@ def measure_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7
         out.append(float(np.median(runs[1:])))
     # a bigger block never costs less: smooth timing noise into a non-decreasing curve
     return LatencyCurve(tuple(sizes), tuple(np.maximum.accumulate(out).tolist()))
+
+
+# -- a measured curve kept on disk ---------------------------------------------------------------
+
+LATENCY_CACHE_DAYS = 7  # a curve older than this is measured again (drivers, load, clocks move)
+
+
+def cache_dir() -> Path:
+    """``$EDGEMTP_CACHE`` or ``$XDG_CACHE_HOME/edgemtp`` (``~/.cache/edgemtp``)."""
+    if os.environ.get("EDGEMTP_CACHE"):
+        return Path(os.environ["EDGEMTP_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edgemtp"
+
+
+def _host() -> str:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    return f"{platform.node()}|{platform.machine()}|{cpu}|{os.cpu_count()}"
+
+
+def cached_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7,
+                   topk: int = 0) -> LatencyCurve:
+    """:func:`measure_latency`, kept in ``cache_dir()/latency`` for the next process that
+    runs the same weights on the same backend, device, threads and host (``auto``'s curve:
+    measuring it costs ~1-2 s at the start of a command on a 2-core CPU). A backend without
+    an ``identity()`` (weights it cannot name), ``EDGEMTP_LATENCY_CACHE=0``, or an unwritable
+    cache folder: measured every time. The curve only steers which plans ``auto`` picks,
+    never the tokens."""
+    from . import __version__
+
+    ident = getattr(backend, "identity", None)
+    ident = ident() if callable(ident) else None
+    if ident is None or os.environ.get("EDGEMTP_LATENCY_CACHE", "1") == "0":
+        return measure_latency(backend, sizes, context, repeats, topk)
+    key = json.dumps([__version__, _host(), ident, list(sizes), context, repeats, topk])
+    path = cache_dir() / "latency" / f"{hashlib.sha1(key.encode()).hexdigest()}.json"
+    try:
+        entry = json.loads(path.read_text())
+        if (entry.get("key") == key
+                and time.time() - float(entry["measured"]) < LATENCY_CACHE_DAYS * 86400):
+            return LatencyCurve.from_dict(entry["curve"])
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        pass  # absent, unreadable or stale: measure
+    curve = measure_latency(backend, sizes, context, repeats, topk)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "measured": time.time(),
+                                   "curve": curve.to_dict()}))
+        os.replace(tmp, path)  # whole or absent, for a process reading it at the same time
+    except OSError:
+        pass
+    return curve

@@ -259,7 +259,7 @@ class OrtBackend:
         source = m.get("source")
         self.source = source if source and (Path(source) / "config.json").is_file() else None
         self.max_context = self._context(m["max_context"], max_context)
-        self.device = device
+        self.device, self.threads = device, threads
         self.past_len = PAST_LEN in m["graph"]["inputs"]  # format 2: past views, past_len
         self.cuda_graphs, self.graphs_off = False, "not asked"
         if device == "cuda" and cuda_graphs is not False:
@@ -288,6 +288,14 @@ class OrtBackend:
 
     def check_step(self, topk: int, hidden: bool) -> None:
         check_step(self, topk, hidden)
+
+    def identity(self) -> str:
+        """What a measured latency depends on (``latency.cached_latency``): the graph file,
+        the device and its options, the threads and the cache size."""
+        st = self.package.graph_path.stat()
+        return (f"onnxruntime|{self.device}|threads={self.threads}|graphs={self.cuda_graphs}|"
+                f"cache={self.commit_graph is not None}|ctx={self.max_context}|"
+                f"{self.package.graph_path.resolve()}|{st.st_size}|{st.st_mtime_ns}")
 
     def session(self) -> "OrtSession | GraphSession":
         return GraphSession(self) if self.cuda_graphs else OrtSession(self)

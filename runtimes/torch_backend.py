@@ -143,6 +143,21 @@ class TorchBackend:
     def session(self) -> "TorchSession | ConcatSession":
         return TorchSession(self) if self.static_cache else ConcatSession(self)
 
+    def identity(self) -> str | None:
+        """What a measured latency depends on (``latency.cached_latency``); None for a model
+        handed in already loaded (:meth:`from_model`), whose weights have no name."""
+        if self.source is None:
+            return None
+        files = Path(self.source)
+        stamp = ""
+        if files.exists():  # a folder or a GGUF file: its newest file's time and the sizes
+            paths = [files] if files.is_file() else [f for f in files.iterdir() if f.is_file()]
+            stamp = f"{max(f.stat().st_mtime_ns for f in paths)}|" \
+                    f"{sum(f.stat().st_size for f in paths)}" if paths else ""
+        return (f"torch {torch.__version__}|{self.device}|{self.dtype}|"
+                f"threads={torch.get_num_threads()}|static={self.static_cache}|"
+                f"graphs={self.cuda_graphs}|ctx={self.max_context}|{self.source}|{stamp}")
+
     @torch.inference_mode()
     def device_mask(self, tree_mask: np.ndarray) -> torch.Tensor:
         # plan masks are immutable and live as long as their plan: move each to the device

@@ -110,6 +110,9 @@ def stories_pkg(tmp_path_factory):
 # of stories260K take 32 s instead of 9
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("EDGEMTP_THREADS", "1")
+# auto measures its latency curve in each test run (a curve kept from another run or machine
+# state would make its choices depend on history); tests of the kept curve set their own cache
+os.environ.setdefault("EDGEMTP_LATENCY_CACHE", "0")
 
 
 def pytest_configure(config):

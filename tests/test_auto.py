@@ -177,3 +177,69 @@ def test_auto_keeps_whole_drafters_off_where_a_forward_is_cheaper_than_their_upk
     assert not {k for k in kinds if "BC=" in k or k == "stand"}, kinds
     gen = Generation(backend, config, prompts[0], memory={})
     assert gen.drafter.wholes == [] and gen.drafter.mask_tokens == 1
+
+
+def test_auto_is_the_default_drafter_unless_probing_options_are_given():
+    # a default generation speculates only where it pays (probing at BC 30 costs ~5 tokens a
+    # step on a 2-core CPU); asking for mask tokens or a static tree means asking for probing
+    assert GenerationConfig().drafter == "auto"
+    assert GenerationConfig(bc=60, temperature=0.5).drafter == "auto"
+    assert GenerationConfig().mask_tokens == 1
+    for options in (dict(mask_tokens=2), dict(mask_tokens=1), dict(tree="static"),
+                    dict(tree="static", branching=(4,))):
+        assert GenerationConfig(**options).drafter == "probe", options
+    assert GenerationConfig(drafter="hybrid", mask_tokens=2).drafter == "hybrid"
+    assert GenerationConfig(mask_tokens=2).with_(bc=60).drafter == "probe"
+    assert GenerationConfig().with_(mask_tokens=2).drafter == "auto"  # resolved once
+    with pytest.raises(ConfigError, match="mask_tokens must be an integer >= 1"):
+        GenerationConfig(mask_tokens=0)
+
+
+def test_a_measured_curve_is_kept_for_the_next_process(setup, stories_pkg, tmp_path,
+                                                        monkeypatch):
+    # auto's first generation measures the device's latency curve (1-2 s for SmolLM2 on a
+    # 2-core CPU): kept on disk per weights file, backend, device, threads and host, read back
+    # by the next command; stale, corrupt or unnamed: measured again
+    import json
+
+    from edgemtp import latency
+    from edgemtp.runtimes.onnxrt_backend import OrtBackend
+
+    monkeypatch.setenv("EDGEMTP_CACHE", str(tmp_path))
+    monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "1")
+    calls = []
+    real = latency.measure_latency
+
+    def counting(*a, **kw):
+        calls.append(a[1])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(latency, "measure_latency", counting)
+    ort = OrtBackend(stories_pkg, threads=1)
+    first = latency.cached_latency(ort, (1, 2, 4), repeats=1)
+    [kept] = (tmp_path / "latency").glob("*.json")
+    assert latency.cached_latency(OrtBackend(stories_pkg, threads=1), (1, 2, 4), repeats=1) \
+        == first and len(calls) == 1  # another backend on the same weights: read, not measured
+    latency.cached_latency(OrtBackend(stories_pkg, threads=2), (1, 2, 4), repeats=1)
+    latency.cached_latency(ort, (1, 2, 8), repeats=1)
+    assert len(calls) == 3  # other threads, other sizes: their own curves
+    entry = json.loads(kept.read_text())
+    entry["measured"] -= 8 * 86400
+    kept.write_text(json.dumps(entry))
+    latency.cached_latency(ort, (1, 2, 4), repeats=1)
+    kept.write_text("{not json")
+    latency.cached_latency(ort, (1, 2, 4), repeats=1)
+    assert len(calls) == 5  # a week old, then corrupt: measured again (and rewritten)
+    assert json.loads(kept.read_text())["key"] == entry["key"]
+    assert not list((tmp_path / "latency").glob("*.tmp"))
+    latency.cached_latency(setup[0], (1, 2), repeats=1)  # torch, a named folder: kept too
+    assert len(list((tmp_path / "latency").glob("*.json"))) == 4
+    monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "0")
+    latency.cached_latency(ort, (1, 2, 4), repeats=1)
+    assert len(calls) == 7
+    blocked = tmp_path / "a-file"  # a cache folder that cannot be made (even as root)
+    blocked.write_text("")
+    monkeypatch.setenv("EDGEMTP_CACHE", str(blocked / "edgemtp"))
+    monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "1")
+    assert latency.cached_latency(ort, (1, 2, 4), repeats=1).sizes == (1, 2, 4)
+    assert len(calls) == 8  # measured, no error, nothing kept

@@ -113,7 +113,7 @@ def test_chat_equals_plain_decoding_of_the_templated_ids(model):
     for messages in CONVERSATIONS[:3]:
         ids = model.encode_chat(messages)
         plain = model.generate(ids, max_new_tokens=40, drafter="none")
-        probed = model.chat(messages, max_new_tokens=40, bc=30)
+        probed = model.chat(messages, max_new_tokens=40, bc=30, drafter="probe")
         assert probed.token_ids == plain.token_ids
         assert probed.text == plain.text and probed.text
         assert "".join(model.chat_stream(messages, max_new_tokens=40)) == plain.text

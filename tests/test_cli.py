@@ -44,7 +44,8 @@ ERROR_CASES = [
     ("folder-without-config", ["--model", "{noconfig}", *P], [r"config\.json"]),
     ("not-a-causal-lm", ["--model", "{bert}", *P],
      [r"bert", r"supported", r"llama", r"mistral", r"qwen2", r"qwen3"]),
-    ("bc-too-small-for-k", [*M, *P, "--bc", "3", "-k", "2"], [r"too small", r"\b3\b", r"k=2"]),
+    ("bc-too-small-for-k", [*M, *P, "--drafter", "probe", "--bc", "3", "-k", "2"],
+     [r"too small", r"\b3\b", r"k=2"]),
     ("empty-prompt", [*M, "--prompt", ""], [r"prompt", r"empty"]),
     ("missing-prompt", [*M], [r"--prompt"]),
     ("unknown-option", [*M, *P, "--frobnicate"], [r"unrecognized", r"--frobnicate"]),
@@ -66,7 +67,8 @@ ERROR_CASES = [
     ("lade-shape-not-three", [*M, *P, "--drafter", "lade", "--lade", "3,4"],
      [r"three integers", r"\(L, W, G\)"]),
     ("huge-bc", [*M, *P, "--bc", "100000"], [r"100000", r"1024"]),
-    ("huge-plan-table", [*M, *P, "--bc", "1000", "-k", "3"], [r"shapes", r"--tree static"]),
+    ("huge-plan-table", [*M, *P, "--drafter", "probe", "--bc", "1000", "-k", "3"],
+     [r"shapes", r"--tree static"]),
     ("invalid-utf8-prompt", [*M, "--prompt", "Once \udcff upon"], [r"not valid UTF-8"]),
     ("negative-threads", [*M, *P, "--threads", "-1"], [r"threads", r">= 1", r"-1"]),
     ("hub-id-unreachable", ["--model", "HuggingFaceTB/no-such-model-here", *P],
@@ -80,9 +82,10 @@ ERROR_CASES = [
 COMMON = ["--model", "{model}", "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW),
           "--threads", "1"]
 GOOD_CASES = {
-    "json-bc60": [*COMMON, "--json", "--bc", "60", "-k", "2"],
-    "json-stream": [*COMMON, "--json", "--stream"],
-    "plain-stream": [*COMMON, "--bc", "60", "-k", "2"],
+    "json-bc60": [*COMMON, "--json", "--drafter", "probe", "--bc", "60", "-k", "2"],
+    "json-stream": [*COMMON, "--json", "--stream", "--drafter", "probe"],
+    "json-default": [*COMMON, "--json"],
+    "plain-stream": [*COMMON, "--drafter", "probe", "--bc", "60", "-k", "2"],
     "json-lade": [*COMMON, "--json", "--drafter", "lade", "--bc", "10", "--lade", "3,3,2"],
 }
 
@@ -100,7 +103,8 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
 NEEDS = {"test_json_prints_one_result_object": ["json-bc60"],
          "test_json_stream_lines_add_up_to_the_result": ["json-stream"],
          "test_plain_mode_streams_text_and_one_stats_line": ["plain-stream", "json-bc60"],
-         "test_lookahead_drafter_from_the_command_line": ["json-lade"]}
+         "test_lookahead_drafter_from_the_command_line": ["json-lade"],
+         "test_default_drafter_is_auto": ["json-default"]}
 # the slow ones: they import torch and load a model or its config
 SLOW = {*GOOD_CASES, "missing-model-folder", "folder-without-config", "not-a-causal-lm",
         "prompt-longer-than-context"}
@@ -208,7 +212,7 @@ def _ok(p: subprocess.CompletedProcess) -> None:
     assert p.returncode == 0, p.stderr
 
 
-def _check_result_object(obj: dict, bc: int, k: int, tokenizer) -> None:
+def _check_result_object(obj: dict, bc: int, k: int | None, tokenizer) -> None:
     for key, typ in (("text", str), ("token_ids", list), ("forward_calls", int),
                      ("block_efficiency", (int, float)), ("tokens_per_second", (int, float)),
                      ("bc", int), ("mask_tokens", int), ("stop_reason", str)):
@@ -223,7 +227,7 @@ def _check_result_object(obj: dict, bc: int, k: int, tokenizer) -> None:
     assert 1 <= obj["forward_calls"] <= len(ids)
     assert obj["block_efficiency"] == pytest.approx(len(ids) / obj["forward_calls"], abs=1e-4)
     assert obj["tokens_per_second"] > 0
-    assert (obj["bc"], obj["mask_tokens"]) == (bc, k)
+    assert obj["bc"] == bc and (k is None or obj["mask_tokens"] == k)
     assert obj["text"] == tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -265,6 +269,16 @@ def test_plain_mode_streams_text_and_one_stats_line(runs):
     assert len(lines) == 1, lines
     assert re.match(rf"^\[max_new_tokens\] {MAX_NEW} tokens in \d+ forward calls", lines[0]), lines
     assert "BC 60" in lines[0] and "k 2" in lines[0], lines[0]
+
+
+def test_default_drafter_is_auto(runs, tokenizer, hf_greedy):
+    # no --drafter, no probing option: auto (speculates only where it pays on this device;
+    # which mask-token plans it may use depends on the measured latency, so k is not fixed)
+    p = runs["json-default"]
+    _ok(p)
+    obj = json.loads(p.stdout)
+    _check_result_object(obj, bc=30, k=None, tokenizer=tokenizer)
+    assert obj["drafter"] == "auto" and obj["token_ids"] == hf_greedy
 
 
 def test_lookahead_drafter_from_the_command_line(runs, tokenizer, hf_greedy):

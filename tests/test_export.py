@@ -220,7 +220,7 @@ def test_both_ends_of_the_opset_range_export_and_generate_the_same(pkg, tmp_path
     out = tmp_path / "pkg"
     export_package(str(STORIES), out, bc=(10,), mask_tokens=(1,), opset=opset, progress=False)
     assert load_package(out).meta.graph.opset == opset
-    gen, ids = GenerationConfig(max_new_tokens=16, bc=10), [1, 403, 407, 261]
+    gen, ids = GenerationConfig(max_new_tokens=16, bc=10, drafter="probe"), [1, 403, 407, 261]
     want = Generation(OrtBackend(pkg), gen, ids).run().token_ids
     for device_cache in (False, True):  # True: commits through kv_commit.onnx at this opset
         got = Generation(OrtBackend(out, device_cache=device_cache), gen, ids).run().token_ids
@@ -289,7 +289,7 @@ def test_external_data_package_runs(tmp_path, monkeypatch):
     manifest = json.loads((out / "edgemtp.json").read_text())
     assert manifest["graph"]["external_data"] == "model.onnx.data"
     assert (out / "model.onnx.data").stat().st_size > (out / "model.onnx").stat().st_size
-    gen = GenerationConfig(max_new_tokens=24, bc=10)
+    gen = GenerationConfig(max_new_tokens=24, bc=10, drafter="probe")
     ids = [5, 17, 33, 90]
     want = Generation(TorchBackend(str(tmp_path / "hf")), gen, ids).run().token_ids
     assert Generation(OrtBackend(out), gen, ids).run().token_ids == want

@@ -284,7 +284,7 @@ def test_heads_option_needs_the_heads_drafter():
     from edgemtp.errors import ConfigError
 
     with pytest.raises(ConfigError, match="only applies to drafter='heads', 'hybrid' or 'auto'"):
-        GenerationConfig(heads="medusa")
+        GenerationConfig(drafter="probe", heads="medusa")
     with pytest.raises(ConfigError, match="medusa or residual"):
         GenerationConfig(drafter="heads", heads="eagle")
 

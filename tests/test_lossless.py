@@ -42,7 +42,8 @@ def test_probe_equals_transformers_greedy_on_all_stories(stories, bc, k, tree):
 
 def _check_probe(stories, bc, k, tree, n):
     backend, prompts, refs, _ = stories
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, bc=bc, mask_tokens=k, tree=tree)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, bc=bc, mask_tokens=k, tree=tree,
+                              drafter="probe")
     calls = tokens = 0
     session = backend.session()  # one cache, handed from generation to generation
     for i, (ids, ref) in enumerate(zip(prompts[:n], refs)):
@@ -82,7 +83,8 @@ def test_probe_equals_transformers_greedy_on_random_families(family, tmp_path):
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
         ref = ref[0, len(ids):].tolist()
         for bc, k, tree in FAMILY_PLANS:
-            config = GenerationConfig(max_new_tokens=64, bc=bc, mask_tokens=k, tree=tree)
+            config = GenerationConfig(max_new_tokens=64, bc=bc, mask_tokens=k, tree=tree,
+                                      drafter="probe")
             assert Generation(backend, config, ids).run().token_ids == ref, (family, bc, k, tree)
 
 
@@ -163,7 +165,7 @@ def test_sampling_matches_model_distribution(stories, stories_pkg, bc, k):
     backend = OrtBackend(stories_pkg, threads=1)
     ids = prompts[2]
     joint = _exact_joint(hf, ids)
-    config = GenerationConfig(max_new_tokens=3, bc=bc, mask_tokens=k, **SAMPLING)
+    config = GenerationConfig(max_new_tokens=3, bc=bc, mask_tokens=k, drafter="probe", **SAMPLING)
     assert _chi_square_p(backend, ids, joint, config) > 1e-3
     if k == 1:  # the test has the power to reject a wrong acceptance rule
         assert _chi_square_p(backend, ids, joint, config, OverAcceptingVerifier) < 1e-4
@@ -171,7 +173,7 @@ def test_sampling_matches_model_distribution(stories, stories_pkg, bc, k):
 
 def test_sampling_is_seeded(stories):
     backend, prompts, _, _ = stories
-    config = GenerationConfig(max_new_tokens=20, bc=30, temperature=0.8, seed=7)
+    config = GenerationConfig(max_new_tokens=20, bc=30, temperature=0.8, seed=7, drafter="probe")
     a = Generation(backend, config, prompts[0]).run().token_ids
     b = Generation(backend, config, prompts[0]).run().token_ids
     c = Generation(backend, config.with_(seed=8), prompts[0]).run().token_ids

@@ -48,7 +48,7 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> 
 
 
 def run(backend, prompts, **options) -> list[list[int]]:
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, **options)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, **{"drafter": "probe", **options})
     return [Generation(backend, config, ids).run().token_ids for ids in prompts]
 
 
@@ -106,7 +106,8 @@ def test_fixed_buffer_session_matches_transformers(stories_case, stories_pkg):
     _, prompts, want = stories_case
     backend = OrtBackend(stories_pkg, threads=1, device_cache=True)
     assert not backend.cuda_graphs and backend.past_len  # CPU: asked only for CUDA
-    for opts in (dict(bc=30), dict(drafter="hybrid", bc=30), dict(drafter="none")):
+    for opts in (dict(drafter="probe", bc=30), dict(drafter="hybrid", bc=30),
+                 dict(drafter="none")):
         config = GenerationConfig(max_new_tokens=128, **opts)
         for ids, ref in zip(prompts[:2], want[:2]):
             session = GraphSession(backend)
@@ -129,7 +130,7 @@ def test_model_load_picks_onnxruntime_and_package_tokenizer(stories_pkg, stories
     assert model.backend.name == "onnxruntime"
     text = story_prompts(1)[0]
     assert model.tokenizer.encode(text) == prompts[0]
-    result = model.generate(text, bc=30, max_new_tokens=NEW_TOKENS)
+    result = model.generate(text, drafter="probe", bc=30, max_new_tokens=NEW_TOKENS)
     assert result.token_ids == want[0]
     assert result.text
 
@@ -163,7 +164,7 @@ def test_sampling_matches_torch_backend(stories_case):
 
     backend, prompts, _ = stories_case
     torch_b = TorchBackend(str(STORIES))
-    for opts in (dict(drafter="none"), dict(bc=30, mask_tokens=2)):
+    for opts in (dict(drafter="none"), dict(drafter="probe", bc=30, mask_tokens=2)):
         config = GenerationConfig(max_new_tokens=64, temperature=0.8, top_p=0.9, seed=3, **opts)
         for ids in prompts[:3]:
             ours = Generation(backend, config, ids).run().token_ids
@@ -219,7 +220,8 @@ def test_inputs_bound_once_still_reach_the_graph(stories_pkg):
 
 def test_stats_split_the_runtime_run_from_binding(stories_case):
     backend, prompts, _ = stories_case
-    s = Generation(backend, GenerationConfig(max_new_tokens=16, bc=30), prompts[0]).run().stats
+    s = Generation(backend, GenerationConfig(max_new_tokens=16, bc=30, drafter="probe"),
+                   prompts[0]).run().stats
     assert s.time_forward > 0 and s.time_bind > 0   # run_with_iobinding vs the rest of forward
     assert 0 < s.host_overhead < 1
     assert s.to_dict()["time_s"]["bind"] == round(s.time_bind, 6)

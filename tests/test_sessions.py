@@ -15,8 +15,9 @@ from edgemtp import ConfigError, Model
 from conftest import STORIES, story_prompts
 
 PROMPTS = story_prompts(6)
-CONFIGS = [dict(drafter="none"), dict(bc=30), dict(drafter="hybrid", bc=30),
-           dict(bc=60, mask_tokens=2), dict(drafter="lade", bc=10), dict(drafter="pld", bc=10)]
+CONFIGS = [dict(drafter="none"), dict(drafter="probe", bc=30), dict(drafter="hybrid", bc=30),
+           dict(drafter="probe", bc=60, mask_tokens=2), dict(drafter="lade", bc=10),
+           dict(drafter="pld", bc=10)]
 
 
 @pytest.fixture(scope="module", params=["torch", "onnxruntime"])

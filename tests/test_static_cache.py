@@ -118,7 +118,7 @@ def test_step_shapes_are_reused_on_cpu_as_eager_code(stories_path, stories_refs)
     session = backend.session()
     for ids, ref in zip(prompts[:QUICK // 2], refs[:QUICK // 2]):
         for bc in (10, 30, 60):
-            config = GenerationConfig(max_new_tokens=128, bc=bc)
+            config = GenerationConfig(max_new_tokens=128, bc=bc, drafter="probe")
             out = Generation(backend, config, ids, session=session).run()
             assert out.token_ids == ref, bc
     # one StepGraph per (block size, cache bucket, mask slots, top-K): few shapes, many uses

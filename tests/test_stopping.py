@@ -30,8 +30,8 @@ SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 MODEL_DIR = SHARED / "models" / "stories260K"
 PROMPTS_FILE = SHARED / "data" / "stories_prompts.jsonl"
 EOS_ID, BOS_ID = 2, 1
-PROBE = dict(bc=60, mask_tokens=2)
-PROBE_K1 = dict(bc=60, mask_tokens=1)
+PROBE = dict(drafter="probe", bc=60, mask_tokens=2)
+PROBE_K1 = dict(drafter="probe", bc=60, mask_tokens=1)
 
 
 def _prompts() -> list[str]:

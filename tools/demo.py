@@ -35,10 +35,10 @@ FALLBACK_QUESTIONS = ["What is the capital of France? Explain in two sentences."
 
 CONFIGS = [  # (label, options); the first one is the reference
     ("greedy (no drafter)", dict(drafter="none")),
-    ("probe k=1 BC=10", dict(bc=10)),
-    ("probe k=1 BC=30", dict(bc=30)),
-    ("probe k=1 BC=60", dict(bc=60)),
-    ("probe k=2 BC=60 dynamic", dict(bc=60, mask_tokens=2)),
+    ("probe k=1 BC=10", dict(drafter="probe", bc=10)),
+    ("probe k=1 BC=30", dict(drafter="probe", bc=30)),
+    ("probe k=1 BC=60", dict(drafter="probe", bc=60)),
+    ("probe k=2 BC=60 dynamic", dict(drafter="probe", bc=60, mask_tokens=2)),
     ("prompt lookup BC=10", dict(drafter="pld", bc=10)),
     ("lookahead (LADE) BC=30", dict(drafter="lade", bc=30)),
     ("hybrid k=1 BC=30", dict(drafter="hybrid", bc=30)),
@@ -49,7 +49,7 @@ CONFIGS = [  # (label, options); the first one is the reference
 # several tokens (the wide plans are in CONFIGS, with --model)
 CHAT_CONFIGS = [
     ("greedy (no drafter)", dict(drafter="none")),
-    ("probe k=1 BC=10", dict(bc=10)),
+    ("probe k=1 BC=10", dict(drafter="probe", bc=10)),
     ("prompt lookup BC=10", dict(drafter="pld", bc=10)),
     ("hybrid k=1 BC=10", dict(drafter="hybrid", bc=10)),
     ("auto BC<=30", dict(drafter="auto", bc=30)),

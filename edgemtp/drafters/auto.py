@@ -58,7 +58,7 @@ from ..backend import Backend, StepOut
 from ..budgets import MAX_DEPTH, auto_budgets, chain_length, probe_draft_nodes
 from ..embeddings import MaskEmbeddings
 from ..errors import ConfigError
-from ..latency import measure_latency
+from ..latency import cached_latency
 from ..plans import Plan
 from ..tree import prune, static_tree
 from .heads import HeadsDrafter, HeadsHybridDrafter
@@ -186,7 +186,7 @@ class AutoDrafter:
             self.latency = config.latency
         else:
             if key not in memory:
-                memory[key] = measure_latency(backend, sizes, topk=self.width)
+                memory[key] = cached_latency(backend, sizes, topk=self.width)
             self.latency = memory[key]
         # whole drafters cost host time every step they are kept current (~0.2-0.5 ms on a
         # 2-core x86 CPU): weighed only where a forward pass is slow enough to hide that
