@@ -102,6 +102,8 @@ def server(chat_pkg, tmp_path_factory):
     yield s
     assert s.stop() == 0
     assert "Traceback" not in s.stderr()
+    # the default drafter is auto: its latency curve is measured before the first request
+    assert "measuring this device's latency curve for the auto drafter" in s.stderr()
 
 
 @pytest.fixture(scope="module")

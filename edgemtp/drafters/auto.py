@@ -45,6 +45,7 @@ whoever drafted.
 """
 from __future__ import annotations
 
+import threading
 import time
 from bisect import bisect_right
 from dataclasses import replace
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from ..config import GenerationConfig
 
 PLAIN = Plan.root_only()
+_MEASURING = threading.Lock()  # one latency measurement at a time in a process
 MASK_ONLY = Plan((-1,), 1)  # root + its mask: one token, and candidates for the next step
 MASK_ONLY_2 = Plan((-1,), 2)  # the same with 2 masks: candidates for a k = 2 plan
 WHOLE_MIN_T1 = 0.004  # seconds: t(1) below which whole drafters and STAND trees are not weighed
@@ -185,8 +187,9 @@ class AutoDrafter:
         if config.latency is not None:
             self.latency = config.latency
         else:
-            if key not in memory:
-                memory[key] = cached_latency(backend, sizes, topk=self.width)
+            with _MEASURING:  # concurrent first generations (a server): one measures, on an
+                if key not in memory:  # otherwise idle model; the others wait and read it
+                    memory[key] = cached_latency(backend, sizes, topk=self.width)
             self.latency = memory[key]
         # whole drafters cost host time every step they are kept current (~0.2-0.5 ms on a
         # 2-core x86 CPU): weighed only where a forward pass is slow enough to hide that

@@ -54,6 +54,12 @@ def command(a: argparse.Namespace, load, config_of) -> int:
     model = load(a)
     if model.tokenizer is None:
         raise ModelLoadError(f"{a.model!r} has no tokenizer; the server takes text prompts")
+    if base.drafter == "auto" and base.latency is None:
+        # auto's latency curve, measured now on an idle model (or read from the user cache),
+        # not under the first requests, which would both wait for it and distort it
+        print("edgemtp: measuring this device's latency curve for the auto drafter ...",
+              file=sys.stderr, flush=True)
+        model.generate([0, 1, 2, 3], base.with_(max_new_tokens=1, stop=()))
     sock = _bind(a.host, a.port)
     name = a.model_name or _default_name(a.model)
     return _run(model, sock, a, api_key, base, name)
