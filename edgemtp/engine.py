@@ -113,6 +113,9 @@ class Generation:
                                backend.max_context - self.prompt.size, decode)
         self.stats = Stats(bc=width, mask_tokens=self.drafter.mask_tokens,
                            prompt_tokens=self.prompt.size)
+        picked = getattr(self.drafter, "picked", None)  # auto's steps per kind, kept current
+        if isinstance(picked, dict):
+            self.stats.steps_by_kind = picked
         self._blocks: dict[int, tuple] = {}  # id(plan) -> plan, N, ids, positions, mask rows
         self._root: int | None = None
         self.session = session if session is not None else backend.session()

@@ -22,6 +22,9 @@ class Stats:
                                # (binding inputs, output copies)
     time_verify: float = 0.0
     time_commit: float = 0.0   # cache commit, emission, stop checks
+    # decode steps per kind of step, for a drafter that chooses one per step (auto: plain,
+    # mask, pld, probe, stand or a whole drafter's name); empty for the others
+    steps_by_kind: dict[str, int] = field(default_factory=dict)
 
     @property
     def block_efficiency(self) -> float:
@@ -59,9 +62,14 @@ class Stats:
                        for name in ("prefill", "draft", "forward", "bind", "verify",
                                     "commit")},
             "host_overhead": round(self.host_overhead, 4),
+            **({"steps_by_kind": dict(self.steps_by_kind)} if self.steps_by_kind else {}),
         }
 
     def summary(self) -> str:
-        return (f"{self.new_tokens} tokens in {self.forward_calls} forward calls "
+        line = (f"{self.new_tokens} tokens in {self.forward_calls} forward calls "
                 f"(BE {self.block_efficiency:.2f}, BC {self.bc}, k {self.mask_tokens}) | "
                 f"{self.tokens_per_second:.1f} tok/s | host overhead {100 * self.host_overhead:.0f}%")
+        if self.steps_by_kind:  # what auto chose, most used first
+            kinds = sorted(self.steps_by_kind.items(), key=lambda kv: (-kv[1], kv[0]))
+            line += " | steps: " + ", ".join(f"{k} {n}" for k, n in kinds)
+        return line

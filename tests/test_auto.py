@@ -243,3 +243,20 @@ def test_a_measured_curve_is_kept_for_the_next_process(setup, stories_pkg, tmp_p
     monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "1")
     assert latency.cached_latency(ort, (1, 2, 4), repeats=1).sizes == (1, 2, 4)
     assert len(calls) == 8  # measured, no error, nothing kept
+
+
+def test_stats_say_which_kinds_of_step_auto_took(setup):
+    # the stats line and --json say what auto chose per decode step (plain, mask, pld, ...);
+    # other drafters' stats carry no such field
+    backend, prompts, refs = setup
+    config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=96, latency=FLAT)
+    r = Generation(backend, config, prompts[0], memory={}).run()
+    kinds = r.stats.steps_by_kind
+    assert r.token_ids == refs[0]
+    assert sum(kinds.values()) == r.stats.forward_calls - 1 and len(kinds) >= 2, kinds
+    assert r.stats.to_dict()["steps_by_kind"] == kinds
+    top, n = min(kinds.items(), key=lambda kv: (-kv[1], kv[0]))  # most used, then by name
+    assert f"| steps: {top} {n}" in r.stats.summary()
+    probe = Generation(backend, config.with_(drafter="probe"), prompts[0]).run().stats
+    assert probe.steps_by_kind == {} and "steps_by_kind" not in probe.to_dict()
+    assert "steps:" not in probe.summary()
