@@ -119,7 +119,10 @@ def cached_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7,
     if ident is None or os.environ.get("EDGEMTP_LATENCY_CACHE", "1") == "0":
         return measure_latency(backend, sizes, context, repeats, topk)
     key = json.dumps([__version__, _host(), ident, list(sizes), context, repeats, topk])
-    path = cache_dir() / "latency" / f"{hashlib.sha1(key.encode()).hexdigest()}.json"
+    try:
+        path = cache_dir() / "latency" / f"{hashlib.sha1(key.encode()).hexdigest()}.json"
+    except RuntimeError:  # no home folder to put a cache in (Path.home() without $HOME)
+        return measure_latency(backend, sizes, context, repeats, topk)
     try:
         entry = json.loads(path.read_text())
         if (entry.get("key") == key
