@@ -81,7 +81,8 @@ class Backend(Protocol):
     supports_hidden: bool  # sessions can return last hidden states (StepOut.hidden)
 
     def session(self) -> Session:
-        """A new session with an empty, preallocated KV cache."""
+        """A new session with an empty, preallocated KV cache. (The onnxruntime and torch
+        backends also take ``rows=N``: a smaller cache, for a latency measurement.)"""
         ...
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:

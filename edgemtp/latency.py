@@ -60,9 +60,13 @@ class LatencyCurve:
 def measure_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7,
                     topk: int = 0) -> LatencyCurve:
     """Median forward latency per block size over a causal block after ``context`` cached
-    tokens (clipped to the cache), on a session of its own."""
-    session = backend.session()
+    tokens (clipped to the cache), on a session of its own, with a cache just large enough
+    where the backend can size one (a second full cache is real memory on a GPU)."""
     p = max(1, min(context, backend.max_context - max(sizes) - 1))
+    try:
+        session = backend.session(rows=p + max(sizes) + 1)
+    except TypeError:  # sessions of this backend always hold the whole context
+        session = backend.session()
     ids = np.arange(p, dtype=np.int64) % backend.vocab_size
     session.forward(ids, np.arange(p), np.tril(np.ones((p, p), dtype=bool)), None)
     session.commit(np.arange(p))

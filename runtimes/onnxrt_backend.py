@@ -297,8 +297,11 @@ class OrtBackend:
                 f"cache={self.commit_graph is not None}|ctx={self.max_context}|"
                 f"{self.package.graph_path.resolve()}|{st.st_size}|{st.st_mtime_ns}")
 
-    def session(self) -> "OrtSession | GraphSession":
-        return GraphSession(self) if self.cuda_graphs else OrtSession(self)
+    def session(self, rows: int | None = None) -> "OrtSession | GraphSession":
+        """A generation's session; ``rows``: a smaller KV cache than the max context (a
+        latency measurement's; ignored by a CUDA-graph session, whose graphs read the whole
+        cache)."""
+        return GraphSession(self) if self.cuda_graphs else OrtSession(self, rows)
 
     def embed(self, token_ids) -> np.ndarray:
         ids = token_ids if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int64 \
@@ -401,9 +404,9 @@ class _CacheCommits:
 
     def commit(self, rows) -> None:
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-        if self.cache_len + len(rows) > self.backend.max_context:
+        if self.cache_len + len(rows) > self.kv.rows:
             raise ConfigError(f"committing {len(rows)} rows overruns the KV cache "
-                              f"({self.cache_len} of {self.backend.max_context} rows used)")
+                              f"({self.cache_len} of {self.kv.rows} rows used)")
         self.kv.commit(rows, self.cache_len)
         self.cache_len += len(rows)
 
@@ -415,15 +418,16 @@ class OrtSession(_CacheCommits):
     """One generation on an :class:`OrtBackend`: its KV cache (host or device memory), its
     own IOBinding and the input/output buffers bound to it."""
 
-    def __init__(self, backend: OrtBackend) -> None:
+    def __init__(self, backend: OrtBackend, rows: int | None = None) -> None:
         self.backend = b = backend
         m, ort = b.package.manifest, b.ort
         layers, dims = m["num_layers"], (m["num_kv_heads"], m["head_dim"])
+        cache = b.max_context if rows is None else max(1, min(int(rows), b.max_context))
         if b.commit_graph is not None:
-            self.kv = DeviceKV(ort, b.commit_graph, DEVICES[b.device][1], layers, b.max_context,
+            self.kv = DeviceKV(ort, b.commit_graph, DEVICES[b.device][1], layers, cache,
                                *dims, b.package.np_dtype, b.package.np_value_dtype)
         else:
-            self.kv = HostKV(layers, b.max_context, *dims, b.package.np_dtype,
+            self.kv = HostKV(layers, cache, *dims, b.package.np_dtype,
                              b.package.np_value_dtype)
         self._io = b.graph.io_binding()
         public = b.public_binding

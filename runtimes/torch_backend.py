@@ -140,8 +140,11 @@ class TorchBackend:
         self._table = hf.get_input_embeddings().weight.detach()
         self._masks: dict = {}
 
-    def session(self) -> "TorchSession | ConcatSession":
-        return TorchSession(self) if self.static_cache else ConcatSession(self)
+    def session(self, rows: int | None = None) -> "TorchSession | ConcatSession":
+        """A generation's session; ``rows``: a smaller static cache to start with than the
+        max context (a latency measurement's: on a GPU a second full cache is real memory);
+        it grows if a block needs more."""
+        return TorchSession(self, rows) if self.static_cache else ConcatSession(self)
 
     def identity(self) -> str | None:
         """What a measured latency depends on (``latency.cached_latency``); None for a model
@@ -191,11 +194,12 @@ class TorchSession:
 
     last_run_s = None  # the torch step is all run: no binding to tell apart
 
-    def __init__(self, backend: TorchBackend) -> None:
+    def __init__(self, backend: TorchBackend, rows: int | None = None) -> None:
         self.backend = backend
         self.cache_len = 0
         self.rows = 0
-        self._grow(backend.max_context + SLACK)
+        self._grow((backend.max_context if rows is None
+                    else max(1, min(int(rows), backend.max_context))) + SLACK)
 
     def _grow(self, rows: int) -> None:
         # a block's K/V land at [P, P + T) before its commit: a block past the scratch rows

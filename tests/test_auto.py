@@ -260,3 +260,35 @@ def test_stats_say_which_kinds_of_step_auto_took(setup):
     probe = Generation(backend, config.with_(drafter="probe"), prompts[0]).run().stats
     assert probe.steps_by_kind == {} and "steps_by_kind" not in probe.to_dict()
     assert "steps:" not in probe.summary()
+
+
+def test_latency_is_measured_on_a_small_session(setup, stories_pkg):
+    # auto measures while a generation already holds its session: a second cache for the
+    # whole context would be real memory on a GPU, so the measurement's is just large enough
+    from edgemtp.runtimes.onnxrt_backend import OrtBackend
+
+    for backend in (OrtBackend(stories_pkg, threads=1), setup[0]):
+        asked, real = [], backend.session
+
+        def session(rows=None, real=real):
+            asked.append(rows)
+            return real(rows=rows)
+
+        backend.session = session
+        try:
+            curve = measure_latency(backend, (1, 2, 8), context=16, repeats=1)
+        finally:
+            del backend.session
+        assert curve.sizes == (1, 2, 8) and asked == [16 + 8 + 1], asked
+    ort = OrtBackend(stories_pkg, threads=1)
+    s = ort.session(rows=20)
+    assert s.kv.rows == 20 and ort.session().kv.rows == ort.max_context
+    s.forward(np.arange(1, 19), np.arange(18), np.tril(np.ones((18, 18), bool)), None)
+    s.commit(np.arange(18))
+    out = s.forward(np.array([5, 6]), np.array([18, 19]), np.tril(np.ones((2, 2), bool)), None)
+    assert out.argmax.shape == (2,)
+    s.commit(np.arange(2))
+    with pytest.raises(ConfigError, match=r"overruns the KV cache \(20 of 20 rows used\)"):
+        s.commit(np.arange(1))
+    torch_session = setup[0].session(rows=20)
+    assert torch_session.rows < setup[0].session().rows  # grows if a block needs more
