@@ -198,8 +198,11 @@ class TorchSession:
         self.backend = backend
         self.cache_len = 0
         self.rows = 0
-        self._grow((backend.max_context if rows is None
-                    else max(1, min(int(rows), backend.max_context))) + SLACK)
+        if rows is not None:  # whole attention buckets, so a step spans what it would in a
+            # full cache (the same width, the same latency)
+            rows = -(-max(1, int(rows)) // backend.bucket) * backend.bucket
+        self._grow(min(backend.max_context if rows is None else rows, backend.max_context)
+                   + SLACK)
 
     def _grow(self, rows: int) -> None:
         # a block's K/V land at [P, P + T) before its commit: a block past the scratch rows
