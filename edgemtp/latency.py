@@ -4,6 +4,7 @@ budget pays."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -63,10 +64,8 @@ def measure_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7
     tokens (clipped to the cache), on a session of its own, with a cache just large enough
     where the backend can size one (a second full cache is real memory on a GPU)."""
     p = max(1, min(context, backend.max_context - max(sizes) - 1))
-    try:
-        session = backend.session(rows=p + max(sizes) + 1)
-    except TypeError:  # sessions of this backend always hold the whole context
-        session = backend.session()
+    sized = "rows" in inspect.signature(backend.session).parameters
+    session = backend.session(rows=p + max(sizes) + 1) if sized else backend.session()
     ids = np.arange(p, dtype=np.int64) % backend.vocab_size
     session.forward(ids, np.arange(p), np.tril(np.ones((p, p), dtype=bool)), None)
     session.commit(np.arange(p))
@@ -118,9 +117,13 @@ def cached_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7,
     never the tokens."""
     from . import __version__
 
+    switch = os.environ.get("EDGEMTP_LATENCY_CACHE", "1").strip()
+    if switch not in ("0", "1"):
+        raise ConfigError(f"EDGEMTP_LATENCY_CACHE must be 1 (keep measured latency curves) or "
+                          f"0 (measure every time), got {switch!r}")
     ident = getattr(backend, "identity", None)
     ident = ident() if callable(ident) else None
-    if ident is None or os.environ.get("EDGEMTP_LATENCY_CACHE", "1") == "0":
+    if ident is None or switch == "0":
         return measure_latency(backend, sizes, context, repeats, topk)
     key = json.dumps([__version__, _host(), ident, list(sizes), context, repeats, topk])
     try:

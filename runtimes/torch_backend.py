@@ -151,12 +151,11 @@ class TorchBackend:
         handed in already loaded (:meth:`from_model`), whose weights have no name."""
         if self.source is None:
             return None
-        files = Path(self.source)
-        stamp = ""
-        if files.exists():  # a folder or a GGUF file: its newest file's time and the sizes
-            paths = [files] if files.is_file() else [f for f in files.iterdir() if f.is_file()]
-            stamp = f"{max(f.stat().st_mtime_ns for f in paths)}|" \
-                    f"{sum(f.stat().st_size for f in paths)}" if paths else ""
+        src = Path(self.source)  # a folder or a GGUF file (or a hub id: no files here)
+        files = [src] if src.is_file() else [f for f in src.glob("*") if f.is_file()]
+        stats = [f.stat() for f in files]
+        stamp = f"{max((s.st_mtime_ns for s in stats), default=0)}|" \
+                f"{sum(s.st_size for s in stats)}"
         return (f"torch {torch.__version__}|{self.device}|{self.dtype}|"
                 f"threads={torch.get_num_threads()}|static={self.static_cache}|"
                 f"graphs={self.cuda_graphs}|ctx={self.max_context}|{self.source}|{stamp}")

@@ -237,6 +237,9 @@ def test_a_measured_curve_is_kept_for_the_next_process(setup, stories_pkg, tmp_p
     monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "0")
     latency.cached_latency(ort, (1, 2, 4), repeats=1)
     assert len(calls) == 7
+    monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "on")
+    with pytest.raises(ConfigError, match="EDGEMTP_LATENCY_CACHE must be 1 .* or 0 .*'on'"):
+        latency.cached_latency(ort, (1, 2, 4), repeats=1)
     blocked = tmp_path / "a-file"  # a cache folder that cannot be made (even as root)
     blocked.write_text("")
     monkeypatch.setenv("EDGEMTP_CACHE", str(blocked / "edgemtp"))

@@ -307,3 +307,15 @@ def test_bad_edgemtp_threads_variable_is_one_line_error():
     assert p.returncode == EXIT_USAGE and "Traceback" not in p.stderr, p.stderr
     assert message_lines(p.stderr) == [
         "edgemtp: error: EDGEMTP_THREADS must be a positive integer, got 'two'"]
+
+
+def test_bad_latency_cache_variable_is_one_line_error(stories_pkg):
+    # the default drafter (auto) reads it when it looks for a kept latency curve
+    env = {**ENV, "EDGEMTP_LATENCY_CACHE": "yes"}
+    p = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model",
+                        str(stories_pkg), "--prompt", "hi", "--max-new-tokens", "4"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == EXIT_USAGE and "Traceback" not in p.stderr, p.stderr
+    assert message_lines(p.stderr) == [
+        "edgemtp: error: EDGEMTP_LATENCY_CACHE must be 1 (keep measured latency curves) or 0 "
+        "(measure every time), got 'yes'"]

@@ -74,11 +74,11 @@ if TYPE_CHECKING:
     from ..config import GenerationConfig
 
 PLAIN = Plan.root_only()
-_MEASURING = threading.Lock()  # one latency measurement at a time in a process
 MASK_ONLY = Plan((-1,), 1)  # root + its mask: one token, and candidates for the next step
 MASK_ONLY_2 = Plan((-1,), 2)  # the same with 2 masks: candidates for a k = 2 plan
 WHOLE_MIN_T1 = 0.004  # seconds: t(1) below which whole drafters and STAND trees are not weighed
 STAND_NODES = 16  # widest STAND tree auto grows (its best prefix is what runs)
+_MEASURING = threading.Lock()  # one latency measurement at a time in a process
 
 
 @lru_cache(maxsize=16)
