@@ -299,23 +299,15 @@ def test_hf_prompt_tokenization_matches(tokenizer):
     assert Tokenizer(str(MODEL_DIR)).encode(PROMPT) == ids
 
 
-def test_bad_edgemtp_threads_variable_is_one_line_error():
-    env = {**ENV, "EDGEMTP_THREADS": "two"}
-    p = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model",
-                        str(MODEL_DIR), "--prompt", "hi", "--max-new-tokens", "4"],
-                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert p.returncode == EXIT_USAGE and "Traceback" not in p.stderr, p.stderr
-    assert message_lines(p.stderr) == [
-        "edgemtp: error: EDGEMTP_THREADS must be a positive integer, got 'two'"]
-
-
-def test_bad_latency_cache_variable_is_one_line_error(stories_pkg):
+@pytest.mark.parametrize("name, value, message", [
+    ("EDGEMTP_THREADS", "two", "EDGEMTP_THREADS must be a positive integer, got 'two'"),
     # the default drafter (auto) reads it when it looks for a kept latency curve
-    env = {**ENV, "EDGEMTP_LATENCY_CACHE": "yes"}
+    ("EDGEMTP_LATENCY_CACHE", "yes", "EDGEMTP_LATENCY_CACHE must be 1 (keep measured latency "
+                                     "curves) or 0 (measure every time), got 'yes'")])
+def test_bad_environment_variable_is_one_line_error(stories_pkg, name, value, message):
     p = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model",
                         str(stories_pkg), "--prompt", "hi", "--max-new-tokens", "4"],
-                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+                       capture_output=True, text=True, cwd=ROOT, env={**ENV, name: value},
+                       timeout=300)
     assert p.returncode == EXIT_USAGE and "Traceback" not in p.stderr, p.stderr
-    assert message_lines(p.stderr) == [
-        "edgemtp: error: EDGEMTP_LATENCY_CACHE must be 1 (keep measured latency curves) or 0 "
-        "(measure every time), got 'yes'"]
+    assert message_lines(p.stderr) == [f"edgemtp: error: {message}"]
