@@ -555,7 +555,9 @@ def markdown(summary: dict) -> str:
            "`BE` is the real BE of stories260K (source below), `expected` is the speed-up that "
            "real BE gives on this shape's t(T) curve (forward time only, host time left out), "
            "and `BE ran` / tok/s / speed-up are what ran on the random weights.", "",
-           "## Targets", ""]
+           ]
+    out += [*(f"- {n}" for n in meta.get("notes", [])), *([""] if meta.get("notes") else []),
+            "## Targets", ""]
     out += [f"- {'PASS' if t['passed'] else '**FAIL**'} {t['target']}: {t['detail']}"
             for t in summary["targets"]]
     for key, e in summary["entries"].items():
@@ -619,7 +621,7 @@ def save(summary: dict, out: Path, device: str) -> Path:
     import transformers
 
     summary["targets"] = targets(summary["entries"])
-    summary["meta"].update(transformers=transformers.__version__)
+    summary["meta"].setdefault("transformers", transformers.__version__)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_summary.json").write_text(json.dumps(summary, indent=1))
     md = out / f"gpu_{slug(device.split(' (')[0])}.md"
@@ -680,7 +682,49 @@ def parse(argv=None):
     return a
 
 
+def merge(parts: list[str], out: Path, notes: list[str]) -> Path:
+    """One results file from several runs' ``gpu_summary.json`` (one device call can hold
+    only so much): ``FILE`` takes its entries as they are, ``FILE=LABEL`` names each of them
+    ``key (LABEL)``, ``FILE=LABEL:key1+key2`` only those keys; an entry of a later part replaces an
+    earlier one of the same name. Every ratio stays inside the run that measured it.
+
+    >>> merge_key("smollm2-135m/fp16", "no CUDA graphs")
+    'smollm2-135m/fp16 (no CUDA graphs)'
+    """
+    entries, commands, metas = {}, [], []
+    for part in parts:
+        path, _, label = part.partition("=")
+        label, _, keys = label.partition(":")
+        summary = json.loads(Path(path).read_text())
+        metas.append(summary["meta"])
+        commands.append(summary["meta"]["command"])
+        for key, e in summary["entries"].items():
+            if keys and key not in keys.split("+"):
+                continue
+            entries[merge_key(key, label)] = e
+    devices = {m["device"] for m in metas}
+    if len(devices) != 1:
+        raise SystemExit(f"--merge: the parts come from different devices ({sorted(devices)})")
+    meta = dict(metas[-1], date=min(m["date"] for m in metas), command="; ".join(commands),
+                notes=notes)
+    return save(dict(meta=meta, entries=entries), out, meta["device"])
+
+
+def merge_key(key: str, label: str) -> str:
+    return f"{key} ({label})" if label else key
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--merge":
+        ap = argparse.ArgumentParser(prog="bench_gpu.py --merge")
+        ap.add_argument("parts", nargs="+", help="FILE[=LABEL[:key1+key2]]")
+        ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+        ap.add_argument("--note", action="append", default=[], help="a line for the report")
+        m = ap.parse_args(argv[1:])
+        print(merge(m.parts, Path(m.out), m.note))
+        return 0
     a = parse(argv)
     progress = Progress()
     if a.threads:

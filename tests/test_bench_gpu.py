@@ -190,3 +190,32 @@ def test_step_recorder_counts_decode_blocks_only(bench):
     r = model.generate([1, 300, 301], drafter="probe", bc=10, max_new_tokens=8)
     assert sizes.counts == {10: r.stats.forward_calls - 1}  # prefill left out
     assert np.all(np.asarray(r.token_ids) < 512)
+
+
+def test_merge_keeps_each_runs_entries_under_their_labels(bench, tmp_path):
+    def part(name, device, keys, command):
+        meta = dict(device=device, date="2026-11-25 18:4" + name[-1], torch="2", command=command,
+                    transformers="5.17.0", edgemtp_commit="abc")
+        path = tmp_path / f"{name}.json"
+        full = entry(shape=dict(hidden=8, layers=1, heads=2, kv_heads=1, vocab=16, params=1e6),
+                     prompts=2, new_tokens=4, cuda_graphs=True, elapsed_s={}, be={},
+                     identical=dict(count=2, total=2, rows={"pld": {"10": [2, 2]}}), divergences=[],
+                     be_measured={"pld": {"10": 2.0}}, tps={"plain": 300.0,
+                                                            "pld": {"10": 510.0}})
+        path.write_text(json.dumps(dict(meta=meta, entries={k: full for k in keys})))
+        return str(path)
+
+    a = part("a1", "H100", ["smollm2-135m/fp16", "qwen3-0.6b/fp16"], "run a")
+    b = part("b2", "H100", ["smollm2-135m/fp16"], "run b")
+    md = bench.merge([f"{a}=:smollm2-135m/fp16", f"{b}=no CUDA graphs"], tmp_path / "out",
+                     ["a note"])
+    summary = json.loads((tmp_path / "out" / "gpu_summary.json").read_text())
+    assert list(summary["entries"]) == ["smollm2-135m/fp16", "smollm2-135m/fp16 (no CUDA graphs)"]
+    meta = summary["meta"]
+    assert (meta["command"], meta["date"], meta["transformers"]) == ("run a; run b",
+                                                                      "2026-11-25 18:41", "5.17.0")
+    assert "t(64)/t(1) <= 1.3 [smollm2-135m/fp16]" in {t["target"] for t in summary["targets"]}
+    assert "- a note" in md.read_text() and md.name == "gpu_h100.md"
+    other = part("c3", "A100", ["llama3.2-1b/fp16"], "run c")
+    with pytest.raises(SystemExit, match="different devices"):
+        bench.merge([a, other], tmp_path / "out2", [])
