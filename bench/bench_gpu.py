@@ -161,10 +161,11 @@ def stories_model(path: str, device: str, dtype: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
 
 
-def make_backend(hf, device: str, max_context: int, graphs: bool):
+def make_backend(hf, device: str, max_context: int, graphs: bool, invariant: bool = False):
     # the static-cache session; on CUDA one graph per step shape unless --no-graphs
     return TorchBackend.from_model(hf, device=device, max_context=max_context,
-                                   cuda_graphs=None if graphs else False)
+                                   cuda_graphs=None if graphs else False,
+                                   batch_invariant=invariant)
 
 
 class StepSizes:
@@ -382,8 +383,9 @@ def run_entry(key: str, a, progress: Progress, summary: dict, checkpoint) -> Non
 
     hf, prompts, entry = load(name, dtype, a)
     summary["entries"][key] = entry
-    backend = make_backend(hf, a.device, a.max_context, not a.no_graphs)
+    backend = make_backend(hf, a.device, a.max_context, not a.no_graphs, a.batch_invariant)
     entry["cuda_graphs"] = bool(getattr(backend, "cuda_graphs", False))
+    entry["batch_invariant"] = backend.batch_invariant
     sizes = StepSizes(backend) if name == STORIES else None
     model = Model(sizes or backend)
     stage("load")
@@ -566,7 +568,8 @@ def markdown(summary: dict) -> str:
                 f"hidden {s['hidden']}, {s['layers']} layers, {s['heads']}/{s['kv_heads']} "
                 f"heads, vocab {s['vocab']}, {s['params'] / 1e6:.1f}M parameters; "
                 f"{e['prompts']} prompts x {e['new_tokens']} new tokens; CUDA graphs: "
-                f"{e['cuda_graphs']}; stage seconds: {e['elapsed_s']}", ""]
+                f"{e['cuda_graphs']}; every step padded to 64 rows (batch-invariant): "
+                f"{e.get('batch_invariant', False)}; stage seconds: {e['elapsed_s']}", ""]
         if e["t_ms"]:
             out += ["| T | " + " | ".join(e["t_ms"]) + " |",
                     "|---|" + "---:|" * len(e["t_ms"]),
@@ -653,6 +656,8 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (--quick: 1)")
     ap.add_argument("--no-graphs", action="store_true", help="TorchBackend(cuda_graphs=False)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="TorchBackend(batch_invariant=True): every step padded to 64 rows")
     ap.add_argument("--quick", action="store_true", help="toy shapes, 2 prompts, 16 tokens, "
                     "fp32 (a CPU end-to-end check)")
     ap.add_argument("--fresh", action="store_true", help="drop the entries of an earlier run")

@@ -103,20 +103,29 @@ class Model:
     @classmethod
     def load(cls, path: str, backend: str = "auto", device: str = "cpu", dtype: str | None = None,
              max_context: int | None = None, trust_remote_code: bool = False,
-             threads: int | None = None) -> "Model":
+             threads: int | None = None, batch_invariant: bool = False) -> "Model":
         """``backend="auto"``: onnxruntime for a package written by ``edgemtp export`` (a
         folder with ``edgemtp.json``), torch for a Hugging Face folder. A package carries its
         own tokenizer files (a package exported without one loads with no tokenizer).
         ``dtype=None``: the model's own (fp32 for a Hugging Face folder). ``threads=None``:
-        ``$EDGEMTP_THREADS`` if set, else the runtime's default (every physical core)."""
+        ``$EDGEMTP_THREADS`` if set, else the runtime's default (every physical core).
+        ``batch_invariant`` (torch backend): every step padded to one block shape, so fp16/bf16
+        GPU kernels give a row the same logits in a block as alone (see README)."""
         check_model_path(path)
         threads = threads if threads is not None else env_threads()
         if backend == "auto":
             from .runtimes.package import is_package  # numpy only
 
             backend = "onnxruntime" if is_package(path) else "torch"
+        extra = {}
+        if batch_invariant:
+            if backend != "torch":
+                raise ConfigError(f"batch_invariant is an option of the torch backend, not of "
+                                  f"{backend!r} (use --backend torch on a model folder)")
+            extra["batch_invariant"] = True
         impl = backend_class(backend)(path, device=device, dtype=dtype, max_context=max_context,
-                                      trust_remote_code=trust_remote_code, threads=threads)
+                                      trust_remote_code=trust_remote_code, threads=threads,
+                                      **extra)
         if not impl.has_tokenizer:
             return cls(impl, None)
         return cls(impl, Tokenizer(path, trust_remote_code=trust_remote_code))

@@ -56,6 +56,9 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True,
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="torch backend: pad every step to one block shape, so fp16/bf16 GPU "
+                        "kernels round a row the same in a block as alone (costs t(64)/t(1))")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model folder's own Python code to run")
 
@@ -118,7 +121,7 @@ def _load(a: argparse.Namespace):
 
     return Model.load(a.model, backend=a.backend, device=a.device, dtype=a.dtype,
                       max_context=a.max_context, trust_remote_code=a.trust_remote_code,
-                      threads=a.threads)
+                      threads=a.threads, batch_invariant=a.batch_invariant)
 
 
 def _chat_messages(system: str | None, *turns: dict) -> list[dict]:

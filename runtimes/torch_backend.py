@@ -71,7 +71,7 @@ class TorchBackend:
     def __init__(self, model: str, device: str = "cpu", dtype: str | None = None,
                  max_context: int | None = None, trust_remote_code: bool = False,
                  threads: int | None = None, static_cache: bool = True,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, batch_invariant: bool = False) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -98,22 +98,29 @@ class TorchBackend:
             raise ModelLoadError(f"cannot load {model!r} as a causal LM: {first}") from None
         self.family = family_for(hf.config)
         self.source = str(Path(model).resolve()) if Path(model).exists() else model
-        self._init(hf, device, max_context, static_cache, cuda_graphs)
+        self._init(hf, device, max_context, static_cache, cuda_graphs, batch_invariant)
 
     @classmethod
     def from_model(cls, hf_model, device: str = "cpu", max_context: int | None = None,
-                   static_cache: bool = True, cuda_graphs: bool | None = None):
+                   static_cache: bool = True, cuda_graphs: bool | None = None,
+                   batch_invariant: bool = False):
         """Wrap an already loaded ``transformers`` causal LM (tests, notebooks, benchmarks)."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked, but this PyTorch build sees no CUDA device")
         self = cls.__new__(cls)
         self.family = family_for(hf_model.config)
         self.source = None
-        self._init(hf_model, device, max_context, static_cache, cuda_graphs)
+        self._init(hf_model, device, max_context, static_cache, cuda_graphs, batch_invariant)
         return self
 
     def _init(self, hf, device: str, requested_context: int | None, static_cache: bool,
-              cuda_graphs: bool | None) -> None:
+              cuda_graphs: bool | None, batch_invariant: bool = False) -> None:
+        if batch_invariant and not static_cache:
+            raise ConfigError("batch_invariant needs the static cache (static_cache=True)")
+        # every step of up to PAD_TO rows (plain decoding's one row too) padded to PAD_TO: one
+        # matrix shape for all of them, so a row's logits do not depend on the block it sits in
+        # (fp16/bf16 GPU kernels are picked, and round, by the row count); costs t(64)/t(1)
+        self.batch_invariant = bool(batch_invariant)
         self.device = torch.device(device)
         self.hf = hf.to(self.device).eval()
         cfg = hf.config
@@ -158,7 +165,8 @@ class TorchBackend:
                 f"{sum(s.st_size for s in stats)}"
         return (f"torch {torch.__version__}|{self.device}|{self.dtype}|"
                 f"threads={torch.get_num_threads()}|static={self.static_cache}|"
-                f"graphs={self.cuda_graphs}|ctx={self.max_context}|{self.source}|{stamp}")
+                f"graphs={self.cuda_graphs}|invariant={self.batch_invariant}|"
+                f"ctx={self.max_context}|{self.source}|{stamp}")
 
     @torch.inference_mode()
     def device_mask(self, tree_mask: np.ndarray) -> torch.Tensor:
@@ -222,6 +230,8 @@ class TorchSession:
                 full_logits: bool = False, hidden: bool = False) -> StepOut:
         b, p, t = self.backend, self.cache_len, len(input_ids)
         tp = t if t <= PAD_TO else -(-t // PAD_TO) * PAD_TO  # long blocks (prefill) padded
+        if b.batch_invariant:
+            tp = max(tp, PAD_TO)
         if p + tp > self.rows:
             self._grow(-(-(p + tp) // PAD_TO) * PAD_TO)
         width = min(-(-(p + tp) // b.bucket) * b.bucket, self.rows)

@@ -128,6 +128,33 @@ def test_step_shapes_are_reused_on_cpu_as_eager_code(stories_path, stories_refs)
     assert {g.width % backend.bucket for g in graphs if g.width < session.rows} == {0}
 
 
+def test_batch_invariant_runs_every_step_as_one_shape_and_stays_lossless(stories_path,
+                                                                        stories_refs):
+    """Every step of up to PAD_TO rows (plain decoding's single row too) is padded to PAD_TO
+    rows: one matrix shape for all, the padding rows invisible to the real ones."""
+    hf, prompts, refs = stories_refs
+    backend = TorchBackend.from_model(hf, batch_invariant=True)
+    session = backend.session()
+    for drafter, bc in (("none", 1), ("probe", 10), ("hybrid", 60)):
+        config = GenerationConfig(max_new_tokens=64, bc=max(bc, 10), drafter=drafter)
+        for ids, ref in zip(prompts[:2], refs[:2]):
+            out = Generation(backend, config, ids, session=session).run()
+            assert out.token_ids == ref[:64], drafter
+    shapes = {g.t for g in session._graphs.values()}
+    assert shapes == {PAD_TO}, shapes  # prompts are shorter than PAD_TO: prefill too
+    with pytest.raises(Exception, match="static cache"):
+        TorchBackend.from_model(hf, batch_invariant=True, static_cache=False)
+
+
+def test_batch_invariant_on_another_backend_is_one_line_and_exit_2(stories_pkg):
+    run = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model",
+                          stories_pkg, "--batch-invariant", "--prompt", "Once",
+                          "--max-new-tokens", "4"], capture_output=True, text=True, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert "option of the torch backend" in lines[0]
+
+
 def test_cuda_without_a_gpu_is_one_line_and_exit_2(stories_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")

@@ -96,7 +96,7 @@ def command(a) -> int:
                   file=sys.stderr)
     model = Model.load(run_path, backend=a.backend, device=a.device, dtype=load_dtype,
                        max_context=a.max_context, trust_remote_code=a.trust_remote_code,
-                       threads=a.threads)
+                       threads=a.threads, batch_invariant=a.batch_invariant)
     shown = prompts[0]
     if a.chat:
         prompts = [model.encode_chat([{"role": "user", "content": q}]) for q in prompts]

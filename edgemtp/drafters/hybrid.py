@@ -115,10 +115,10 @@ class HybridDrafter:
     the budget between draft nodes and masks by the tokens each is expected to add.
 
     From BC 10 up, part of the budget also runs a Jacobi lookahead window (LADE's lookahead
-    branch, :class:`~edgemtp.drafters.lookahead.JacobiWindow`; ``budgets.HYBRID_WINDOWS``) next to the tree:
-    the n-grams of its trajectories are a third candidate source, keyed by a node's token
-    and followed along their continuation (the paper's App. C: fuse LADE's n-grams with
-    probing). ``BC`` = tree positions + window cells <= the budget.
+    branch, :class:`~edgemtp.drafters.lookahead.JacobiWindow`; ``budgets.HYBRID_WINDOWS``)
+    next to the tree: the n-grams of its trajectories are a third candidate source, keyed by
+    a node's token and followed along their continuation (the paper's App. C: fuse LADE's
+    n-grams with probing). ``BC`` = tree positions + window cells <= the budget.
     """
 
     topk = HYBRID_TOPK
@@ -153,6 +153,8 @@ class HybridDrafter:
         self._masks_of: dict[int, np.ndarray] = {}
         self._offers: dict[int, list] = {}  # node -> Jacobi (n-gram, index) it offers
         self._plan: Plan | None = None
+        # id(Lookup) -> (it, its tokens, their buckets): the context memoises its Lookups
+        self._lookup_buckets: dict[int, tuple[Lookup, list[int], list[int]]] = {}
 
     def start(self, prompt_ids: np.ndarray) -> None:
         if self.shared is not None:
@@ -230,8 +232,14 @@ class HybridDrafter:
         self._asked[node] = lk, masks, jac
         if rates is None:
             score = dict(lk.guesses)
+        elif not lk.guesses:
+            score = {}
         else:
-            score = {t: rates[b] for (t, _), b in zip(lk.guesses, h.lookup_buckets(lk))}
+            tb = self._lookup_buckets.get(id(lk))
+            if tb is None or tb[0] is not lk:  # (the Lookup is memoised: so is this)
+                tb = self._lookup_buckets[id(lk)] = (lk, [t for t, _ in lk.guesses],
+                                                     h.lookup_buckets(lk))
+            score = dict(zip(tb[1], map(rates.__getitem__, tb[2])))
             if lk.literal >= 0:  # mostly the same evidence as the guesses: no noisy-or
                 b = h.literal_bucket(lk.n, lk.literal == lk.guesses[0][0])
                 score[lk.literal] = max(score.get(lk.literal, 0.0), rates[b])

@@ -86,16 +86,14 @@ class LookaheadPlan(Plan):
         return self.n_nodes + self.levels * self.window - 1
 
     def _build_mask(self) -> np.ndarray:
-        n, g = self.n_nodes, self.grid
+        n = self.n_nodes
         mask = np.zeros((self.bc, self.bc), dtype=bool)
         mask[:n, :n] = super()._build_mask()
-        for i in range(self.window):
-            prefix = g[0, :i + 1]  # the root and level 0 up to column i
-            for lvl in range(self.levels):
-                if lvl == 0 and i == 0:
-                    continue  # the root's row belongs to the tree
-                mask[g[lvl, i], prefix] = True
-                mask[g[lvl, i], g[1:lvl + 1, i]] = True
+        # the window's cells see the root (column 0) and cells only: the same block for every
+        # tree, shifted past its nodes
+        window = _window_mask(self.levels, self.window)
+        mask[n:, 0] = window[1:, 0]
+        mask[n:, n:] = window[1:, 1:]
         return mask
 
     def _build_positions(self) -> np.ndarray:
@@ -109,6 +107,22 @@ class LookaheadPlan(Plan):
         names = [f"node {i}" for i in range(self.n_nodes)]
         cells = {int(r): f"look {lvl}.{i}" for (lvl, i), r in np.ndenumerate(self.grid)}
         return names + [cells[r] for r in range(self.n_nodes, self.bc)]
+
+
+@lru_cache(maxsize=64)
+def _window_mask(levels: int, window: int) -> np.ndarray:
+    """The mask of a window after a one-node tree (row and column 0: the root), read-only."""
+    g = np.arange(levels * window, dtype=np.int64).reshape(levels, window)
+    mask = np.zeros((levels * window, levels * window), dtype=bool)
+    for i in range(window):
+        prefix = g[0, :i + 1]  # the root and level 0 up to column i
+        for lvl in range(levels):
+            if lvl == 0 and i == 0:
+                continue  # the root's row belongs to the tree
+            mask[g[lvl, i], prefix] = True
+            mask[g[lvl, i], g[1:lvl + 1, i]] = True
+    mask.flags.writeable = False
+    return mask
 
 
 @lru_cache(maxsize=1024)
