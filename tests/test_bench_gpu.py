@@ -219,3 +219,11 @@ def test_merge_keeps_each_runs_entries_under_their_labels(bench, tmp_path):
     other = part("c3", "A100", ["llama3.2-1b/fp16"], "run c")
     with pytest.raises(SystemExit, match="different devices"):
         bench.merge([a, other], tmp_path / "out2", [])
+
+
+def test_cli_runs_from_the_tree_without_an_install(tmp_path):
+    """bench/edgemtp_tree.py: the command line on a bare machine (edgemtp not installed)."""
+    run = subprocess.run([sys.executable, "-c", BARE, str(ROOT / "bench" / "edgemtp_tree.py"),
+                          "doctor"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "backends" in run.stdout and "torch        cpu       ok" in run.stdout
