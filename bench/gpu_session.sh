@@ -2,23 +2,37 @@
 # One device call of issue 9's GPU measurements, in priority order, each part under its own
 # timeout so a slow part costs only itself. Run from the repo root on the GPU machine with
 # stories260K carried to carry/stories260K; results land in $OUT (default bench/results/gpu).
-# Budgets (seconds) can be set with A, B, C.
+# PARTS picks the parts (default ABCDE, ~11 min: more than one call's 10, so run
+# PARTS=ABC then PARTS=DE on the warm machine); budgets (seconds): A, B, C, D. The onnxruntime CUDA EP is measured apart
+# (bench/ort_gpu_parts.sh carries onnxruntime-gpu; bench/bench_ort_gpu.py measures it).
 set -u
 OUT=${OUT:-bench/results/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 EDGEMTP_LATENCY_CACHE=0
 S=carry/stories260K
+PARTS=${PARTS:-ABCDE}
+has() { [[ $PARTS == *$1* ]]; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   python3 -c "import torch,transformers;print('torch',torch.__version__,'cuda',torch.version.cuda,'transformers',transformers.__version__)"
-} 2>&1 | tee "$OUT/log_a.txt"
+} 2>&1 | tee "$OUT/log.txt"
 # A: the issue's target shape (135M fp16) and the real-weights model (BE, identity, auto)
-timeout "${A:-220}" python3 bench/bench_gpu.py --stories $S --out "$OUT" --fresh \
-  --models smollm2-135m:fp16,stories260K:fp32 --prompts 12 --skip static 2>&1 | tee -a "$OUT/log_a.txt"
-# B: the larger shapes and fp16 stories
-timeout "${B:-120}" python3 bench/bench_gpu.py --stories $S --out "$OUT" \
+has A && timeout "${A:-220}" python3 bench/bench_gpu.py --stories $S --out "$OUT" --fresh \
+  --models smollm2-135m:fp16,stories260K:fp32 --prompts 12 --skip static 2>&1 | tee -a "$OUT/log.txt"
+# B: the larger shapes (three drafters, two budgets: device time) and fp16 stories
+has B && timeout "${B:-180}" python3 bench/bench_gpu.py --stories $S --out "$OUT" \
   --models stories260K:fp16,qwen3-0.6b:fp16,llama3.2-1b:fp16 --prompts 12 --skip static \
-  2>&1 | tee "$OUT/log_b.txt"
+  --drafters probe,auto,hybrid --bc 10,60 --hf-prompts 2 2>&1 | tee -a "$OUT/log.txt"
 # C: transformers' static cache + torch.compile on the 135M shape (its compile may run long)
 mkdir -p "$OUT/static"
-timeout "${C:-100}" python3 bench/bench_gpu.py --stories $S --out "$OUT/static" --fresh \
-  --models smollm2-135m:fp16 --skip t_ms,drafters,eager 2>&1 | tee "$OUT/log_c.txt"
-ls -la "$OUT" "$OUT/static"
+has C && timeout "${C:-100}" python3 bench/bench_gpu.py --stories $S --out "$OUT/static" --fresh \
+  --models smollm2-135m:fp16 --skip t_ms,drafters,eager 2>&1 | tee -a "$OUT/log.txt"
+# D: every step padded to one shape (batch-invariant fp16), the shapes that diverged most
+mkdir -p "$OUT/inv"
+has D && timeout "${D:-120}" python3 bench/bench_gpu.py --stories $S --out "$OUT/inv" --fresh \
+  --models smollm2-135m:fp16,llama3.2-1b:fp16 --skip eager,static --drafters probe,hybrid,auto \
+  --bc 10,60 --batch-invariant --warmup 2 --repeats 10 2>&1 | tee -a "$OUT/log.txt"
+# E: the command line from the tree: doctor, and generate on the GPU
+has E && { timeout 30 python3 bench/edgemtp_tree.py doctor
+  timeout 30 python3 bench/edgemtp_tree.py generate --model $S --backend torch --device cuda \
+    --dtype fp16 --prompt "Once upon a time" --max-new-tokens 64
+} 2>&1 | tee -a "$OUT/log.txt"
+ls -la "$OUT" "$OUT/static" "$OUT/inv"

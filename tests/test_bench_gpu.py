@@ -227,3 +227,28 @@ def test_cli_runs_from_the_tree_without_an_install(tmp_path):
                           "doctor"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "backends" in run.stdout and "torch        cpu       ok" in run.stdout
+
+
+def test_ort_gpu_bench_dry_runs_on_cpu_and_names_a_missing_provider(tmp_path):
+    """bench/bench_ort_gpu.py end to end on the CPU EP (a tiny random model exported on the
+    spot); the CUDA EP this onnxruntime lacks is a skipped row with the reason."""
+    if torch_cuda_available():
+        pytest.skip("this machine has a CUDA device")
+    run = subprocess.run([sys.executable, "-c", BARE, str(ROOT / "bench" / "bench_ort_gpu.py"),
+                          "--export", "tiny:fp32", "--devices", "cpu,cuda", "--drafters", "pld",
+                          "--bc", "10", "--prompts", "2", "--new-tokens", "12", "--repeats", "2",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    rows = json.loads((tmp_path / "ort_gpu.json").read_text())["rows"]
+    cpu, cuda = rows
+    assert cpu["device"] == "cpu" and list(cpu["t_ms"]) == ["1", "2", "4", "8", "16", "32", "64"]
+    assert cpu["tps_plain"] > 0 and cpu["drafters"][0]["identical"] == [2, 2]
+    assert "CUDAExecutionProvider" in cuda["skipped"]
+    assert "## tiny-fp32 on cpu" in (tmp_path / "ort_gpu.md").read_text()
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
