@@ -28,7 +28,14 @@ from .decoder import TreeDecoder
 
 
 class StaticTreeDecoder(TreeDecoder):
-    """:class:`TreeDecoder` with a step over a preallocated cache (see the module doc)."""
+    """:class:`TreeDecoder` with a step over a preallocated cache (see the module doc).
+
+    ``exact_attention`` (the torch backend's ``batch_invariant``): attention summed in
+    float64 (:func:`exact_attention`), so a row's output does not depend on where in the
+    cache its visible columns sit (a tree row's ancestors are scattered through the block;
+    plain decoding's are contiguous)."""
+
+    exact_attention = False
 
     def step(self, ids, pos, tree_mask, mask_embeds, p, k_cache, v_cache, width: int):
         """One block: ``ids``/``pos`` [T] int64, ``tree_mask`` [T, T] bool, ``mask_embeds``
@@ -65,7 +72,32 @@ class StaticTreeDecoder(TreeDecoder):
         v_cache.index_copy_(1, rows, v[0].transpose(0, 1).to(v_cache.dtype))
         # query head h reads KV head h // G: [1, H, T, D] -> [1, H_kv, G * T, D]
         q = q.reshape(1, self.n_kv, groups * t, d)
-        out = F.scaled_dot_product_attention(q, k_cache[None, :, :width], v_cache[None, :, :width],
-                                             attn_mask=mask, scale=attn.scaling)
+        if self.exact_attention:
+            out = exact_attention(q, k_cache[None, :, :width], v_cache[None, :, :width], mask,
+                                  attn.scaling)
+        else:
+            out = F.scaled_dot_product_attention(q, k_cache[None, :, :width],
+                                                 v_cache[None, :, :width], attn_mask=mask,
+                                                 scale=attn.scaling)
         out = out.reshape(1, self.n_heads, t, d).transpose(1, 2).reshape(1, t, -1)
         return attn.o_proj(out)
+
+
+def exact_attention(q, k, v, mask, scale: float):
+    """Softmax attention with every sum in float64: the products of two float32 (or fp16,
+    bf16) numbers are exact there, and a float64 sum of a few thousand of them is off by
+    ~1e-16 relative whatever its order, far below what the cast back to the model's dtype
+    rounds. So a row's output is the same whether its visible columns sit together (plain
+    decoding) or scattered among masked ones (a tree row): a GPU kernel's summation order,
+    which follows column positions, no longer shows. Masked columns weigh exactly 0.
+
+    >>> q, k, v = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    >>> mask = torch.tensor([[True, False, True], [True, True, True]])[None, None]
+    >>> ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5)
+    >>> bool(torch.allclose(exact_attention(q, k, v, mask, 0.5), ref, atol=1e-6))
+    True
+    """
+    s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return (torch.matmul(e, v.double()) / e.sum(-1, keepdim=True)).to(q.dtype)

@@ -119,12 +119,15 @@ class TorchBackend:
             raise ConfigError("batch_invariant needs the static cache (static_cache=True)")
         # every step of up to PAD_TO rows (plain decoding's one row too) padded to PAD_TO: one
         # matrix shape for all of them, so a row's logits do not depend on the block it sits in
-        # (fp16/bf16 GPU kernels are picked, and round, by the row count); costs t(64)/t(1)
+        # (fp16/bf16 GPU kernels are picked, and round, by the row count); and attention summed
+        # in float64, so neither does it depend on where a row's ancestors sit in the cache
+        # (StaticTreeDecoder.exact_attention); costs t(64)/t(1) and the float64 attention
         self.batch_invariant = bool(batch_invariant)
         self.device = torch.device(device)
         self.hf = hf.to(self.device).eval()
         cfg = hf.config
         self.decoder = StaticTreeDecoder(self.hf, self.family)
+        self.decoder.exact_attention = self.batch_invariant
         cuda = self.device.type == "cuda"
         self.static_cache = bool(static_cache)
         self.cuda_graphs = cuda and self.static_cache and cuda_graphs is not False
