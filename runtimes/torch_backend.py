@@ -172,19 +172,30 @@ class TorchBackend:
                 f"ctx={self.max_context}|{self.source}|{stamp}")
 
     @torch.inference_mode()
-    def device_mask(self, tree_mask: np.ndarray) -> torch.Tensor:
+    def device_mask(self, tree_mask: np.ndarray, rows: int | None = None) -> torch.Tensor:
         # plan masks are immutable and live as long as their plan: move each to the device
         # once and reuse it in every session (keyed by the buffer, held so the address
-        # cannot be recycled)
+        # cannot be recycled). ``rows``: padded to that many rows, each padding row seeing
+        # only itself (a padded step's mask, made once per plan too)
+        t = len(tree_mask)
+        rows = t if rows is None else rows
+
+        def padded() -> np.ndarray:
+            if rows == t:
+                return tree_mask
+            m = np.eye(rows, dtype=bool)
+            m[:t, :t] = tree_mask
+            return m
+
         if tree_mask.flags.writeable:
-            return torch.as_tensor(tree_mask, dtype=torch.bool, device=self.device)
-        key = tree_mask.__array_interface__["data"][0], tree_mask.shape
+            return torch.as_tensor(padded(), dtype=torch.bool, device=self.device)
+        key = tree_mask.__array_interface__["data"][0], tree_mask.shape, rows
         hit = self._masks.get(key)
         if hit is None:
             if len(self._masks) >= MASK_CACHE:  # lookup drafters make a new tree most steps
                 del self._masks[next(iter(self._masks))]
-            t = torch.tensor(tree_mask, dtype=torch.bool, device=self.device)
-            hit = self._masks[key] = (tree_mask, t)
+            hit = self._masks[key] = (tree_mask, torch.tensor(padded(), dtype=torch.bool,
+                                                              device=self.device))
         return hit[1]
 
     def embed(self, token_ids) -> np.ndarray:
@@ -301,12 +312,7 @@ class StepGraph:
             host[1, t:] = positions[-1]
         if self.cuda:
             self.idpos.copy_(self.staging, non_blocking=True)
-        if tp == t:
-            self.mask.copy_(b.device_mask(tree_mask))
-        else:
-            m = np.eye(tp, dtype=bool)
-            m[:t, :t] = tree_mask
-            self.mask.copy_(torch.from_numpy(m))
+        self.mask.copy_(b.device_mask(tree_mask, tp))
         if mask_embeds is None:
             self.embeds.zero_()
         else:
