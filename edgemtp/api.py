@@ -109,8 +109,9 @@ class Model:
         own tokenizer files (a package exported without one loads with no tokenizer).
         ``dtype=None``: the model's own (fp32 for a Hugging Face folder). ``threads=None``:
         ``$EDGEMTP_THREADS`` if set, else the runtime's default (every physical core).
-        ``batch_invariant`` (torch backend): every step padded to one block shape, so fp16/bf16
-        GPU kernels give a row the same logits in a block as alone (see README)."""
+        ``batch_invariant`` (torch backend): every step padded to one block shape and attention
+        summed in float64, so fp16/bf16 GPU kernels give a row the same logits in a block as
+        alone (see README)."""
         check_model_path(path)
         threads = threads if threads is not None else env_threads()
         if backend == "auto":

@@ -57,8 +57,9 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True,
                    help="KV cache rows (default: the model's position limit)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="torch backend: pad every step to one block shape, so fp16/bf16 GPU "
-                        "kernels round a row the same in a block as alone (costs t(64)/t(1))")
+                   help="torch backend: pad every step to one block shape and sum attention in "
+                        "float64, so fp16/bf16 GPU kernels round a row the same in a block as "
+                        "alone (costs t(64)/t(1) and the float64 attention)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model folder's own Python code to run")
 

@@ -61,7 +61,9 @@ class TorchBackend:
     ``static_cache`` (default) runs every step over fixed shapes (one per block size and
     cache bucket), replayed as CUDA graphs on a CUDA device (``cuda_graphs``, default on
     there); ``static_cache=False`` is the reference session that concatenates the past and
-    the block's K/V in every layer, as the exported graph does.
+    the block's K/V in every layer, as the exported graph does. ``batch_invariant`` pads every
+    step to one shape and sums attention in float64 (see :meth:`_init`), so speculation in
+    fp16/bf16 on a GPU gives what plain decoding run the same way gives.
     """
 
     name = "torch"
