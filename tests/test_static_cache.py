@@ -204,3 +204,26 @@ def test_cuda_without_a_gpu_is_one_line_and_exit_2(stories_path):
 
 def stories_refs_model(path):
     return AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_one_kernel_rms_norm_is_bitwise_transformers(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from edgemtp.models.static_decoder import rms_norm
+
+    torch.manual_seed(0)
+    for cls in (LlamaRMSNorm, Qwen3RMSNorm):
+        norm = cls(96, eps=1e-5).to(dtype)
+        norm.weight.data = torch.randn(96).to(dtype)
+        for scale in (1e-3, 1.0, 50.0):
+            x = (torch.randn(2, 5, 96) * scale).to(dtype)
+            assert torch.equal(rms_norm(norm, x), norm(x)), (cls.__name__, scale)
+
+    class Gemmaish(torch.nn.Module):  # any other norm is called as it is
+        def forward(self, x):
+            return x * 2
+
+    x = torch.randn(3, 96).to(dtype)
+    assert torch.equal(rms_norm(Gemmaish(), x), x * 2)
