@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .decoder import TreeDecoder
@@ -36,6 +37,15 @@ class StaticTreeDecoder(TreeDecoder):
     plain decoding's are contiguous)."""
 
     exact_attention = False
+
+    def __init__(self, hf_model, family) -> None:
+        super().__init__(hf_model, family)
+        # q, k, v (and gate, up) as one matrix product each: fewer kernels per layer, bitwise
+        # the same rows on CPU (tested); the modules' weights become views of the fused ones,
+        # so the weights are not held twice
+        self.qkv = [_fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+                    for layer in self.model.layers]
+        self.gate_up = [_fuse(layer.mlp, ("gate_proj", "up_proj")) for layer in self.model.layers]
 
     def step(self, ids, pos, tree_mask, mask_embeds, p, k_cache, v_cache, width: int):
         """One block: ``ids``/``pos`` [T] int64, ``tree_mask`` [T, T] bool, ``mask_embeds``
@@ -53,18 +63,34 @@ class StaticTreeDecoder(TreeDecoder):
         groups = self.n_heads // self.n_kv
         mask = mask.repeat(groups, 1)[None, None]                     # [1, 1, G * T, B]
         for i, layer in enumerate(self.model.layers):
-            x = x + self._static_attention(layer, x, cos, sin, mask, rows, k_cache[i],
-                                           v_cache[i], width, groups)
-            x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+            x = x + self._static_attention(layer, self.qkv[i], x, cos, sin, mask, rows,
+                                           k_cache[i], v_cache[i], width, groups)
+            x = x + self._fused_mlp(layer, self.gate_up[i],
+                                     rms_norm(layer.post_attention_layernorm, x))
         h = rms_norm(self.model.norm, x)[0]
         return h, self.lm_head(h)
 
-    def _static_attention(self, layer, x, cos, sin, mask, rows, k_cache, v_cache, width, groups):
+    @staticmethod
+    def _fused_mlp(layer, gate_up, h):
+        mlp = layer.mlp
+        if gate_up is None:
+            return mlp(h)
+        gate, up = F.linear(h, *gate_up).split([mlp.gate_proj.out_features,
+                                                mlp.up_proj.out_features], dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+    def _static_attention(self, layer, qkv, x, cos, sin, mask, rows, k_cache, v_cache, width,
+                          groups):
         attn, t, d = layer.self_attn, x.shape[1], self.head_dim
         h = rms_norm(layer.input_layernorm, x)
-        q = attn.q_proj(h).view(1, t, self.n_heads, d)
-        k = attn.k_proj(h).view(1, t, self.n_kv, d)
-        v = attn.v_proj(h).view(1, t, self.n_kv, d)
+        if qkv is None:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        else:
+            q, k, v = F.linear(h, *qkv).split([self.n_heads * d, self.n_kv * d, self.n_kv * d],
+                                              dim=-1)
+        q = q.view(1, t, self.n_heads, d)
+        k = k.view(1, t, self.n_kv, d)
+        v = v.view(1, t, self.n_kv, d)
         if self.family.qk_norm:
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         # the rotary embedding of q and k in one pass (transformers' apply_rotary_pos_emb,
@@ -85,6 +111,30 @@ class StaticTreeDecoder(TreeDecoder):
                                                  scale=attn.scaling)
         out = out.reshape(1, self.n_heads, t, d).transpose(1, 2).reshape(1, t, -1)
         return attn.o_proj(out)
+
+
+def _fuse(module, names: tuple[str, ...]):
+    """``(weight, bias)`` of the Linear layers ``names`` of ``module`` stacked into one, their
+    own weights re-pointed at views of it; None (and nothing changed) where they are not plain
+    Linear layers of one dtype and device, or only some have a bias."""
+    linears = [getattr(module, n, None) for n in names]
+    if not all(type(m) is nn.Linear for m in linears):
+        return None
+    ws = [m.weight for m in linears]
+    biased = [m.bias is not None for m in linears]
+    if len({(w.dtype, w.device) for w in ws}) != 1 or len(set(biased)) != 1:
+        return None
+    with torch.no_grad():
+        weight = torch.cat([w.detach() for w in ws])
+        bias = torch.cat([m.bias.detach() for m in linears]) if biased[0] else None
+        at = 0
+        for m in linears:
+            n = m.out_features
+            m.weight = nn.Parameter(weight[at:at + n], requires_grad=False)
+            if bias is not None:
+                m.bias = nn.Parameter(bias[at:at + n], requires_grad=False)
+            at += n
+    return weight, bias
 
 
 # transformers' RMSNorm modules that compute x * rsqrt(mean(x^2) + eps) in float32, cast back,

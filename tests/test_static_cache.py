@@ -227,3 +227,23 @@ def test_one_kernel_rms_norm_is_bitwise_transformers(dtype):
 
     x = torch.randn(3, 96).to(dtype)
     assert torch.equal(rms_norm(Gemmaish(), x), x * 2)
+
+
+def test_fused_projections_share_the_weights(stories_path):
+    """q/k/v and gate/up run as one matrix product each; the modules' own weights become
+    views of the fused ones, so nothing is held twice and transformers still runs them."""
+    hf = AutoModelForCausalLM.from_pretrained(stories_path).eval()
+    ids = torch.tensor([[1, 300, 301, 302]])
+    with torch.no_grad():
+        before = hf(ids).logits
+    backend = TorchBackend.from_model(hf)
+    for layer, (w, b), (gu, _) in zip(hf.model.layers, backend.decoder.qkv,
+                                      backend.decoder.gate_up):
+        attn = layer.self_attn
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
+            assert lin.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+        assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == \
+            gu.untyped_storage().data_ptr()
+        assert w.shape[0] == attn.q_proj.out_features + 2 * attn.k_proj.out_features
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, before)
