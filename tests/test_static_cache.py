@@ -207,7 +207,7 @@ def stories_refs_model(path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_one_kernel_rms_norm_is_bitwise_transformers(dtype):
+def test_one_kernel_rms_norm_matches_transformers(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -219,7 +219,10 @@ def test_one_kernel_rms_norm_is_bitwise_transformers(dtype):
         norm.weight.data = torch.randn(96).to(dtype)
         for scale in (1e-3, 1.0, 50.0):
             x = (torch.randn(2, 5, 96) * scale).to(dtype)
-            assert torch.equal(rms_norm(norm, x), norm(x)), (cls.__name__, scale)
+            if dtype == torch.float32:
+                assert torch.equal(rms_norm(norm, x), norm(x)), (cls.__name__, scale)
+            else:  # one rounding instead of two: within about an ulp of transformers'
+                torch.testing.assert_close(rms_norm(norm, x), norm(x))
 
     class Gemmaish(torch.nn.Module):  # any other norm is called as it is
         def forward(self, x):
