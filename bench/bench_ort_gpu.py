@@ -78,8 +78,9 @@ def export_random(name: str, dtype: str, work: Path, max_context: int) -> Path:
 def prompts_for(model, n: int) -> list[list[int]]:
     """The shipped story prompts where the vocabulary is stories260K's, else fixed random ids
     (a random-weight model has no tokenizer)."""
-    ids = json.loads((Path(__file__).resolve().parent / "data" / "gpu_prompts.json")
-                     .read_text())["prompts"]
+    import bench_gpu
+
+    ids = json.loads(bench_gpu.PROMPTS_FILE.read_text())["prompts"]
     if model.backend.vocab_size == 512:
         return ids[:n]
     rng = np.random.default_rng(0)
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
             ort.preload_dlls()
         except Exception as e:  # noqa: BLE001  (a CPU build has nothing to preload)
             print(f"onnxruntime.preload_dlls: {e}", flush=True)
-    import bench_gpu  # noqa: F401  (imports edgemtp from this tree)
+    import bench_gpu  # (imports edgemtp from this tree)
 
     providers = ort.get_available_providers()
     print(f"onnxruntime {ort.__version__} from {Path(ort.__file__).parent}: {providers}",
@@ -193,14 +194,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         packages.append(export_random(name, dtype, work, a.max_context))
         print(f"exported {name}:{dtype} in {time.perf_counter() - t0:.0f} s", flush=True)
-    gpu = "no GPU"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
+    gpu = bench_gpu.device_name("cuda" if bench_gpu.torch.cuda.is_available() else "cpu")
     summary = dict(gpu=gpu, date=time.strftime("%Y-%m-%d %H:%M"), onnxruntime=ort.__version__,
                    providers=providers, command="python bench/bench_ort_gpu.py "
                    + " ".join(sys.argv[1:] if argv is None else argv), rows=[])

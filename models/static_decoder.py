@@ -62,6 +62,8 @@ class StaticTreeDecoder(TreeDecoder):
         mask = (col < p) | (in_block & tree_mask[:, rel.clamp(0, t - 1)])       # [T, B]
         groups = self.n_heads // self.n_kv
         mask = mask.repeat(groups, 1)[None, None]                     # [1, 1, G * T, B]
+        if self.exact_attention:  # what exact_attention takes: the hidden columns, once a step
+            mask = ~mask
         for i, layer in enumerate(self.model.layers):
             x = x + self._static_attention(layer, self.qkv[i], x, cos, sin, mask, rows,
                                            k_cache[i], v_cache[i], width, groups)
@@ -102,7 +104,7 @@ class StaticTreeDecoder(TreeDecoder):
         v_cache.index_copy_(1, rows, v[0].transpose(0, 1).to(v_cache.dtype))
         # query head h reads KV head h // G: [1, H, T, D] -> [1, H_kv, G * T, D]
         q = q.reshape(1, self.n_kv, groups * t, d)
-        if self.exact_attention:
+        if self.exact_attention:  # (mask: the hidden columns here)
             out = exact_attention(q, k_cache[None, :, :width], v_cache[None, :, :width], mask,
                                   attn.scaling)
         else:
@@ -155,21 +157,22 @@ def rms_norm(norm, x):
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
-def exact_attention(q, k, v, mask, scale: float):
+def exact_attention(q, k, v, hidden, scale: float):
     """Softmax attention with every sum in float64: the products of two float32 (or fp16,
     bf16) numbers are exact there, and a float64 sum of a few thousand of them is off by
     ~1e-16 relative whatever its order, far below what the cast back to the model's dtype
     rounds. So a row's output is the same whether its visible columns sit together (plain
     decoding) or scattered among masked ones (a tree row): a GPU kernel's summation order,
-    which follows column positions, no longer shows. Masked columns weigh exactly 0.
+    which follows column positions, no longer shows. ``hidden``: True where a row may not
+    look (the inverse of SDPA's ``attn_mask``); those columns weigh exactly 0.
 
     >>> q, k, v = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
     >>> mask = torch.tensor([[True, False, True], [True, True, True]])[None, None]
     >>> ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5)
-    >>> bool(torch.allclose(exact_attention(q, k, v, mask, 0.5), ref, atol=1e-6))
+    >>> bool(torch.allclose(exact_attention(q, k, v, ~mask, 0.5), ref, atol=1e-6))
     True
     """
     s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask, float("-inf"))
+    s = s.masked_fill(hidden, float("-inf"))
     e = torch.exp(s - s.amax(-1, keepdim=True))
     return (torch.matmul(e, v.double()) / e.sum(-1, keepdim=True)).to(q.dtype)
