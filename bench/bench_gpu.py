@@ -700,13 +700,21 @@ def merge(parts: list[str], out: Path, notes: list[str]) -> Path:
     for part in parts:
         path, _, label = part.partition("=")
         label, _, keys = label.partition(":")
-        summary = json.loads(Path(path).read_text())
-        metas.append(summary["meta"])
-        commands.append(summary["meta"]["command"])
-        for key, e in summary["entries"].items():
-            if keys and key not in keys.split("+"):
-                continue
-            entries[merge_key(key, label)] = e
+        try:
+            summary = json.loads(Path(path).read_text())
+            metas.append(summary["meta"])
+            commands.append(summary["meta"]["command"])
+            found = summary["entries"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"--merge: {path!r} is not a gpu_summary.json written by this "
+                             f"script ({type(e).__name__}: {e})") from None
+        wanted = keys.split("+") if keys else list(found)
+        missing = [k for k in wanted if k not in found]
+        if missing:
+            raise SystemExit(f"--merge: {path!r} has no entry {', '.join(missing)}; it has "
+                             f"{', '.join(found)}")
+        for key in wanted:
+            entries[merge_key(key, label)] = found[key]
     devices = {m["device"] for m in metas}
     if len(devices) != 1:
         raise SystemExit(f"--merge: the parts come from different devices ({sorted(devices)})")

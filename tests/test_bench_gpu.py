@@ -219,6 +219,10 @@ def test_merge_keeps_each_runs_entries_under_their_labels(bench, tmp_path):
     other = part("c3", "A100", ["llama3.2-1b/fp16"], "run c")
     with pytest.raises(SystemExit, match="different devices"):
         bench.merge([a, other], tmp_path / "out2", [])
+    with pytest.raises(SystemExit, match="has no entry qwen3-0.6b/fp16"):
+        bench.merge([f"{b}=x:qwen3-0.6b/fp16"], tmp_path / "out3", [])
+    with pytest.raises(SystemExit, match="is not a gpu_summary.json"):
+        bench.merge([str(tmp_path / "missing.json")], tmp_path / "out4", [])
 
 
 def test_cli_runs_from_the_tree_without_an_install(tmp_path):
