@@ -713,7 +713,7 @@ def merge(parts: list[str], out: Path, notes: list[str]) -> Path:
         if missing:
             raise SystemExit(f"--merge: {path!r} has no entry {', '.join(missing)}; it has "
                              f"{', '.join(found)}")
-        for key in wanted:
+        for key in (k for k in found if k in wanted):  # in the file's order
             entries[merge_key(key, label)] = found[key]
     devices = {m["device"] for m in metas}
     if len(devices) != 1:
