@@ -66,8 +66,12 @@ class Stats:
         }
 
     def summary(self) -> str:
+        # auto picks a plan per step: its BC is a ceiling and its mask count varies (its
+        # steps say what ran); a drafter without mask tokens has no k to show
+        shape = (f"BC <= {self.bc}" if self.steps_by_kind else
+                 f"BC {self.bc}, k {self.mask_tokens}" if self.mask_tokens else f"BC {self.bc}")
         line = (f"{self.new_tokens} tokens in {self.forward_calls} forward calls "
-                f"(BE {self.block_efficiency:.2f}, BC {self.bc}, k {self.mask_tokens}) | "
+                f"(BE {self.block_efficiency:.2f}, {shape}) | "
                 f"{self.tokens_per_second:.1f} tok/s | host overhead {100 * self.host_overhead:.0f}%")
         if self.steps_by_kind:  # what auto chose, most used first
             kinds = sorted(self.steps_by_kind.items(), key=lambda kv: (-kv[1], kv[0]))

@@ -2,6 +2,8 @@
 LADE / k = 2 drafters by the device's latency curve, never exceeds the budget, and stays
 lossless whatever it picks."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -153,6 +155,53 @@ def test_measured_latency_curve_is_monotone_and_leaves_other_sessions_alone(setu
     assert mine.cache_len == 3
 
 
+class BurstBackend:
+    """The real backend, whose first ``slow`` decode forwards (after the measuring session's
+    prefill) each take ``pause`` seconds more: a load that passes while a curve is measured."""
+
+    def __init__(self, inner, slow: int, pause: float):
+        self.inner, self.slow, self.pause = inner, slow, pause
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def session(self, **kw):
+        inner, outer = self.inner.session(**kw), self
+
+        class Session:
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+            def forward(self, ids, *a, **kw):
+                if inner.cache_len and outer.slow > 0:
+                    outer.slow -= 1
+                    time.sleep(outer.pause)
+                return inner.forward(ids, *a, **kw)
+
+        return Session()
+
+
+def test_a_passing_load_does_not_flatten_the_measured_curve(setup):
+    # measured size by size, five slow forwards in a row made every sample of t(1) slow and
+    # the running maximum carried it up the curve (t(1) = t(8)); in interleaved rounds each
+    # size gets at most one slow sample of four
+    curve = measure_latency(BurstBackend(setup[0], slow=5, pause=0.25), (1, 2, 8), repeats=4)
+    assert curve.seconds[0] < 0.1, curve.seconds  # a stories260K step is ~1 ms on CPU
+    assert all(b >= a for a, b in zip(curve.seconds, curve.seconds[1:]))
+
+
+def test_auto_corrects_a_curve_that_overstates_its_steps(setup):
+    # SLOW_FLAT says 0.2 s a step; the tiny model takes ~1 ms: the host time auto learns per
+    # kind of step goes negative (down to half of t(T)) instead of stopping at zero
+    backend, prompts, refs = setup
+    memory = {}
+    config = GenerationConfig(drafter="auto", bc=10, max_new_tokens=24, latency=SLOW_FLAT)
+    results, _ = _run(backend, prompts[:2], config, memory)
+    assert [r.token_ids for r in results] == [r[:24] for r in refs[:2]]
+    host = memory["auto-host-by-kind"]
+    assert -0.1 - 1e-9 <= host["plain"] < -0.05, host
+
+
 def test_latency_curve_rejects_nonsense():
     with pytest.raises(ConfigError, match="increase"):
         LatencyCurve((4, 1), (1e-3, 2e-3))
@@ -260,9 +309,12 @@ def test_stats_say_which_kinds_of_step_auto_took(setup):
     assert r.stats.to_dict()["steps_by_kind"] == kinds
     top, n = min(kinds.items(), key=lambda kv: (-kv[1], kv[0]))  # most used, then by name
     assert f"| steps: {top} {n}" in r.stats.summary()
+    assert "BC <= 60)" in r.stats.summary()  # a ceiling, and no one mask count
     probe = Generation(backend, config.with_(drafter="probe"), prompts[0]).run().stats
     assert probe.steps_by_kind == {} and "steps_by_kind" not in probe.to_dict()
-    assert "steps:" not in probe.summary()
+    assert "steps:" not in probe.summary() and "BC 60, k 1)" in probe.summary()
+    pld = Generation(backend, config.with_(drafter="pld", bc=10), prompts[0]).run().stats
+    assert "BC 10)" in pld.summary()  # no mask tokens: no k
 
 
 def test_latency_is_measured_on_a_small_session(setup, stories_pkg):

@@ -13,7 +13,8 @@ per second::
 an ``edgemtp profile`` file) plus the host time of a step, measured while generating as the
 time between steps minus ``t(T)``, for plain and speculative steps apart (a speculative step
 binds new shapes and drafts; it is charged at least a plain step's host time). The measured
-host time also absorbs an error of the curve at the sizes actually used. The acceptance
+host time also absorbs an error of the curve at the sizes actually used, either way: it may
+be negative where the curve overstates a step (down to half of ``t(T)``). The acceptance
 comes from the ranks at which the true tokens appeared among the mask token's candidates so
 far, and from how far every lookup chain (used or not) agreed with the tokens that followed,
 per matched n-gram length and weighted to the recent past (a code prompt's chains fare worse
@@ -451,9 +452,12 @@ class AutoDrafter:
         now = time.perf_counter()
         if self._t_step is not None:  # the last step's host time beyond its forward
             kind, t = self._last
-            extra = now - self._t_step - self._lat_at(t)
-            # clipped: a pause (GC, a busy consumer) must not swing the estimate
-            extra = min(max(extra, 0.0), 2.0 * max(self.host.values(), default=0.0)
+            lat = self._lat_at(t)
+            extra = now - self._t_step - lat
+            # signed, so it also corrects a curve that overstates t(T) (measured under a
+            # passing load, or at another cache length); clipped, so a pause (GC, a busy
+            # consumer) cannot swing the estimate, and a step never looks free
+            extra = min(max(extra, -0.5 * lat), 2.0 * max([0.0, *self.host.values()])
                         + self._lat[1])
             h = self.host.get(kind)
             self.host[kind] = extra if h is None else h + self.host_ema * (extra - h)
