@@ -62,10 +62,12 @@ def eval_prompts(model: Model, n: int, stride: int = 1) -> tuple[list, str]:
             f"Spec-Bench, first {per} question(s) of {which}, chat template (held out)")
 
 
-def step_costs(model: Model, rounds: int = 15, reps: int = 10) -> dict:
+def step_costs(model: Model, rounds: int = 15, reps: int = 10, bcs=()) -> dict:
     """Median microseconds of a one-row base forward at P = 64 (t(1)) and of one heads run
-    per kind (the drafter's extra work per step; the residual kind includes the root's
-    embedding lookup), and each kind's cost as a share of t(1): the median over ``rounds``
+    per kind (the drafter's extra work per step; where a graph takes the root's embedding,
+    its lookup included), and each kind's cost as a share of t(1), for the graph's whole
+    top-K (``KIND``) and for the candidates a BC-N heads drafter asks for (``KIND@N``,
+    ``k = N``, for N in ``bcs``): the median over ``rounds``
     of (heads median / t(1) median) measured back to back in that round, so a load that
     comes and goes on a shared machine moves both sides of each ratio alike."""
     b = model.backend
@@ -87,11 +89,16 @@ def step_costs(model: Model, rounds: int = 15, reps: int = 10) -> dict:
     fns = {"t1": lambda: s.forward(np.array([5]), np.array([64]), one, None),
            "t1_hidden": lambda: s.forward(np.array([5]), np.array([64]), one, None,
                                           hidden=True)}
+    kinds = []
     for info in b.package.meta.heads:
-        r = HeadsRunner.load(b.package, info.kind)
-        embed = "root_embeds" in r.inputs
-        fns[info.kind] = (lambda r=r, embed=embed:
-                          r.run(h, b.embed(np.array([5]))[0] if embed else None))
+        for k in (None, *bcs):
+            r = HeadsRunner.load(b.package, info.kind, k=k)
+            if k is not None and r.k == r.info.topk:
+                continue  # no k input (an older graph), or k >= its top-K: the same run
+            embed, key = r.needs_embedding, info.kind if k is None else f"{info.kind}@{k}"
+            kinds.append(key)
+            fns[key] = (lambda r=r, embed=embed:
+                        r.run(h, 5, b.embed(np.array([5]))[0] if embed else None))
     per: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm up
         for _ in range(3):
@@ -100,9 +107,9 @@ def step_costs(model: Model, rounds: int = 15, reps: int = 10) -> dict:
         for k, fn in fns.items():
             per[k].append(timed(fn))
     out = {f"{k}_us": statistics.median(v) for k, v in per.items()}
-    for info in b.package.meta.heads:
-        ratios = [x / t for x, t in zip(per[info.kind], per["t1_hidden"])]
-        out[f"{info.kind}_share"] = statistics.median(ratios)
+    for key in kinds:
+        ratios = [x / t for x, t in zip(per[key], per["t1_hidden"])]
+        out[f"{key}_share"] = statistics.median(ratios)
     out["load_1min"], out["rounds"] = os.getloadavg()[0], rounds
     return out
 
@@ -160,9 +167,14 @@ def markdown(rows: list, costs: dict, heads: list, meta: dict) -> str:
             f"run (the drafter's extra work per step), median of {costs.get('rounds', 15)} "
             f"rounds each timing both back to back:"]
     for h in heads:
-        us = costs[f"{h['kind']}_us"]
-        share = costs.get(f"{h['kind']}_share", us / t1)
-        out.append(f"- {h['kind']}: {us:.0f} us = {100 * share:.1f} % of t(1)")
+        for key in [h["kind"]] + sorted((k.rsplit("_", 1)[0] for k in costs
+                                         if k.startswith(h["kind"] + "@") and k.endswith("_us")),
+                                        key=lambda k: int(k.split("@")[1])):
+            us = costs[f"{key}_us"]
+            share = costs.get(f"{key}_share", us / t1)
+            what = (f"all {h['topk']} candidates" if "@" not in key else
+                    f"k = {key.split('@')[1]}, as at BC {key.split('@')[1]}")
+            out.append(f"- {h['kind']} ({what}): {us:.0f} us = {100 * share:.1f} % of t(1)")
     return "\n".join(out) + "\n"
 
 
@@ -184,7 +196,7 @@ def main(argv=None) -> int:
     prompts, what = eval_prompts(model, a.prompts, a.stride)
     bcs = [int(b) for b in a.bc.split(",")]
     rows = run(model, prompts, bcs, a.new_tokens, a.repeats)
-    costs = step_costs(model)
+    costs = step_costs(model, bcs=bcs)
     heads = model.backend.package.manifest["heads"]
     name = a.name or Path(a.package).name
     meta = dict(model=name, package=a.package, prompts=len(prompts), prompt_set=what,

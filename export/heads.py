@@ -345,37 +345,47 @@ def plot_loss(history: list[float], path: Path, title: str) -> None:
 
 
 def export_heads(model_heads, lm_head: np.ndarray, path: Path, topk: int,
-                 chain: int | None = None, opset: int = 17) -> float:
+                 chain: int | None = None, opset: int = 17, by_id: bool = False) -> float:
     """Trace :class:`models.heads.HeadsGraph` to ``path``; returns the largest log-prob
     difference of the graph in onnxruntime against PyTorch on random hidden states (top-K ids
     must be equal where the log-probs are clearly apart). ``chain``: the residual kind's
-    chain rows, the first ``chain`` of ``lm_head`` (None: all)."""
+    chain rows, the first ``chain`` of ``lm_head`` (None: all). ``by_id`` (residual, no
+    ``chain``): ``lm_head`` is the whole vocabulary in id order, so the graph takes the roots'
+    ids (``root_ids``) and reads the chain from ``lm_head`` itself; else the roots'
+    embeddings (``root_embeds``) and a separate ``lm_chain``. The top-K's ``K`` becomes a
+    graph input ``k`` (at most ``topk``: the rows are sorted, so a smaller ``k`` is a prefix)."""
     import torch
 
     from edgemtp.models.heads import HeadsGraph, MedusaHeads
 
-    graph = HeadsGraph(model_heads, topk).eval()
     residual = not isinstance(model_heads, MedusaHeads)
+    by_id = residual and by_id and chain is None
+    table = torch.from_numpy(np.ascontiguousarray(lm_head, dtype=np.float32))
+    rows_c = table[:chain or len(table)].clone()
+    graph = HeadsGraph(model_heads, topk, rows_c if residual else None).eval()
     d = lm_head.shape[1]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, d, generator=gen)
-    roots = torch.randn(3, d, generator=gen)
-    table = torch.from_numpy(np.ascontiguousarray(lm_head, dtype=np.float32))
-    if residual:
+    if by_id:
+        names = ["hidden", "root_ids", "lm_head"]
+        feeds = [x, torch.randint(0, len(table), (3,), generator=gen), table]
+    elif residual:
         names = ["hidden", "root_embeds", "lm_head", "lm_chain"]
-        feeds = [x, roots, table, table[:chain or len(table)].clone()]
+        feeds = [x, torch.randn(3, d, generator=gen), table, rows_c]
     else:
         names, feeds = ["hidden", "lm_head"], [x, table]
-    axes = {"hidden": {0: "N"}, "root_embeds": {0: "N"}, "lm_head": {0: "M"},
-            "lm_chain": {0: "C"}, "ids": {0: "N"}, "logprobs": {0: "N"}}
+    axes = {"hidden": {0: "N"}, "root_embeds": {0: "N"}, "root_ids": {0: "N"},
+            "lm_head": {0: "M"}, "lm_chain": {0: "C"}, "ids": {0: "N"}, "logprobs": {0: "N"}}
 
-    class _Graph(torch.nn.Module):  # the residual kind's signature has root_embeds, lm_chain
+    class _Graph(torch.nn.Module):  # the signature each kind exports with
         def __init__(self):
             super().__init__()
             self.g = graph
 
         def forward(self, *a):
-            return self.g(*a) if residual else self.g(a[0], None, a[1])
+            if not residual:
+                return self.g(a[0], None, a[1])
+            return self.g(a[0], a[1], a[2], None if by_id else a[3])
 
     wrapped = _Graph().eval()
     with torch.no_grad():
@@ -387,8 +397,10 @@ def export_heads(model_heads, lm_head: np.ndarray, path: Path, topk: int,
         ref_ids, ref_lp = (t.numpy() for t in wrapped(*feeds))
     rows = {n: a.numpy() for n, a in zip(names, feeds) if n in ROW_INPUTS}
     _rows_as_initializers(path, rows)
+    _k_as_input(path)
     sess = heads_session(path, 1, rows)
-    ids, lp = sess.run(None, {n: a.numpy() for n, a in zip(names, feeds) if n not in rows})
+    run = {n: a.numpy() for n, a in zip(names, feeds) if n not in rows}
+    ids, lp = sess.run(None, {**run, "k": np.array([topk], dtype=np.int64)})
     diff = float(np.abs(lp - ref_lp).max())
     # relative to the log-prob scale: the residual kind chains H steps of float32 sums, and
     # a 576-wide model's log-probs differ by ~5e-3 on a scale of ~30 (SmolLM2)
@@ -399,7 +411,39 @@ def export_heads(model_heads, lm_head: np.ndarray, path: Path, topk: int,
         raise ConfigError(f"the exported heads graph differs from PyTorch: max |log-prob diff| "
                           f"{diff:.2e} (limit {max(limit, 1e-3):.1e}), top-1 ids equal: "
                           f"{bool(same.all())}")
+    small = sess.run(None, {**run, "k": np.array([2], dtype=np.int64)})
+    if small[0].shape[-1] != 2 or not np.array_equal(small[0], ids[..., :2]):
+        raise ConfigError("the exported heads graph's k input does not select a prefix of "
+                          "its candidates")
     return diff
+
+
+def _k_as_input(path: Path) -> None:
+    """Make the TopK's ``K`` the graph input ``k`` (int64 ``[1]``), and the outputs' last
+    axis dynamic: a tree of ``N`` nodes never reads more than ``N`` candidates of a head, and
+    onnxruntime's TopK over ``[H, M]`` costs ~2 us at ``K = 8`` against ~5 us at 32 (a
+    stories260K heads run is ~40 us)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    [topk] = [n for n in g.node if n.op_type == "TopK"]
+    old = topk.input[1]
+    topk.input[1] = "k"
+    g.input.append(onnx.helper.make_tensor_value_info("k", onnx.TensorProto.INT64, [1]))
+    if not any(old in n.input for n in g.node):  # the constant fed only the TopK
+        keep = [n for n in g.node if old not in n.output]
+        del g.node[:]
+        g.node.extend(keep)
+        keep = [t for t in g.initializer if t.name != old]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+    for out in g.output:
+        dims = out.type.tensor_type.shape.dim
+        if len(dims):
+            dims[-1].Clear()
+            dims[-1].dim_param = "K"
+    onnx.save(model, str(path))
 
 
 def _rows_as_initializers(path: Path, rows: dict[str, np.ndarray]) -> None:
@@ -477,7 +521,8 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
     out.mkdir(exist_ok=True)
     topk = min(HEADS_TOPK, len(lm_head))
     chain = CHAIN if opt.kind == "residual" and vocab is not None and len(vocab) > CHAIN else None
-    export_heads(heads, lm_head, out / f"{opt.kind}.onnx", topk, chain)
+    by_id = opt.kind == "residual" and vocab is None
+    export_heads(heads, lm_head, out / f"{opt.kind}.onnx", topk, chain, by_id=by_id)
     vocab_file = None
     if vocab is not None:
         vocab_file = f"{HEADS_DIR}/{opt.kind}.vocab.npy"
@@ -488,7 +533,7 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
     info = HeadsInfo(
         kind=opt.kind, file=f"{HEADS_DIR}/{opt.kind}.onnx", heads=opt.heads, topk=topk,
         vocab=len(lm_head), vocab_file=vocab_file, chain=chain,
-        supplied=ROW_INPUTS if opt.kind == "residual" else ROW_INPUTS[:1],
+        supplied=ROW_INPUTS if opt.kind == "residual" and not by_id else ROW_INPUTS[:1],
         width=getattr(heads, "width", None), loss_plot=plot,
         training=HeadsTraining(
             data=data or "given prompts", prompts=len(ids) + 1, sequences=len(cache["lengths"]),

@@ -130,42 +130,77 @@ def build(kind: str, lm_head: torch.Tensor, heads: int, **options) -> nn.Module:
 
 
 class HeadsGraph(nn.Module):
-    """What ``heads/<kind>.onnx`` computes: hidden ``[N, d]`` (and, residual kind, the
-    embeddings of the roots ``[N, d]``, the tokens the base model chose after each row) ->
-    the top-K ids (rows of ``lm_head``) and log-probs of every head, ``[N, H, K]``.
+    """What ``heads/<kind>.onnx`` computes: hidden ``[N, d]`` (and, residual kind, the roots,
+    the tokens the base model chose after each row) -> the top-K ids (rows of ``lm_head``)
+    and log-probs of every head, ``[N, H, K]``.
 
     ``lm_head [M, d]`` is the LM head's rows the heads score; the exported graph declares it
     as an initializer whose data the runtime hands to onnxruntime from the package's own
     embedding table when it loads the graph (tied models), so the heads file holds no copy,
     and onnxruntime still treats the rows as constant weights (packed once at load: a
     MatMul whose right side is a graph input re-packs all M rows every run, 2-3x slower).
-    Every head's state goes through ONE LM-head MatMul ``[N, H, d] x [d, M]`` (one GEMM
-    over the ``N * H`` rows), so the rows are read once per run, not once per head. The
-    residual kind feeds each step's top-1 token to the next step in-graph (top-1
-    expansion); that token is the argmax over
-    ``lm_chain [C, d]``, the first ``C`` rows of ``lm_head`` (the same memory; rows are in
-    frequency order), so the chain reads ``C`` rows a step instead of ``M``.
+
+    The residual kind feeds each step's top-1 token to the next step in-graph (top-1
+    expansion); that token is the argmax over ``lm_chain [C, d]``, the first ``C`` rows of
+    ``lm_head`` (the same memory; rows are in frequency order), so the chain reads ``C`` rows
+    a step instead of ``M``. Its module's first layer is split by input: ``up(cat(unit(h),
+    unit(e))) = unit(h) W_h + (unit(e) W_e + b)``, and the token half is a table ``U [C, w]``
+    precomputed for the chain's rows (``chain_table``), so a step gathers one row of ``U``
+    where it normalised an embedding, concatenated and multiplied (a heads run on a model as
+    small as stories260K is mostly onnxruntime's per-node cost). Where the chain reads the
+    whole vocabulary in id order (``lm_chain`` None), the root's row of ``U`` is gathered by
+    its id (graph input ``root_ids``) and the chain's logits are the heads' logits; else the
+    root comes as its embedding (``root_embeds``).
+
+    Every head's logits come from one LM-head product over the ``N * H`` states (or the
+    chain's own), then the top-K of the log-softmax; ``K`` is a graph input once exported
+    (``export.heads``), so a drafter asks for no more candidates than its tree can use.
     """
 
-    def __init__(self, heads: nn.Module, topk: int) -> None:
+    def __init__(self, heads: nn.Module, topk: int,
+                 chain_table: torch.Tensor | None = None) -> None:
         super().__init__()
         self.heads, self.topk = heads, topk
+        if not isinstance(heads, MedusaHeads):
+            if chain_table is None:
+                raise ValueError("the residual kind's graph needs the chain's rows (chain_table)")
+            d = chain_table.shape[1]
+            w, b = heads.up.weight.detach(), heads.up.bias.detach()
+            wd, bd = (t.detach() for t in heads.folded_down())
+            self.register_buffer("wh_t", w[:, :d].t().contiguous())
+            self.register_buffer("we_t", w[:, d:].t().contiguous())
+            self.register_buffer("b_up", b.clone())
+            self.register_buffer("wd_t", wd.t().contiguous())
+            self.register_buffer("b_down", bd.clone())
+            with torch.no_grad():  # U [C, w]: the token half of the first layer, per chain row
+                self.register_buffer("u_table", torch.addmm(
+                    b, unit(chain_table.float(), heads.ones), self.we_t))
 
-    def forward(self, hidden, root_embeds, lm_head, lm_chain=None):
+    def forward(self, hidden, root, lm_head, lm_chain=None):
+        # root: the roots' ids [N] (int64, lm_chain None) or their embeddings [N, d]
         # shapes are reshaped with constants only (-1 for N): no shape arithmetic in-graph
         hh, d = self.heads.heads, lm_head.shape[1]
         if isinstance(self.heads, MedusaHeads):
-            states = self.heads.states(hidden)                                # [N, H, d]
+            logits = F.linear(self.heads.states(hidden), lm_head)            # [N, H, M]
         else:
-            folded = self.heads.folded_down()
-            per, h, e = [], hidden, root_embeds
+            ones, reuse = self.heads.ones, lm_chain is None
+            chain = lm_head if reuse else lm_chain
+            u = (self.u_table[root] if not torch.is_floating_point(root)
+                 else torch.addmm(self.b_up, unit(root, ones), self.we_t))
+            h, per, outs = hidden, [], []
             for j in range(hh):
-                h = self.heads.step(h, e, folded)
+                y = F.silu(torch.addmm(u, unit(h, ones), self.wh_t))
+                h = h + torch.addmm(self.b_down, y, self.wd_t)
                 per.append(h)
-                if j + 1 < hh:  # tied: the LM head row is the embedding
-                    e = lm_chain[F.linear(h, lm_chain).argmax(dim=-1)]
-            states = torch.cat(per, dim=-1).reshape(-1, hh, d)                # [N, H, d]
-        logits = F.linear(states, lm_head)                                    # [N, H, M]
+                if j + 1 < hh or reuse:
+                    scores = F.linear(h, chain)                              # [N, C]
+                    outs.append(scores)
+                    if j + 1 < hh:
+                        u = self.u_table[scores.argmax(dim=-1)]
+            if reuse:  # the chain scored every row: those are the heads' logits
+                logits = torch.cat(outs, dim=-1).reshape(-1, hh, self.u_table.shape[0])
+            else:
+                logits = F.linear(torch.cat(per, dim=-1).reshape(-1, hh, d), lm_head)
         # the top-K of the log-softmax: two nodes (LogSoftmax, TopK), where the top-K of the
         # logits minus a logsumexp took eight (ReduceLogSumExp alone was several times
         # slower); a heads run's cost is mostly onnxruntime's per-node overhead

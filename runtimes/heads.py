@@ -4,9 +4,13 @@ onnxruntime (imported when a runner is made, never by the core).
 
 ::
 
-    heads/medusa.onnx    hidden [N, d]                      -> ids, logprobs [N, H, K]
-    heads/residual.onnx  hidden [N, d], root_embeds [N, d]  -> ids, logprobs
-                         supplied rows: lm_head [M, d] (both), lm_chain [C, d] (residual)
+    heads/medusa.onnx    hidden [N, d], k                   -> ids, logprobs [N, H, k]
+    heads/residual.onnx  hidden [N, d], root_ids [N] (whole vocabulary) or root_embeds
+                         [N, d] (a subset), k  -> ids, logprobs
+                         supplied rows: lm_head [M, d] (both), lm_chain [C, d] (residual
+                         over a subset)
+                         (both kinds: k [1], the candidates per head, <= topk; graphs from
+                         before it have none and give topk)
     heads/<kind>.vocab.npy  the M token ids the heads score, most frequent first (absent: the
                             whole vocabulary)
 
@@ -155,30 +159,43 @@ def _table(package, vocab_file: str | None) -> tuple[np.ndarray, np.ndarray | No
 
 @dataclass
 class HeadsRunner:
-    """Runs one package's heads on the host: ``run(hidden [d], root_embed [d])`` -> ids and
-    log-probs ``[H, K]`` as vocabulary ids. The session (weights) and the LM head rows are
-    shared per package; the binding and output buffers are this runner's (one generation)."""
+    """Runs one package's heads on the host: ``run(hidden [d], root, root_embed [d])`` ->
+    ids and log-probs ``[H, k]`` as vocabulary ids. The session (weights) and the LM head rows
+    are shared per package; the binding and output buffers are this runner's (one
+    generation). ``k``: the candidates per head it asks for (at most the graph's ``topk``;
+    None: all of them), for graphs that take ``k`` as an input (older ones give ``topk``)."""
 
     info: HeadsInfo
     session: object
     lm_head: np.ndarray          # [M, d] float32
     vocab: np.ndarray | None     # [M] ids of the rows (None: the rows are the vocabulary)
+    k: int | None = None
     inputs: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         s, i, d = self.session, self.info, self.lm_head.shape[1]
         self.inputs = tuple(x.name for x in s.get_inputs())
+        k = i.topk if "k" not in self.inputs or self.k is None else max(1, min(self.k, i.topk))
+        self.k = k
         self._hidden = np.zeros((1, d), dtype=np.float32)
         self._root = np.zeros((1, d), dtype=np.float32)
-        self._ids = np.zeros((1, i.heads, i.topk), dtype=np.int64)
-        self._lp = np.zeros((1, i.heads, i.topk), dtype=np.float32)
+        self._root_id = np.zeros(1, dtype=np.int64)
+        self._k = np.array([k], dtype=np.int64)
+        self._ids = np.zeros((1, i.heads, k), dtype=np.int64)
+        self._lp = np.zeros((1, i.heads, k), dtype=np.float32)
         io = self._io = s.io_binding()
-        feeds = {"hidden": self._hidden, "root_embeds": self._root, **self.rows(i, self.lm_head)}
+        feeds = {"hidden": self._hidden, "root_embeds": self._root, "root_ids": self._root_id,
+                 "k": self._k, **self.rows(i, self.lm_head)}
         for name in self.inputs:
             a = feeds[name]
             io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
         for name, a in (("ids", self._ids), ("logprobs", self._lp)):
             io.bind_output(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+
+    @property
+    def needs_embedding(self) -> bool:
+        """The graph takes the root as its embedding (a vocabulary subset), not its id."""
+        return "root_embeds" in self.inputs
 
     @staticmethod
     def rows(info: HeadsInfo, lm_head: np.ndarray) -> dict[str, np.ndarray]:
@@ -187,19 +204,22 @@ class HeadsRunner:
         return {"lm_head": lm_head, "lm_chain": lm_head[:info.chain or len(lm_head)]}
 
     @classmethod
-    def load(cls, package, kind: str | None = None, threads: int = 1) -> "HeadsRunner":
+    def load(cls, package, kind: str | None = None, threads: int = 1,
+             k: int | None = None) -> "HeadsRunner":
         info = pick(package.meta.heads, kind, f"the package {str(package.root)!r}")
         path = package.root / info.file
         st = path.stat()
         lm_head, vocab = _table(package, info.vocab_file)
-        supplied = {k: v for k, v in cls.rows(info, lm_head).items() if k in info.supplied}
+        supplied = {k_: v for k_, v in cls.rows(info, lm_head).items() if k_ in info.supplied}
         session = _graph(path, (st.st_size, st.st_mtime_ns), threads, supplied)
-        return cls(info, session, lm_head, vocab)
+        return cls(info, session, lm_head, vocab, k)
 
-    def run(self, hidden: np.ndarray, root_embed: np.ndarray | None = None
+    def run(self, hidden: np.ndarray, root: int = 0, root_embed: np.ndarray | None = None
             ) -> tuple[np.ndarray, np.ndarray]:
-        # hidden, root_embed: [d] -> ids, logprobs [H, K]
+        # hidden [d]; root: the token the base model chose there; root_embed [d]: its
+        # embedding, where the graph takes that (needs_embedding) -> ids, logprobs [H, k]
         self._hidden[0] = hidden
+        self._root_id[0] = root
         if root_embed is not None:
             self._root[0] = root_embed
         self.session.run_with_iobinding(self._io)

@@ -111,9 +111,11 @@ def test_short_training_lowers_the_loss_and_lists_the_heads(trained):
     assert all(f in meta.files for h in meta.heads for f in h.files())
 
 
-@pytest.mark.parametrize("kind,chain", [("medusa", None), ("residual", None),
-                                        ("residual", 40)])
-def test_heads_graph_agrees_with_pytorch(kind, chain, tmp_path):
+@pytest.mark.parametrize("kind,chain,by_id", [("medusa", None, False),
+                                              ("residual", None, True),
+                                              ("residual", None, False),
+                                              ("residual", 40, False)])
+def test_heads_graph_agrees_with_pytorch(kind, chain, by_id, tmp_path):
     from edgemtp.export.heads import export_heads
     from edgemtp.models.heads import HeadsGraph, build
     from edgemtp.runtimes.heads import ROW_INPUTS, HeadsInfo, HeadsRunner, heads_session
@@ -125,28 +127,36 @@ def test_heads_graph_agrees_with_pytorch(kind, chain, tmp_path):
         for p in heads.parameters():
             p.add_(0.3 * torch.randn_like(p))
     path = tmp_path / f"{kind}.onnx"
-    assert export_heads(heads, table.numpy(), path, topk=8, chain=chain) < 1e-3
+    assert export_heads(heads, table.numpy(), path, topk=8, chain=chain, by_id=by_id) < 1e-3
     # the LM-head rows are not in the file: the runtime supplies them (a view for the chain)
     import onnx
 
     held = {t.name: t for t in onnx.load(str(path), load_external_data=False).graph.initializer}
-    for name in ("lm_head", "lm_chain") if kind == "residual" else ("lm_head",):
+    supplied = ("lm_head", "lm_chain") if kind == "residual" and not by_id else ("lm_head",)
+    for name in supplied:
         assert held[name].data_location == onnx.TensorProto.EXTERNAL
         assert not held[name].raw_data
     info = HeadsInfo(kind=kind, file=path.name, heads=3, topk=8, vocab=96, chain=chain)
     rows = {k: v for k, v in HeadsRunner.rows(info, table.numpy()).items() if k in ROW_INPUTS}
     assert np.shares_memory(rows["lm_chain"], rows["lm_head"])
-    sess = heads_session(path, 1, rows if kind == "residual" else {"lm_head": rows["lm_head"]})
-    assert {i.name for i in sess.get_inputs()} == {"hidden", *(["root_embeds"] if kind ==
-                                                               "residual" else [])}
-    x, roots = torch.randn(5, 16), torch.randn(5, 16)
-    feeds = {"hidden": x.numpy(), "root_embeds": roots.numpy()}
+    sess = heads_session(path, 1, {k: rows[k] for k in supplied})
+    root_input = [] if kind == "medusa" else ["root_ids"] if by_id else ["root_embeds"]
+    assert {i.name for i in sess.get_inputs()} == {"hidden", "k", *root_input}
+    x, root_ids = torch.randn(5, 16), torch.randint(0, 96, (5,))
+    roots = root_ids if by_id else torch.randn(5, 16)
+    feeds = {"hidden": x.numpy(), "root_embeds": roots.numpy(), "root_ids": roots.numpy(),
+             "k": np.array([8])}
     ids, lp = sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})
     with torch.no_grad():
-        ref_ids, ref_lp = HeadsGraph(heads, 8)(x, roots, table, table[:chain or 96])
+        ref_ids, ref_lp = HeadsGraph(heads, 8, table[:chain or 96])(
+            x, roots, table, None if by_id else table[:chain or 96])
     np.testing.assert_allclose(lp, ref_lp.numpy(), atol=1e-4)
     assert (ids[..., 0] == ref_ids[..., 0].numpy()).all()
     assert ids.shape == (5, 3, 8)
+    # k: the first k candidates of each head, in the same order
+    few = sess.run(None, {**{i.name: feeds[i.name] for i in sess.get_inputs()},
+                          "k": np.array([3])})
+    assert few[0].shape == (5, 3, 3) and (few[0] == ids[..., :3]).all()
     if kind == "medusa":  # the heads are trained apart: they do not all predict the same
         assert len({tuple(ids[0, j, :3]) for j in range(3)}) > 1
 
@@ -183,10 +193,14 @@ def test_residual_graph_feeds_its_own_argmax_like_teacher_forcing():
         for p in heads.parameters():
             p.add_(0.2 * torch.randn_like(p))
         x, root = torch.randn(4, 8), torch.randint(0, 64, (4,))
-        ids, lp = HeadsGraph(heads, 64)(x, table[root], table, table)
+        graph = HeadsGraph(heads, 64, table)
+        ids, lp = graph(x, root, table)                    # the root by id, the chain's logits
+        by_embed = graph(x, table[root], table, table)     # the root by embedding
         forced = torch.stack([root, ids[:, 0, 0], ids[:, 1, 0]], dim=1)
         ref = torch.log_softmax(heads.logits(x, forced), dim=-1)
     np.testing.assert_allclose(lp[:, :, 0].numpy(), ref.max(-1).values.numpy(), atol=1e-5)
+    np.testing.assert_allclose(by_embed[1].numpy(), lp.numpy(), atol=1e-5)
+    assert (by_embed[0][..., 0] == ids[..., 0]).all()
 
 
 # -- the drafter: lossless, and better than probing -----------------------------------------

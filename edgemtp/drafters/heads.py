@@ -72,7 +72,7 @@ class HeadsDrafter:
     hidden = True   # every step returns the rows' last hidden states
 
     def __init__(self, backend: Backend, config: GenerationConfig,
-                 memory: dict | None = None) -> None:
+                 memory: dict | None = None, candidates: int | None = None) -> None:
         package = getattr(backend, "package", None)
         if package is None:
             raise ConfigError(f"the heads drafter runs a package's learned heads; the "
@@ -80,14 +80,18 @@ class HeadsDrafter:
                               f"edgemtp train-heads PACKAGE)")
         from ..runtimes.heads import HeadsRunner  # onnxruntime, when heads are asked for
 
-        self.runner = HeadsRunner.load(package, config.heads)
+        # a tree of N nodes reads at most N candidates of a head (N - 1 after the parent's
+        # token is pruned): the graph is asked for no more (``candidates``: the caller's own)
+        n = heads_budget(config)
+        self.runner = HeadsRunner.load(package, config.heads,
+                                       k=n if candidates is None else candidates)
         if not backend.supports_hidden:
             raise ConfigError(f"the package {str(package.root)!r} has heads but its graph "
                               f"does not output hidden states; re-export with --hidden-states")
-        n, depth = heads_budget(config), self.runner.info.heads
+        depth = self.runner.info.heads
         self.plans = head_plans(n, depth)
         self.prune = config.prune
-        self.embed = backend.embed if "root_embeds" in self.runner.inputs else None
+        self.embed = backend.embed if self.runner.needs_embedding else None
         self.calibration = None
         if config.calibrate:
             key = ("heads-calibration", self.runner.info.kind, n, config.prune)
@@ -122,9 +126,10 @@ class HeadsDrafter:
         """The candidates for the step after ``out``: the heads on the last committed row's
         hidden state (the bonus token is the next root). ``auto`` calls it alone when it wakes
         a dormant heads drafter, which did not observe the steps it slept through."""
-        root = np.array(new_tokens[-1:], dtype=np.int64)
+        root = new_tokens[-1]
         hidden = out.hidden[path_rows[-1]]
-        self._cand = self.runner.run(hidden, None if self.embed is None else self.embed(root)[0])
+        self._cand = self.runner.run(hidden, root, None if self.embed is None else
+                                     self.embed(np.array([root], dtype=np.int64))[0])
 
     def catch_up(self, tokens) -> None:
         """Nothing to catch up: the heads read only the last step (see :meth:`refresh`)."""
@@ -142,7 +147,8 @@ class HeadsHybridDrafter(HybridDrafter):
     def __init__(self, backend: Backend, config: GenerationConfig,
                  memory: dict | None = None) -> None:
         super().__init__(backend, config, memory)
-        self.heads = HeadsDrafter(backend, config.with_(drafter="heads", calibrate=False))
+        self.heads = HeadsDrafter(backend, config.with_(drafter="heads", calibrate=False),
+                                  candidates=self.topk)
         self.k = self.mask_tokens = 0
         key = ("hybrid-heads-hit-rates", config.bc, config.heads, config.prune,
                config.calibrate)
