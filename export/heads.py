@@ -361,8 +361,8 @@ def export_heads(model_heads, lm_head: np.ndarray, path: Path, topk: int,
     residual = not isinstance(model_heads, MedusaHeads)
     by_id = residual and by_id and chain is None
     table = torch.from_numpy(np.ascontiguousarray(lm_head, dtype=np.float32))
-    rows_c = table[:chain or len(table)].clone()
-    graph = HeadsGraph(model_heads, topk, rows_c if residual else None).eval()
+    rows_c = table[:chain or len(table)].clone() if residual else None
+    graph = HeadsGraph(model_heads, topk, rows_c).eval()
     d = lm_head.shape[1]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, d, generator=gen)

@@ -99,16 +99,16 @@ class ResidualHeads(_Scaled):
         nn.init.zeros_(self.down.weight)  # zero: h(t + j) starts as h(t)
         nn.init.zeros_(self.down.bias)
 
-    def step(self, h: torch.Tensor, token_embed: torch.Tensor,
-             folded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        # h, token_embed: [N, d] -> h of the next row; folded: :meth:`folded_down`
+    def step(self, h: torch.Tensor, token_embed: torch.Tensor) -> torch.Tensor:
+        # h, token_embed: [N, d] -> h of the next row (the exported graph computes the same
+        # step split up, see :class:`HeadsGraph`)
         x = torch.cat([unit(h, self.ones), unit(token_embed, self.ones)], dim=-1)
         y = F.silu(self.up(x))
-        return h + (self.scale * self.down(y) if folded is None else F.linear(y, *folded))
+        return h + self.scale * self.down(y)
 
     def folded_down(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``scale * down(y)`` as one linear: ``diag(scale) W_down``, ``scale * b_down`` (one
-        Gemm in the exported graph instead of Gemm and Mul)."""
+        Gemm in the exported graph instead of Gemm and Mul; :class:`HeadsGraph`)."""
         return self.down.weight * self.scale[:, None], self.down.bias * self.scale
 
     def states(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
