@@ -27,7 +27,7 @@ import numpy as np
 
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
-from edgemtp.runtimes.package import (COMMIT, FIXED_INPUTS, PAST_LEN, check_step, kv_names,
+from edgemtp.runtimes.package import (COMMIT, PAST_LEN, check_step, kv_names,
                                       load_package, run_rows)
 
 _INT64, _BOOL, _FLOAT32 = np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.float32)
@@ -414,9 +414,62 @@ class _CacheCommits:
         self.cache_len = 0
 
 
+class _Bound:
+    """One IOBinding of an :class:`OrtSession` for one block shape: ``key`` = (rows, padded
+    rows, top-K bound, logits bound, hidden bound). Its inputs are buffers of its own (ids,
+    positions, mask; bound once), its outputs the session's shared buffers at this shape, its
+    past the session's cache (rebound when the 64-row bucket moves). A session keeps one per
+    shape it has run, so a drafter whose block size changes step to step (auto, lookup
+    chains, the hybrid) binds a shape's 2 x layers present outputs once, not at each change
+    (~160 us of binds on a 30-layer model, cache-cold after a forward)."""
+
+    def __init__(self, s: "OrtSession", key: tuple) -> None:
+        b = s.backend
+        t, run_t, with_topk, logits, hidden = self.key = key
+        self.io = b.graph.io_binding()
+        self.host = Binder(b.ort, self.io, "cpu", b.public_binding)
+        self.kv_bind = Binder(b.ort, self.io, s.kv.device, b.public_binding)
+        self.ids = np.zeros(run_t, dtype=np.int64)
+        self.pos = np.zeros(run_t, dtype=np.int64)
+        # rows t .. run_t - 1 are padding (``weights.min_rows``): copies of row t - 1 that
+        # see only themselves, never committed; the block's own rows do not see them
+        self.mask = np.eye(run_t, dtype=np.bool_)
+        self.mask_t = self.mask[:t, :t]
+        self.mask_src = None  # the read-only array copied into mask_t last step
+        self.embeds = np.zeros((0, 0), dtype=np.float32)
+        self.embeds_src = None
+        self.past_width = -1
+        self.views: dict[int, tuple] = {}  # top-K -> this block's rows of the outputs
+        self.bind_inputs(s)
+        io, out = self.io, self.host.output
+        s.kv.bind_present(self.kv_bind, run_t)
+        out("argmax", _INT64, [1, run_t], s._argmax.ctypes.data)
+        if with_topk:
+            out("topk_ids", _INT64, [1, run_t, b.topk], s._top_ids.ctypes.data)
+            out("topk_logprobs", _FLOAT32, [1, run_t, b.topk], s._top_lp.ctypes.data)
+        if logits:
+            out("logits", _FLOAT32, [1, run_t, b.vocab_size], s._logits.ctypes.data)
+        if hidden:
+            out("hidden_states", _FLOAT32, [1, run_t, b.hidden_size], s._hidden.ctypes.data)
+        del io
+
+    def bind_inputs(self, s: "OrtSession") -> None:
+        # device providers copy a host input when it is bound: there, every step
+        bind, run_t = self.host.input, len(self.ids)
+        bind("input_ids", _INT64, [1, run_t], self.ids.ctypes.data)
+        bind("position_ids", _INT64, [1, run_t], self.pos.ctypes.data)
+        if s.backend.past_len:
+            bind(PAST_LEN, _INT64, [1], s._past_len.ctypes.data)
+        bind("tree_mask", _BOOL, [1, 1, run_t, run_t], self.mask.ctypes.data)
+        self.embeds_src = None  # (re)bound with the next step's mask embeddings
+
+
 class OrtSession(_CacheCommits):
-    """One generation on an :class:`OrtBackend`: its KV cache (host or device memory), its
-    own IOBinding and the input/output buffers bound to it."""
+    """One generation on an :class:`OrtBackend`: its KV cache (host or device memory), and
+    one IOBinding per block shape it runs (:class:`_Bound`), with the input buffers bound to
+    it and the output buffers the shapes share."""
+
+    MAX_BOUND = 32  # block shapes whose bindings a session keeps (the oldest goes first)
 
     def __init__(self, backend: OrtBackend, rows: int | None = None) -> None:
         self.backend = b = backend
@@ -429,30 +482,19 @@ class OrtSession(_CacheCommits):
         else:
             self.kv = HostKV(layers, cache, *dims, b.package.np_dtype,
                              b.package.np_value_dtype)
-        self._io = b.graph.io_binding()
-        public = b.public_binding
-        self._host = Binder(ort, self._io, "cpu", public)           # fixed inputs, outputs
-        self._kv_bind = Binder(ort, self._io, self.kv.device, public)
         self._no_masks = np.zeros((1, b.hidden_size), dtype=np.float32)
         # the fixed inputs are copied into buffers of ours, bound while their shapes hold
         # (see _feed); device providers copy a host input when it is bound, so there they
         # are bound every step
         self._rebind_inputs = b.device != "cpu"
-        self._ids = self._pos = np.zeros(0, dtype=np.int64)
-        self._mask, self._mask_t, self._big_mask = np.zeros(0, dtype=np.bool_), None, None
-        self._embeds_t = np.zeros((0, 0), dtype=np.float32)
-        self._fed_t = -1  # the block size the inputs are bound for
-        self._views, self._views_for = None, None
-        self._past_len = np.zeros(1, dtype=np.int64)  # bound while the binding lasts
-        self._past_width = -1  # rows of the cache the past inputs are bound to
+        self._bound: dict[tuple, _Bound] = {}
+        self._past_len = np.zeros(1, dtype=np.int64)  # bound while the bindings last
         self.last_run_s = 0.0  # seconds the last forward spent in InferenceSession's run
         self._argmax = np.zeros((1, 0), dtype=np.int64)
         self._top_ids = np.zeros((1, 0, b.topk), dtype=np.int64)
         self._top_lp = np.zeros((1, 0, b.topk), dtype=np.float32)
         self._logits = np.zeros((1, 0, b.vocab_size), dtype=np.float32)
         self._hidden = np.zeros((1, 0, b.hidden_size), dtype=np.float32)
-        # (T, top-K, logits, hidden) the outputs are bound for
-        self._outputs_for: tuple[int, bool, bool, bool] | None = None
         self.cache_len = 0
 
     # -- Session interface ------------------------------------------------------------------
@@ -463,102 +505,94 @@ class OrtSession(_CacheCommits):
         t, b = len(input_ids), self.backend
         b.check_step(topk, hidden)
         p, run_t = self.cache_len, run_rows(t, b.min_rows)
-        if run_t > t:  # a throwaway copy of the last row, seeing only itself; never committed
-            input_ids, position_ids, tree_mask = _pad_rows(input_ids, position_ids, tree_mask,
-                                                           run_t)
-        self._past_len[0] = p  # before _feed: a device provider copies it when bound
-        self._feed(run_t, input_ids, position_ids, tree_mask, mask_embeds)
+        self._past_len[0] = p  # before the feed: a device provider copies it when bound
+        key = (t, run_t, topk > 0, full_logits, hidden)
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bind(key)
+        self._feed(bound, t, run_t, input_ids, position_ids, tree_mask, mask_embeds)
         if b.past_len:  # the past is a bucket of the cache, rebound when the bucket changes
             width = min(-(-p // PAST_BUCKET) * PAST_BUCKET, self.kv.rows)
-            if width != self._past_width:
-                self.kv.bind_past(self._kv_bind, width)
-                self._past_width = width
+            if width != bound.past_width:
+                self.kv.bind_past(bound.kv_bind, width)
+                bound.past_width = width
         else:
-            self.kv.bind_past(self._kv_bind, p)
-        if (run_t, topk > 0, full_logits, hidden) != self._outputs_for:
-            self._bind_outputs(run_t, topk > 0, full_logits, hidden)
-        if (t, topk) != self._views_for:  # this block's rows of the output buffers
-            self._views = (self._argmax[0, :t], self._top_ids[0, :t, :topk],
-                           self._top_lp[0, :t, :topk])
-            self._views_for = (t, topk)
+            self.kv.bind_past(bound.kv_bind, p)
+        views = bound.views.get(topk)
+        if views is None:  # this block's rows of the output buffers
+            views = bound.views[topk] = (self._argmax[0, :t], self._top_ids[0, :t, :topk],
+                                         self._top_lp[0, :t, :topk])
+            if not topk:
+                for v in views[1:]:
+                    v.flags.writeable = False
         t0 = perf_counter()
-        b.graph.run_with_iobinding(self._io)
+        b.graph.run_with_iobinding(bound.io)
         self.last_run_s = perf_counter() - t0
-        argmax, top_ids, top_lp = self._views  # copies: the buffers are reused next step
+        argmax, top_ids, top_lp = views  # copies: the buffers are reused next step
         # logits and hidden states are views, valid until this session's next forward
-        return StepOut(argmax=argmax.copy(), topk_ids=top_ids.copy(),
-                       topk_logprobs=top_lp.copy(),
+        # (no top-K asked: the views are empty, and read-only, so they need no copy; each
+        # numpy call after a forward that streamed the weights runs cache-cold, ~10 us)
+        return StepOut(argmax=argmax.copy(), topk_ids=top_ids.copy() if topk else top_ids,
+                       topk_logprobs=top_lp.copy() if topk else top_lp,
                        logits=self._logits[0, :t] if full_logits else None,
                        hidden=self._hidden[0, :t] if hidden else None)
 
-    def _feed(self, t: int, input_ids, position_ids, tree_mask, mask_embeds) -> None:
-        # The four fixed inputs are copied into buffers of ours that stay bound while their
-        # shapes do: a step's copies are a few hundred bytes, while a bind costs a
-        # microsecond or more of Python and C++; ORT reads bound memory when it runs. A mask
-        # too large to keep a copy of (a long prefill) is bound where it lies.
-        bind = self._host.input
-        if t > len(self._ids):
-            cap = max(t, 64)
-            self._ids, self._pos = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64)
-            self._fed_t = -1
-        self._ids[:t] = input_ids
-        self._pos[:t] = position_ids
-        fresh = t != self._fed_t or self._rebind_inputs
-        if fresh:
-            bind("input_ids", _INT64, [1, t], self._ids.ctypes.data)
-            bind("position_ids", _INT64, [1, t], self._pos.ctypes.data)
-            if self.backend.past_len:
-                bind(PAST_LEN, _INT64, [1], self._past_len.ctypes.data)
-            self._fed_t = t
-        if getattr(tree_mask, "shape", None) != (t, t):
-            tree_mask = np.asarray(tree_mask, dtype=np.bool_).reshape(t, t)
-        if t > _KEEP_MASK:
-            self._big_mask = np.ascontiguousarray(tree_mask, dtype=np.bool_)  # held while bound
-            bind("tree_mask", _BOOL, [1, 1, t, t], self._big_mask.ctypes.data)
-        elif fresh:
-            if self._mask.size < t * t:
-                self._mask = np.zeros(max(t, 64) ** 2, dtype=np.bool_)
-            self._mask_t = self._mask[:t * t].reshape(t, t)
-            self._mask_t[...] = tree_mask
-            bind("tree_mask", _BOOL, [1, 1, t, t], self._mask.ctypes.data)
-        else:
-            self._mask_t[...] = tree_mask
-        embeds = self._no_masks if mask_embeds is None else mask_embeds
-        if not isinstance(embeds, np.ndarray):
-            embeds = np.asarray(embeds, dtype=np.float32)
-        if fresh or embeds.shape != self._embeds_t.shape:
-            self._embeds_t = np.array(embeds, dtype=np.float32, order="C")
-            bind("mask_embeds", _FLOAT32, list(self._embeds_t.shape), self._embeds_t.ctypes.data)
-        else:
-            self._embeds_t[...] = embeds
-
-    def _bind_outputs(self, t: int, with_topk: bool, logits: bool, hidden: bool) -> None:
-        # the steps of one plan share T, so outputs stay bound to the same buffers between
-        # them; buffers grow on demand and [1, :t] of a [1, cap, ...] buffer is contiguous
-        b = self.backend
-        self._io.clear_binding_outputs()
-        self.kv.bind_present(self._kv_bind, t)
-        if self._argmax.shape[1] < t:
-            cap = max(t, 64)
+    def _bind(self, key: tuple) -> _Bound:
+        """A binding for this block shape; output buffers grown first if it needs more rows
+        (every binding then points at the old ones: all are dropped)."""
+        b, run_t = self.backend, key[1]
+        grow = self._argmax.shape[1] < run_t or self.kv.cap < run_t  # (the binding grows kv)
+        if self._argmax.shape[1] < run_t:
+            cap = max(run_t, 64)
             self._argmax = np.zeros((1, cap), dtype=np.int64)
             self._top_ids = np.zeros((1, cap, b.topk), dtype=np.int64)
             self._top_lp = np.zeros((1, cap, b.topk), dtype=np.float32)
-            self._views_for = None
-        out = self._host.output
-        out("argmax", _INT64, [1, t], self._argmax.ctypes.data)
-        if with_topk:
-            out("topk_ids", _INT64, [1, t, b.topk], self._top_ids.ctypes.data)
-            out("topk_logprobs", _FLOAT32, [1, t, b.topk], self._top_lp.ctypes.data)
-        if logits:
-            if self._logits.shape[1] < t:  # one [T, V] buffer, grown, never per step
-                self._logits = np.zeros((1, t, b.vocab_size), dtype=np.float32)
-            out("logits", _FLOAT32, [1, t, b.vocab_size], self._logits.ctypes.data)
-        if hidden:
-            if self._hidden.shape[1] < t:
-                self._hidden = np.zeros((1, t, b.hidden_size), dtype=np.float32)
-            out("hidden_states", _FLOAT32, [1, t, b.hidden_size], self._hidden.ctypes.data)
-        self._outputs_for = (t, with_topk, logits, hidden)
+        if key[3] and self._logits.shape[1] < run_t:  # one [T, V] buffer, grown, not per step
+            self._logits, grow = np.zeros((1, run_t, b.vocab_size), dtype=np.float32), True
+        if key[4] and self._hidden.shape[1] < run_t:
+            self._hidden, grow = np.zeros((1, run_t, b.hidden_size), dtype=np.float32), True
+        if grow:
+            self._bound.clear()
+        bound = _Bound(self, key)
+        if run_t <= _KEEP_MASK:  # a long prefill's binding (and its mask) is not kept
+            if len(self._bound) >= self.MAX_BOUND:
+                del self._bound[next(iter(self._bound))]
+            self._bound[key] = bound
+        return bound
 
+    def _feed(self, bound: _Bound, t: int, run_t: int, input_ids, position_ids, tree_mask,
+              mask_embeds) -> None:
+        # The fixed inputs are copied into the binding's own buffers, which stay bound: a
+        # step's copies are a few hundred bytes, while a bind costs a microsecond or more of
+        # Python and C++; ORT reads bound memory when it runs. A copy is skipped where the
+        # source is the read-only array copied last step (a compiled plan's mask, the
+        # no-mask embedding): after a forward that streamed the weights through the caches,
+        # each numpy call runs cold (~10 us).
+        ids, pos = bound.ids, bound.pos
+        ids[:t] = input_ids
+        pos[:t] = position_ids
+        if run_t > t:
+            ids[t:] = ids[t - 1]
+            pos[t:] = pos[t - 1]
+        if self._rebind_inputs:
+            bound.bind_inputs(self)
+        if tree_mask is not bound.mask_src:
+            if getattr(tree_mask, "shape", None) != (t, t):
+                tree_mask = np.asarray(tree_mask, dtype=np.bool_).reshape(t, t)
+            bound.mask_t[...] = tree_mask
+            bound.mask_src = None if tree_mask.flags.writeable else tree_mask
+        embeds = self._no_masks if mask_embeds is None else mask_embeds
+        if embeds is bound.embeds_src:
+            return
+        if not isinstance(embeds, np.ndarray):
+            embeds = np.asarray(embeds, dtype=np.float32)
+        if embeds.shape != bound.embeds.shape or self._rebind_inputs:
+            bound.embeds = np.array(embeds, dtype=np.float32, order="C")
+            bound.host.input("mask_embeds", _FLOAT32, list(bound.embeds.shape),
+                             bound.embeds.ctypes.data)
+        else:
+            bound.embeds[...] = embeds
+        bound.embeds_src = embeds if embeds is self._no_masks else None
 
 
 class _ShapeIO:

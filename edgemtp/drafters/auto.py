@@ -435,7 +435,7 @@ class AutoDrafter:
     def _chain_rates(self, spec_s: float) -> list[list[tuple[int, float]]]:
         """Per matched n-gram length and chain length L: the best prefix length and its
         expected tokens/s (a table, so most steps choose without numpy)."""
-        h, lat, n = self.chain_hits, self._lat, self.n_chain
+        h, lat, n = self._chain_scores(), self._lat, self.n_chain
         rates = (1.0 + np.cumsum(h["hits"] / h["tries"], axis=1)) / (lat[2:n + 2] + spec_s)
         table = []
         for row in rates.tolist():
@@ -570,17 +570,28 @@ class AutoDrafter:
         self._trees = waiting
 
     def _score_chains(self) -> None:
-        # how far each chain agreed with what followed, once that is known (used or not)
-        ctx, h, waiting = self.index.tokens, self.chain_hits, []
+        # how far each chain agreed with what followed, once that is known (used or not);
+        # noted as (n - 1, length, agreed) and added to the table by _chain_scores when the
+        # rates are next computed (they are read nowhere else): a step pays no numpy call
+        ctx, waiting = self.index.tokens, []
+        done = self.chain_hits.setdefault("scored", [])
         for start, n, chain in self._chains:
             seen = ctx[start:start + len(chain)]
             agree = next((i for i, (a, b) in enumerate(zip(chain, seen)) if a != b), len(seen))
             if agree == len(seen) and len(seen) < len(chain):
                 waiting.append((start, n, chain))  # all right so far: wait for more tokens
                 continue
-            tries, hits = h["tries"][n - 1], h["hits"][n - 1]
+            done.append((n - 1, len(chain), agree))
+        self._chains = waiting
+
+    def _chain_scores(self) -> dict:
+        # the chain table with every scored chain added, in the order they were scored
+        h = self.chain_hits
+        for row, length, agree in h.get("scored", ()):
+            tries, hits = h["tries"][row], h["hits"][row]
             tries *= self.decay
             hits *= self.decay
-            tries[:len(chain)] += 1.0
+            tries[:length] += 1.0
             hits[:agree] += 1.0
-        self._chains = waiting
+        h["scored"] = []
+        return h

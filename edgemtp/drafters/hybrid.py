@@ -213,8 +213,7 @@ class HybridDrafter:
             self._cand = (out.topk_ids[mask_rows, :k].tolist(),
                           np.exp(out.topk_logprobs[mask_rows, :k]).tolist())
         if self.shared is None:
-            self.context.extend(new_tokens, out.topk_ids[path_rows],
-                                out.topk_logprobs[path_rows])
+            self.context.extend(new_tokens, out.topk_ids, out.topk_logprobs, path_rows)
         self.embeds.update(new_tokens)
 
     def catch_up(self, tokens) -> None:

@@ -52,4 +52,4 @@ class StandDrafter:
 
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
                 path_rows: np.ndarray) -> None:
-        self.context.extend(new_tokens, out.topk_ids[path_rows], out.topk_logprobs[path_rows])
+        self.context.extend(new_tokens, out.topk_ids, out.topk_logprobs, path_rows)
