@@ -218,6 +218,9 @@ class AutoDrafter:
         self.topk_max = self.topk = max([self.width, *(w.drafter.topk for w in self.wholes)])
         self.prune = config.prune
         self._lat = np.array([self.latency(max(t, 1)) for t in range(max(config.bc, 4) + 1)])
+        # the same as Python floats, for the per-step scalar arithmetic (numpy scalars are
+        # slower, and cold after a forward that streamed the weights through the caches)
+        self._latl: list[float] = self._lat.tolist()
         # a try of a whole drafter that is not winning costs a block of its narrowest budget
         # instead of a plain step: tried more rarely where that block costs more (a 2-core CPU
         # running int4 weights: ~3x at 10 positions), every try_every steps where it is flat
@@ -329,13 +332,13 @@ class AutoDrafter:
         return max(self._host_plain, self._host_max if mine is None else mine)
 
     def _lat_at(self, t: float) -> float:
-        return self._lat[min(max(int(round(t)), 1), len(self._lat) - 1)]
+        return self._latl[min(max(int(round(t)), 1), len(self._latl) - 1)]
 
     def choose(self, root: int) -> tuple:
         """The next step's kind and what it needs: ``("plain", PLAIN)``, ``("mask", plan)``,
         ``("pld", L)``, ``("probe", m)``, ``("stand", (tree, r))`` or ``(whole, feature)``."""
         lat = self._lat  # t(T) for T = 0..budget, looked up once
-        best, best_rate = ("plain", PLAIN), 1.0 / (lat[1] + self._host("plain"))
+        best, best_rate = ("plain", PLAIN), 1.0 / (self._latl[1] + self._host("plain"))
         if self._chain:  # prompt lookup: the chain prefix with the best rate (T = n + 1)
             if self._steps % self.refresh == 0 or self._chain_table is None:
                 self._chain_table = self._chain_rates(self._host("pld"))
@@ -393,7 +396,7 @@ class AutoDrafter:
         nothing."""
         hope = None
         trying = self._steps - self._tried >= self._try_every
-        plain_rate = 1.0 / (self._lat[1] + self._host("plain"))
+        plain_rate = 1.0 / (self._latl[1] + self._host("plain"))
         for w in self.wholes:
             if w in self.k2 and not self._k2_ready:
                 continue  # a k = 2 plan needs the last step's 2 masks
@@ -458,7 +461,7 @@ class AutoDrafter:
             # passing load, or at another cache length); clipped, so a pause (GC, a busy
             # consumer) cannot swing the estimate, and a step never looks free
             extra = min(max(extra, -0.5 * lat), 2.0 * max([0.0, *self.host.values()])
-                        + self._lat[1])
+                        + self._latl[1])
             h = self.host.get(kind)
             self.host[kind] = extra if h is None else h + self.host_ema * (extra - h)
             self._host_max, self._host_plain = max(self.host.values()), self.host.get("plain", 0.0)
@@ -520,8 +523,10 @@ class AutoDrafter:
             self.rank_hits["steps"] += 1.0
             if rank.size:
                 self.rank_hits["hits"][rank[0]] += 1.0
-        first = mask_rows[:1]  # depth 1 of a k = 2 step is what a k = 1 plan reads
-        self._cand = (out.topk_ids[first], out.topk_logprobs[first]) if len(first) else None
+        self._cand = None
+        if len(mask_rows):  # depth 1 of a k = 2 step is what a k = 1 plan reads
+            first = mask_rows[:1]
+            self._cand = (out.topk_ids[first], out.topk_logprobs[first])
         self._k2_ready = len(mask_rows) == 2
         ran = None
         if self._whole is not None:
@@ -541,7 +546,8 @@ class AutoDrafter:
             if w.asleep and not (k2_step and w in self.k2):  # (k = 2: 2 masks' candidates)
                 continue
             t0 = time.perf_counter()
-            w.catch_up(tokens[:len(tokens) - len(new_tokens)])
+            if w.seen < len(tokens) - len(new_tokens):
+                w.catch_up(tokens[:len(tokens) - len(new_tokens)])
             w.drafter.observe(out, mask_rows, new_tokens, path_rows)
             w.seen = len(tokens)
             if not w.asleep:

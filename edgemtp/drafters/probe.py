@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from ..config import GenerationConfig
 
 
+# a step without mask rows (prefill aside, only under auto) leaves no candidates
+_NO_CANDIDATES = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.float32))
+for _a in _NO_CANDIDATES:
+    _a.flags.writeable = False
+
+
 class ProbeDrafter:
     """Mask-token probing: the accepted node's ``k`` masks propose depths ``1..k`` of the
     next tree, static (a fixed top-1 shape) or dynamic (Algorithm 1 over a plan table)."""
@@ -73,7 +79,8 @@ class ProbeDrafter:
         if self._pools is not None:  # new_tokens: the true tokens at depths 1, 2, ...
             self.calibration.record(*self._pools, truth=new_tokens)
             self._pools = None
-        self._cand = out.topk_ids[mask_rows], out.topk_logprobs[mask_rows]
+        self._cand = ((out.topk_ids[mask_rows], out.topk_logprobs[mask_rows]) if len(mask_rows)
+                      else _NO_CANDIDATES)
         self.embeds.update(new_tokens)
 
     def catch_up(self, tokens) -> None:
