@@ -70,6 +70,7 @@ for name, cfg in scen.items():
             runs[label] = (r.stats.new_tokens / (time.perf_counter() - t0),
                            r.stats.forward_calls, r.token_ids)
         rows.append({"ratio": runs["auto"][0] / runs["greedy"][0], "greedy_tps": runs["greedy"][0],
+                     "auto_tps": runs["auto"][0],
                      "tokens": len(runs["greedy"][2]), "auto_calls": runs["auto"][1],
                      "same": runs["auto"][2] == runs["greedy"][2]})
     out[name] = {"rows": rows, "curve": None if curve is None else curve.to_dict()}
@@ -120,12 +121,18 @@ def main(argv=None) -> int:
     lines = [f"`auto` BC <= {a.bc} / greedy tok/s per prompt (median over {a.rounds} rounds), "
              f"{len(questions)} prompts x {a.tokens} new tokens, {a.threads} threads, "
              f"package `{a.package}`", "",
-             "| version | scenario | median | min | per prompt | auto BE | identical | "
-             "t(1), t(4), t(8) ms (first round) |", "|---|---|---:|---:|---|---:|:---:|---|"]
+             "Tok/s columns: per prompt the median over rounds, then the median over prompts.",
+             "",
+             "| version | scenario | median | min | per prompt | greedy tok/s | auto tok/s | "
+             "auto BE | identical | t(1), t(4), t(8) ms (first round) |",
+             "|---|---|---:|---:|---|---:|---:|---:|:---:|---|"]
     for v, rs in runs.items():
         for scen in rs[0]:
             n = len(rs[0][scen]["rows"])
             per = [statistics.median(r[scen]["rows"][i]["ratio"] for r in rs) for i in range(n)]
+            tps = {m: statistics.median(statistics.median(r[scen]["rows"][i].get(f"{m}_tps", 0.0)
+                                                          for r in rs) for i in range(n))
+                   for m in ("greedy", "auto")}
             be = (sum(row["tokens"] for row in rs[0][scen]["rows"])
                   / sum(row["auto_calls"] for row in rs[0][scen]["rows"]))
             same = all(row["same"] for r in rs for row in r[scen]["rows"])
@@ -135,7 +142,8 @@ def main(argv=None) -> int:
                 t = dict(zip(c["block_sizes"], c["seconds"]))
                 pts = ", ".join(f"{t[k] * 1e3:.1f}" for k in (1, 4, 8) if k in t)
             lines.append(f"| {v} | {scen} | {statistics.median(per):.3f} | {min(per):.3f} | "
-                         f"{' '.join(f'{x:.2f}' for x in per)} | {be:.2f} | "
+                         f"{' '.join(f'{x:.2f}' for x in per)} | {tps['greedy']:.1f} | "
+                         f"{tps['auto']:.1f} | {be:.2f} | "
                          f"{'yes' if same else 'NO'} | {pts} |")
     text = "\n".join(lines)
     print(text)
