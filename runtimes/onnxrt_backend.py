@@ -469,7 +469,7 @@ class OrtSession(_CacheCommits):
     one IOBinding per block shape it runs (:class:`_Bound`), with the input buffers bound to
     it and the output buffers the shapes share."""
 
-    MAX_BOUND = 32  # block shapes whose bindings a session keeps (the oldest goes first)
+    MAX_BOUND = 128  # block shapes whose bindings a session keeps (the oldest goes first)
 
     def __init__(self, backend: OrtBackend, rows: int | None = None) -> None:
         self.backend = b = backend
