@@ -283,3 +283,22 @@ def test_tiny_budgets(stories):
             seen, result = _proposals(backend, config, prompts[0])
             assert result.token_ids == refs[0]
             assert all(plan.bc <= bc for plan, _, _ in seen)
+
+
+def test_stored_distributions_written_late_keep_what_was_appended():
+    """Appends are written when next read: an array the step owns is kept until then, a
+    view of a backend's reused buffer is copied at once (the buffer changes next step), and
+    skipped positions stay empty, in order, across a growth of the arrays."""
+    from edgemtp.drafters.ngram_index import StoredDistributions
+
+    d = StoredDistributions(2)
+    buf = np.array([[[3, 4], [5, 6]]])  # [1, T, K], as a backend's output buffer
+    lp = np.log(np.array([[[0.6, 0.4], [0.9, 0.1]]], dtype=np.float32))
+    d.append(buf[0], lp[0], np.array([1]))  # views: copied now
+    buf[...], lp[...] = 0, 0.0              # the backend reuses its buffers
+    d.skip(300)                             # past the first 256 rows: the arrays grow
+    owned = np.array([[7, 8]]), np.log(np.array([[0.5, 0.5]], dtype=np.float32))
+    d.append(*owned)
+    assert [(t, round(p, 2)) for t, p in d.mixture([0])] == [(5, 0.9), (6, 0.1)]
+    assert d.mixture([1]) == [] and d.size == 302
+    assert [(t, round(p, 2)) for t, p in d.mixture([301])] == [(7, 0.5), (8, 0.5)]

@@ -216,6 +216,25 @@ def test_inputs_bound_once_still_reach_the_graph(stories_pkg):
     check(np.array([1, 403, 407, 261, 512, 513]), np.arange(6), other, embeds * 2.0)
     check(np.array([1, 403, 512]), np.arange(3), np.tril(np.ones((3, 3), bool)), embeds[:1])
     check(np.array([7]), np.array([0]), np.ones((1, 1), bool), None, topk=0)
+    # a read-only mask (a compiled plan's) is copied only when another array comes: the
+    # same object twice, then another of the same shape with other values, then back
+    ro = [np.tril(np.ones((3, 3), bool)), np.eye(3, dtype=bool)]
+    for m in ro:
+        m.flags.writeable = False
+    for m in (ro[0], ro[0], ro[1], ro[0]):
+        check(np.array([1, 403, 512]), np.arange(3), m, embeds[:1])
+
+
+def test_bindings_per_block_shape_survive_eviction(stories_case, stories_pkg, monkeypatch):
+    # a session keeps one IOBinding per block shape and drops the oldest past MAX_BOUND:
+    # drafters whose block size changes every step, on a session that holds only two
+    from edgemtp.runtimes.onnxrt_backend import OrtSession
+
+    monkeypatch.setattr(OrtSession, "MAX_BOUND", 2)
+    _, prompts, want = stories_case
+    backend = OrtBackend(stories_pkg, threads=1)
+    assert run(backend, prompts[:2], drafter="hybrid", bc=30) == want[:2]
+    assert run(backend, prompts[:2], drafter="pld", bc=10) == want[:2]
 
 
 def test_stats_split_the_runtime_run_from_binding(stories_case):
