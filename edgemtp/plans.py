@@ -25,7 +25,7 @@ from .budgets import default_branching, dynamic_table_size, nodes_for_budget
 from .errors import BudgetError, ConfigError
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
+def frozen(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
 
@@ -76,11 +76,11 @@ class Plan:
         kids: list[list[int]] = [[] for _ in parents]
         for i, p in enumerate(parents[1:], start=1):
             kids[p].append(i)
-        object.__setattr__(self, "depth", _frozen(depth))
+        object.__setattr__(self, "depth", frozen(depth))
         object.__setattr__(self, "children", tuple(tuple(c) for c in kids))
         object.__setattr__(self, "counts", tuple(int(c) for c in np.bincount(depth)[1:]))
-        object.__setattr__(self, "tree_mask", _frozen(self._build_mask()))
-        object.__setattr__(self, "positions", _frozen(self._build_positions()))
+        object.__setattr__(self, "tree_mask", frozen(self._build_mask()))
+        object.__setattr__(self, "positions", frozen(self._build_positions()))
 
     # -- construction -------------------------------------------------------------------
 

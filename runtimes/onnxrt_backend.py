@@ -441,7 +441,7 @@ class _Bound:
         self.past_width = -1
         self.views: dict[int, tuple] = {}  # top-K -> this block's rows of the outputs
         self.bind_inputs(s)
-        io, out = self.io, self.host.output
+        out = self.host.output
         s.kv.bind_present(self.kv_bind, run_t)
         out("argmax", _INT64, [1, run_t], s._argmax.ctypes.data)
         if with_topk:
@@ -451,7 +451,6 @@ class _Bound:
             out("logits", _FLOAT32, [1, run_t, b.vocab_size], s._logits.ctypes.data)
         if hidden:
             out("hidden_states", _FLOAT32, [1, run_t, b.hidden_size], s._hidden.ctypes.data)
-        del io
 
     def bind_inputs(self, s: "OrtSession") -> None:
         # device providers copy a host input when it is bound: there, every step

@@ -10,7 +10,7 @@ from ..backend import Backend, StepOut
 from ..budgets import nodes_for_budget
 from ..embeddings import MaskEmbeddings
 from ..errors import ConfigError
-from ..plans import DynamicPlans, Plan, dynamic_plans, static_plan
+from ..plans import DynamicPlans, Plan, frozen, dynamic_plans, static_plan
 from ..tree import RankCalibration, dynamic_tree, ranked_tree, static_tree
 
 if TYPE_CHECKING:
@@ -18,9 +18,8 @@ if TYPE_CHECKING:
 
 
 # a step without mask rows (prefill aside, only under auto) leaves no candidates
-_NO_CANDIDATES = (np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.float32))
-for _a in _NO_CANDIDATES:
-    _a.flags.writeable = False
+_NO_CANDIDATES = (frozen(np.zeros((0, 0), dtype=np.int64)),
+                  frozen(np.zeros((0, 0), dtype=np.float32)))
 
 
 class ProbeDrafter:
