@@ -173,9 +173,10 @@ class Generation:
         # chunk with the masks: the same chunks whatever the drafter, so plain decoding and
         # every drafter start from the same cache
         t0 = perf_counter()
-        b, k, t = self.session, self.drafter.mask_tokens, self.prompt.size
+        b, t = self.session, self.prompt.size
         b.reset()
         self.drafter.start(self.prompt)
+        k = self.drafter.mask_tokens  # (after start: auto sets it per generation)
         c0, seen = 0, []  # seen: the earlier chunks' outputs, which drafters observe too
         if t > PREFILL_CHUNK:
             chunk_mask = np.tril(np.ones((PREFILL_CHUNK, PREFILL_CHUNK), dtype=bool))

@@ -347,3 +347,31 @@ def test_latency_is_measured_on_a_small_session(setup, stories_pkg):
         s.commit(np.arange(1))
     torch_session = setup[0].session(rows=20)
     assert torch_session.rows < setup[0].session().rows  # grows if a block needs more
+
+
+def test_prefill_carries_masks_only_where_probing_could_pay(setup):
+    # mask rows in the prefill feed only a probing step: under a curve where none can pay
+    # they are prefill work for nothing; under a flat one, once acceptance is known, they come
+    backend, prompts, _ = setup
+    prefills = []
+
+    class Prefills(RecordingSession):
+        def forward(self, input_ids, *args, **kw):
+            if self.inner.cache_len == 0:
+                prefills.append(len(input_ids))
+            return self.inner.forward(input_ids, *args, **kw)
+
+    class Rec(RecordingBackend):
+        def session(self):
+            return Prefills(self.inner.session(), self.sizes)
+
+    for curve, extra in ((STEEP, 0), (FLAT, None)):
+        memory, prefills[:] = {}, []
+        config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=32, latency=curve)
+        for ids in prompts[:4]:
+            Generation(Rec(backend), config, ids, memory=memory).run()
+        rows = [p - len(ids) for p, ids in zip(prefills, prompts[:4])]
+        if extra == 0:
+            assert rows == [0, 0, 0, 0], rows
+        else:
+            assert rows[-1] >= 1, f"a flat curve should probe from the first step: {rows}"
