@@ -573,13 +573,13 @@ class OrtSession(_CacheCommits):
         if run_t > t:
             ids[t:] = ids[t - 1]
             pos[t:] = pos[t - 1]
-        if self._rebind_inputs:
-            bound.bind_inputs(self)
         if tree_mask is not bound.mask_src:
             if getattr(tree_mask, "shape", None) != (t, t):
                 tree_mask = np.asarray(tree_mask, dtype=np.bool_).reshape(t, t)
             bound.mask_t[...] = tree_mask
             bound.mask_src = None if tree_mask.flags.writeable else tree_mask
+        if self._rebind_inputs:  # after every input is written: the bind copies it
+            bound.bind_inputs(self)
         embeds = self._no_masks if mask_embeds is None else mask_embeds
         if embeds is bound.embeds_src:
             return
