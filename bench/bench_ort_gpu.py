@@ -37,7 +37,8 @@ def parse(argv=None):
                                                  "export here (smollm2-135m, qwen3-0.6b, "
                                                  "llama3.2-1b, tiny)")
     ap.add_argument("--devices", default="cpu,cuda,tensorrt",
-                    help="onnxruntime devices to run (those missing are skipped with the reason)")
+                    help="onnxruntime devices to run (those missing are skipped with the "
+                         "reason); cuda-nographs: the CUDA EP without CUDA graphs")
     ap.add_argument("--drafters", default="auto,probe,pld,hybrid")
     ap.add_argument("--bc", default="10,60")
     ap.add_argument("--prompts", type=int, default=4)
@@ -92,11 +93,15 @@ def run_device(pkg: Path, device: str, a) -> dict:
     from edgemtp.errors import EdgeMTPError
     from edgemtp.latency import measure_latency
 
+    from edgemtp.runtimes.onnxrt_backend import OrtBackend
+
     row: dict = dict(package=str(pkg), device=device)
     t0 = time.perf_counter()
+    # "cuda-nographs": the CUDA EP with the cache on the device, every step uncaptured
+    dev, graphs = device.split("-")[0], (False if device.endswith("-nographs") else None)
     try:
-        model = Model.load(str(pkg), backend="onnxruntime", device=device,
-                           max_context=a.max_context)
+        model = Model(OrtBackend(str(pkg), device=dev, max_context=a.max_context,
+                                 cuda_graphs=graphs), None)
     except EdgeMTPError as e:
         row["skipped"] = str(e)
         return row
@@ -201,7 +206,17 @@ def main(argv=None) -> int:
     for pkg in packages:
         for device in a.devices:
             print(f"{pkg.name} on {device}", flush=True)
-            summary["rows"].append(run_device(pkg, device, a))
+            try:
+                summary["rows"].append(run_device(pkg, device, a))
+            except Exception as e:  # noqa: BLE001  (a failing device must not lose the rest)
+                import traceback
+
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                text = (str(e).strip().splitlines() or [""])[0][:300]
+                summary["rows"].append(dict(package=str(pkg), device=device, skipped=(
+                    f"failed: {type(e).__name__}: {text} ({Path(where.filename).name}:"
+                    f"{where.lineno})")))
+                traceback.print_exc()
             (out / "ort_gpu.json").write_text(json.dumps(summary, indent=1))
             (out / "ort_gpu.md").write_text(markdown(summary))
     print(markdown(summary))

@@ -336,7 +336,7 @@ class OrtBackend:
         if graph == "commit" and device == "tensorrt":
             providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
         if cuda_graph:
-            providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),
+            providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1", "use_tf32": "0"}),
                          "CPUExecutionProvider"]
         so = ort.SessionOptions()
         so.log_severity_level = 3
@@ -354,6 +354,8 @@ class OrtBackend:
             raise ModelLoadError(f"onnxruntime cannot load {str(path)!r}: {text}") from None
 
     def _provider_options(self, device: str) -> dict:
+        if device == "cuda":  # no TF32: an fp32 package's rows must not round by block shape
+            return {"use_tf32": "0"}
         if device != "tensorrt":
             return {}
         # one optimisation profile over every shape a generation feeds (the EP's execution
@@ -511,7 +513,9 @@ class OrtSession(_CacheCommits):
             bound = self._bind(key)
         self._feed(bound, t, run_t, input_ids, position_ids, tree_mask, mask_embeds)
         if b.past_len:  # the past is a bucket of the cache, rebound when the bucket changes
-            width = min(-(-p // PAST_BUCKET) * PAST_BUCKET, self.kv.rows)
+            # never zero wide (a prefill): the CUDA EP's kernels die on an empty past
+            # (SIGFPE, onnxruntime-gpu 1.31); the columns past P are masked by past_len
+            width = min(max(1, -(-p // PAST_BUCKET)) * PAST_BUCKET, self.kv.rows)
             if width != bound.past_width:
                 self.kv.bind_past(bound.kv_bind, width)
                 bound.past_width = width
@@ -642,9 +646,10 @@ class GraphSession(_CacheCommits):
     on-device gather. Blocks longer than ``GRAPH_MAX_T`` (a prefill) run uncaptured
     (``gpu_graph_id -1``) on buffers of their own.
 
-    Written against onnxruntime-gpu's documented CUDA-graph contract; not yet run on a GPU
-    (see the README's table of what was measured on hardware). On CPU (tests) the same
-    buffers and bindings run, uncaptured."""
+    Written against onnxruntime-gpu's documented CUDA-graph contract. On an H200,
+    onnxruntime-gpu 1.31.1 refused the capture for the package graph (18 shape nodes placed on
+    the CPU), so the backend ran uncaptured (``graphs_off``); see the README's table. On CPU
+    (tests) the same buffers and bindings run, uncaptured."""
 
     GRAPH_MAX_T = 256
 

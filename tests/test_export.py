@@ -211,6 +211,23 @@ def test_failed_export_leaves_no_folder_and_force_keeps_the_old_one(copy, tmp_pa
     assert snapshot(copy) == before
 
 
+def test_self_check_never_feeds_the_graph_an_empty_past(tmp_path, monkeypatch):
+    # an empty past kills onnxruntime on some machines (SIGFPE on an H200 host's Xeon with
+    # onnxruntime 1.30/1.31): the prefill check binds masked noise rows, PyTorch sees none
+    import edgemtp.export.selfcheck as sc
+
+    widths, both = [], sc._both
+
+    def record(session, module, names, inputs, reference_inputs=None):
+        widths.append((inputs[4].shape[1], (reference_inputs or inputs)[4].shape[1]))
+        return both(session, module, names, inputs, reference_inputs)
+
+    monkeypatch.setattr(sc, "_both", record)
+    export_package(str(STORIES), tmp_path / "pkg", bc=(10,), mask_tokens=(1,), progress=False)
+    assert widths[0][0] >= 1 and widths[0][1] == 0     # the prefill: masked rows vs none
+    assert all(graph >= 1 for graph, _ in widths)
+
+
 @pytest.mark.parametrize("opset", [OPSETS[0], OPSETS[-1]])
 def test_both_ends_of_the_opset_range_export_and_generate_the_same(pkg, tmp_path, opset):
     from edgemtp import GenerationConfig
