@@ -35,6 +35,7 @@ CONFIGS = {  # label -> generation options
     "probe k=2 BC 60 dynamic": dict(drafter="probe", bc=60, mask_tokens=2),
     "pld BC 10": dict(drafter="pld", bc=10),
     "hybrid BC 30": dict(drafter="hybrid", bc=30),
+    "hybrid BC 60": dict(drafter="hybrid", bc=60),
     "probe BC 30, sampling": dict(drafter="probe", bc=30, temperature=0.8, top_p=0.9, seed=1),
     "probe BC 30, 2 stop strings": dict(drafter="probe", bc=30, stop=("zebra xylophone", "qqq")),
 }

@@ -220,10 +220,10 @@ class JacobiWindow:
         """After a step: pool every column's n-gram, then move the window up a level (the
         last level's outputs become its new last level)."""
         fresh = argmax[plan.grid[-1]].astype(np.int64)
-        cells = self.cells
-        for gram in np.vstack([cells, fresh[None, :]]).T.tolist():  # column i: its n-gram
-            self.pool.add(gram[0], tuple(gram[1:]))
-        self.cells = np.vstack([cells[1:], fresh[None, :]])
+        cells, add = self.cells, self.pool.add
+        for column, last in zip(cells.T.tolist(), fresh.tolist()):  # column i: its n-gram
+            add(column[0], (*column[1:], last))
+        self.cells = np.concatenate((cells[1:], fresh[None, :]))
 
 
 class LookaheadDrafter:
