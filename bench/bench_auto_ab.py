@@ -6,6 +6,7 @@ A child measures its own latency curve (an empty ``EDGEMTP_CACHE``, so nothing m
 an earlier process is read back) and runs, per prompt, greedy and ``auto`` in turns:
 
 - ``measured``: ``auto`` on the curve the child just measured;
+- ``tree cost`` (``--tree-cost``): ``auto`` with ``tree_cost="measured"``;
 - ``stale``: ``auto`` on a curve given to it (``--stale FILE``, a latency-cache JSON or
   ``{"block_sizes": [...], "seconds": [...]}``), as a curve kept on disk from a bad moment
   would be: what ``auto`` does when its curve is wrong.
@@ -51,6 +52,8 @@ greedy = GenerationConfig(drafter="none", max_new_tokens=tokens)
 scen = {"measured": GenerationConfig(drafter="auto", bc=bc, max_new_tokens=tokens)}
 if stale is not None:
     scen["stale"] = scen["measured"].with_(latency=stale)
+if sys.argv[8] == "1":
+    scen["tree cost"] = scen["measured"].with_(tree_cost="measured")
 model.generate(prompts[0], greedy.with_(max_new_tokens=16))
 out = {}
 for name, cfg in scen.items():
@@ -90,6 +93,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4, help="even: each method goes first on "
                                                           "each prompt equally often")
+    ap.add_argument("--tree-cost", action="store_true",
+                    help="a third scenario: auto with tree_cost='measured' (its hybrids and "
+                         "STAND trees grow only while a node pays; needs a tree that has it)")
     ap.add_argument("--out", default=None, help="write the Markdown table here too")
     a = ap.parse_args(argv)
     stale = None
@@ -112,7 +118,8 @@ def main(argv=None) -> int:
                 res = subprocess.run(
                     [sys.executable, "-c", CHILD, str(Path(a.package).resolve()),
                      json.dumps(questions),
-                     str(a.bc), str(a.tokens), str(a.threads), str(r), json.dumps(stale)],
+                     str(a.bc), str(a.tokens), str(a.threads), str(r), json.dumps(stale),
+                     "1" if a.tree_cost else "0"],
                     capture_output=True, text=True, env=env, cwd=trees[v])
                 if res.returncode:
                     sys.exit(f"{v}: the child failed:\n{res.stderr[-2000:]}")

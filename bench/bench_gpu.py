@@ -386,6 +386,7 @@ def run_entry(key: str, a, progress: Progress, summary: dict, checkpoint) -> Non
     backend = make_backend(hf, a.device, a.max_context, not a.no_graphs, a.batch_invariant)
     entry["cuda_graphs"] = bool(getattr(backend, "cuda_graphs", False))
     entry["batch_invariant"] = backend.batch_invariant
+    entry["tree_cost"] = a.tree_cost
     sizes = StepSizes(backend) if name == STORIES else None
     model = Model(sizes or backend)
     stage("load")
@@ -440,6 +441,8 @@ def run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progre
             entry.setdefault("skipped", []).append(dict(drafter=drafter, bc=bc, reason=config))
             continue
         t0 = time.perf_counter()
+        if a.tree_cost != "budget" and "tree_cost" in drafter_registry.get(drafter).options:
+            config = config.with_(tree_cost=a.tree_cost)
         run = edgemtp_run(model, prompts, config, a.device, a.warmup, sizes)
         b = str(bc)
         be = sum(run["tokens"]) / run["forward_calls"]
@@ -569,7 +572,8 @@ def markdown(summary: dict) -> str:
                 f"heads, vocab {s['vocab']}, {s['params'] / 1e6:.1f}M parameters; "
                 f"{e['prompts']} prompts x {e['new_tokens']} new tokens; CUDA graphs: "
                 f"{e['cuda_graphs']}; every step padded to 64 rows (batch-invariant): "
-                f"{e.get('batch_invariant', False)}; stage seconds: {e['elapsed_s']}", ""]
+                f"{e.get('batch_invariant', False)}; trees (hybrid, stand, auto): "
+                f"{e.get('tree_cost', 'budget')}; stage seconds: {e['elapsed_s']}", ""]
         if e["t_ms"]:
             out += ["| T | " + " | ".join(e["t_ms"]) + " |",
                     "|---|" + "---:|" * len(e["t_ms"]),
@@ -656,6 +660,9 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (--quick: 1)")
     ap.add_argument("--no-graphs", action="store_true", help="TorchBackend(cuda_graphs=False)")
+    ap.add_argument("--tree-cost", choices=("budget", "measured"), default="budget",
+                    help="hybrid, stand, auto: GenerationConfig.tree_cost (measured: trees "
+                         "grow only while a node pays for its measured share of a step)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="TorchBackend(batch_invariant=True): every step padded to 64 rows")
     ap.add_argument("--quick", action="store_true", help="toy shapes, 2 prompts, 16 tokens, "

@@ -3,7 +3,8 @@
 # timeout so a slow part costs only itself. Run from the repo root on the GPU machine with
 # stories260K carried to carry/stories260K; results land in $OUT (default bench/results/gpu).
 # PARTS picks the parts (default ABCDE, ~11 min: more than one call's 10, so run
-# PARTS=ABC then PARTS=DE on the warm machine); budgets (seconds): A, B, C, D. The onnxruntime CUDA EP is measured apart
+# PARTS=ABC then PARTS=DEF on the warm machine; F, tree_cost=measured, is not in the default);
+# budgets (seconds): A, B, C, D, F. The onnxruntime CUDA EP is measured apart
 # (bench/ort_gpu_parts.sh carries onnxruntime-gpu; bench/bench_ort_gpu.py measures it).
 set -u
 OUT=${OUT:-bench/results/gpu}; mkdir -p "$OUT"
@@ -30,9 +31,14 @@ mkdir -p "$OUT/inv"
 has D && timeout "${D:-120}" python3 bench/bench_gpu.py --stories $S --out "$OUT/inv" --fresh \
   --models smollm2-135m:fp16,llama3.2-1b:fp16 --skip eager,static --drafters probe,hybrid,auto \
   --bc 10,60 --batch-invariant --warmup 2 --repeats 10 2>&1 | tee -a "$OUT/log.txt"
+# F: trees that grow only while a node pays for its measured share of a step (tree_cost)
+mkdir -p "$OUT/cost"
+has F && timeout "${F:-120}" python3 bench/bench_gpu.py --stories $S --out "$OUT/cost" --fresh \
+  --models stories260K:fp32,smollm2-135m:fp16 --prompts 12 --skip eager,static \
+  --drafters hybrid,stand,auto --tree-cost measured 2>&1 | tee -a "$OUT/log.txt"
 # E: the command line from the tree: doctor, and generate on the GPU
 has E && { timeout 30 python3 bench/edgemtp_tree.py doctor
   timeout 30 python3 bench/edgemtp_tree.py generate --model $S --backend torch --device cuda \
     --dtype fp16 --prompt "Once upon a time" --max-new-tokens 64
 } 2>&1 | tee -a "$OUT/log.txt"
-ls -la "$OUT" "$OUT/static" "$OUT/inv"
+ls -la "$OUT" "$OUT/static" "$OUT/inv" "$OUT/cost"

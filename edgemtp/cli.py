@@ -12,6 +12,7 @@ import sys
 
 from . import drafters
 from .config import MASK_INITS, TREES, GenerationConfig
+from .drafters.tree_cost import TREE_COSTS
 from .errors import EdgeMTPError
 from .serve.launch import add_arguments as serve_arguments  # the standard library only
 
@@ -91,6 +92,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lade", type=_int_list, default=None, metavar="L,W,G",
                    help="lookahead decoding's n-gram size, window and guess set (with "
                         "--drafter lade; default: the paper's for BC 10/30/60)")
+    g.add_argument("--tree-cost", choices=TREE_COSTS, default="budget",
+                   help="hybrid, stand, auto: grow trees to the budget (default), or only "
+                        "while a node adds more tokens than its measured share of a step "
+                        "costs (measured: for tokens/s, e.g. on a GPU)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -114,7 +119,7 @@ def _config(a: argparse.Namespace) -> GenerationConfig:
         calibrate=not a.no_calibrate,
         drafter=a.drafter, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
         seed=a.seed, stop=tuple(a.stop), lookahead=getattr(a, "lade", None),
-        heads=getattr(a, "heads", None))
+        heads=getattr(a, "heads", None), tree_cost=getattr(a, "tree_cost", "budget"))
 
 
 def _load(a: argparse.Namespace):

@@ -9,6 +9,7 @@ import numpy as np
 from . import drafters
 from .budgets import check_bc
 from .errors import ConfigError
+from .drafters.tree_cost import TREE_COSTS
 from .latency import LatencyCurve
 
 TREES = ("static", "dynamic")
@@ -22,6 +23,11 @@ class GenerationConfig:
     ``calibrate`` corrects the dynamic tree's scores with the acceptance it observes per depth
     and rank (:class:`edgemtp.tree.RankCalibration`); ``False`` is the paper's Algorithm 1.
     Neither changes the output tokens, only how many forward calls they take.
+
+    ``tree_cost`` (hybrid, STAND, and auto's hybrids and STAND): ``"budget"`` grows a tree to
+    BC nodes; ``"measured"`` stops where one more node adds fewer expected tokens than its
+    measured share of a step costs (:mod:`edgemtp.drafters.tree_cost`), for tokens/s rather
+    than block efficiency. Outputs are the same either way.
 
     ``lookahead`` is lookahead decoding's ``(L, W, G)`` (``drafter="lade"``); by default the
     paper's for BC 10 / 30 / 60 and the same proportions otherwise
@@ -57,6 +63,7 @@ class GenerationConfig:
     latency: LatencyCurve | None = None  # for drafter="auto"; None: measured once per model
     lookahead: tuple[int, int, int] | None = None  # LADE's (L, W, G); None: from the budget
     heads: str | None = None  # drafter="heads": the kind to run; None: the package's first
+    tree_cost: str = "budget"  # hybrid, stand (and auto's): grow to BC, or while nodes pay
     eos_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -110,6 +117,11 @@ class GenerationConfig:
                    "heads (a kind) only applies to drafter='heads', 'hybrid' or 'auto'")
             _check(self.heads in ("medusa", "residual"),
                    f"heads must be medusa or residual, got {self.heads!r}")
+        _check(self.tree_cost in TREE_COSTS,
+               f"tree_cost must be one of {', '.join(TREE_COSTS)}, got {self.tree_cost!r}")
+        if self.tree_cost != "budget":
+            _check("tree_cost" in spec.options,
+                   "tree_cost only applies to drafter='hybrid', 'stand' or 'auto'")
         spec.budget(self)  # the drafter's budget rule: fail before any model is loaded
 
     @property

@@ -64,6 +64,8 @@ ERROR_CASES = [
     ("lade-over-budget", [*M, *P, "--drafter", "lade", "--lade", "5,8,7", "--bc", "30"],
      [r"L=5, W=8, G=7", r"\b60\b", r"budget 30"]),
     ("lade-shape-without-lade", [*M, *P, "--lade", "3,4,1"], [r"lookahead", r"lade"]),
+    ("tree-cost-on-pld", [*M, *P, "--drafter", "pld", "--tree-cost", "measured"],
+     [r"tree_cost", r"hybrid", r"stand"]),
     ("lade-shape-not-three", [*M, *P, "--drafter", "lade", "--lade", "3,4"],
      [r"three integers", r"\(L, W, G\)"]),
     ("huge-bc", [*M, *P, "--bc", "100000"], [r"100000", r"1024"]),

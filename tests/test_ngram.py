@@ -274,6 +274,61 @@ def test_hybrid_without_calibration_or_pruning_is_still_lossless(stories):
             assert Generation(backend, config, ids).run().token_ids == ref, options
 
 
+@pytest.mark.parametrize("drafter", ["hybrid", "stand"])
+def test_measured_tree_cost_grows_only_nodes_that_pay(stories, drafter, monkeypatch):
+    # tree_cost="measured" with a fit in which every row costs what a step's tokens are worth
+    # over 4 rows (min_score 0.5; kept fixed: no real timings recorded): the trees shrink to
+    # sure nodes, the output is still greedy's, and every step of the drafter's own tree is
+    # recorded with its rows and the tokens it committed
+    from edgemtp.drafters.tree_cost import TreeCost
+
+    backend, _, prompts, refs = stories
+    fit = TreeCost(warmup=2)
+    for rows in (2, 6, 2, 6):
+        fit.record(rows, 0.001 * rows, 2)
+    assert fit.min_score(0.001) == pytest.approx(0.5)
+    records = []
+    monkeypatch.setattr(TreeCost, "record", lambda self, *a: records.append(a))
+    key = ("hybrid-tree-cost", 60, 1) if drafter == "hybrid" else ("stand-tree-cost", 60)
+    rows = {}
+    for cost in ("budget", "measured"):
+        config = GenerationConfig(max_new_tokens=NEW_TOKENS, bc=60, drafter=drafter,
+                                  tree_cost=cost)
+        gen = Generation(backend, config, prompts[0], memory={key: fit})
+        seen = []
+        propose = gen.drafter.propose
+        gen.drafter.propose = lambda root: seen.append(propose(root)) or seen[-1]
+        assert gen.run().token_ids == refs[0]
+        rows[cost] = [plan.bc for plan, _ in seen]
+    # budget: nothing recorded; measured: every step observed (the last, which ends the
+    # generation, is not)
+    assert len(rows["measured"]) - 1 <= len(records) <= len(rows["measured"])
+    assert [r for r, _, _ in records] == rows["measured"][:len(records)]
+    assert all(s > 0 and 1 <= t <= 60 for _, s, t in records)
+    assert max(rows["measured"]) < max(rows["budget"])
+    assert sum(rows["measured"]) < 0.5 * sum(rows["budget"])
+
+
+def test_tree_cost_fit():
+    from edgemtp.drafters.tree_cost import TreeCost
+
+    c = TreeCost(warmup=3)
+    c.record(10, 0.002, 2)
+    c.record(30, 0.004, 2)
+    assert c.min_score(0.001) == 0.001                 # warming up: grow to the budget
+    c.record(10, 0.002, 2)
+    assert c.slope == pytest.approx(1e-4, rel=0.02)     # 0.1 ms a row
+    assert c.min_score(0.001) == pytest.approx(2 * 1e-4 / c.seconds, rel=0.02)
+    flat = TreeCost(warmup=1)
+    for _ in range(20):
+        flat.record(20, 0.003, 2)                       # one block size: no slope to read
+    assert flat.slope == 0.0 and flat.min_score(0.001) == 0.001
+    cheaper = TreeCost(warmup=1)
+    for rows, sec in [(10, 0.004), (30, 0.002)] * 5:    # bigger blocks ran faster (noise)
+        cheaper.record(rows, sec, 2)
+    assert cheaper.slope == 0.0 and cheaper.min_score(0.001) == 0.001
+
+
 def test_tiny_budgets(stories):
     # BC 1: nothing to draft; BC 2: one position for a draft node or a mask
     backend, _, prompts, refs = stories

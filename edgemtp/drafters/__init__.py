@@ -84,17 +84,18 @@ REGISTRY: dict[str, DrafterSpec] = {spec.name: spec for spec in (
     DrafterSpec("auto", "plain decoding, probing or a lookup chain per step, by expected "
                         "tokens/s on this device (--heads KIND: a package's learned heads "
                         "too)", AutoDrafter, lambda c: check_bc(c.bc),
-                options=frozenset({"heads"})),
+                options=frozenset({"heads", "tree_cost"})),
     DrafterSpec("pld", "prompt lookup: a chain of the tokens that followed the context's "
                        "suffix earlier", PromptLookupDrafter,
                 lambda c: chain_length(c.bc) + 1),
     DrafterSpec("stand", "STAND: lookup trees from the model's stored distributions",
-                StandDrafter, lambda c: check_bc(c.bc)),
+                StandDrafter, lambda c: check_bc(c.bc), options=frozenset({"tree_cost"})),
     DrafterSpec("lade", "lookahead decoding: Jacobi window and n-gram pool in one block",
                 LookaheadDrafter, _lade_budget, options=frozenset({"lookahead"})),
     DrafterSpec("hybrid", "probing (or a package's learned heads: --heads KIND), lookup and a "
                           "Jacobi window in one tree", _hybrid,
-                lambda c: check_bc(c.bc), uses_masks=True, options=frozenset({"heads"})),
+                lambda c: check_bc(c.bc), uses_masks=True,
+                options=frozenset({"heads", "tree_cost"})),
     DrafterSpec("heads", "a package's learned Medusa or residual heads (edgemtp train-heads) "
                          "on the last hidden state, dynamic tree", HeadsDrafter, heads_budget,
                 options=frozenset({"heads"})),

@@ -4,6 +4,7 @@ tree under one BC budget (the paper's App. C direction)."""
 from __future__ import annotations
 
 from bisect import bisect_right
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,8 +14,9 @@ from ..budgets import MAX_DEPTH, hybrid_tree_budget, hybrid_window
 from ..embeddings import MaskEmbeddings
 from ..plans import Plan
 from .lookahead import JacobiWindow, LookaheadPlan
-from .ngram_index import (MAX_NGRAM, P_EDGES, GrownTree, ContextModel, Lookup, grow, layout,
-                          tree_plan)
+from .ngram_index import (MAX_NGRAM, MIN_SCORE, P_EDGES, GrownTree, ContextModel, Lookup, grow,
+                          layout, tree_plan)
+from .stand import tree_cost
 
 if TYPE_CHECKING:
     from ..config import GenerationConfig
@@ -143,6 +145,9 @@ class HybridDrafter:
         fresh = HitRates(max_ngram, self.topk, jacobi=0 if window is None else window[0])
         self.rates = fresh if memory is None else memory.setdefault(key, fresh)
         self.context = ContextModel(self.topk, max_ngram)
+        # tree_cost="measured": nodes (and masks) only where they pay on this device
+        self.cost = tree_cost(config, memory, ("hybrid-tree-cost", config.bc, self.k))
+        self._t0 = 0.0  # when this step's propose began
         # a context someone else keeps current (auto: one for both hybrids, its STAND trees
         # and lookup chains); set before ``start``, it is neither rebuilt nor extended here
         self.shared: ContextModel | None = None
@@ -178,6 +183,8 @@ class HybridDrafter:
         return self._cand is not None
 
     def propose(self, root: int) -> tuple[Plan, np.ndarray]:
+        self._t0 = perf_counter()
+        floor = MIN_SCORE if self.cost is None else self.cost.min_score(MIN_SCORE)
         tree = GrownTree(root, tuple(self.context.tokens[-self.max_ngram:]), self.max_ngram)
         rates = self.rates.rates().tolist() if self.calibrate else None
         chain = [0]  # the top-1 chain: mask j's candidates hang under its depth-j node
@@ -191,9 +198,10 @@ class HybridDrafter:
             return self._children(t, node, j, rates)
 
         self._offers = {}
-        self._tree = grow(tree, children, self.tree_bc, self.depth)
+        self._tree = grow(tree, children, self.tree_bc, self.depth, floor)
         parents, tokens, self._masks_of = place_masks(self._tree, self.tree_bc, self.k,
-                                                     self.vocab, self.rates.gain)
+                                                     self.vocab, self.rates.gain,
+                                                     0.0 if self.cost is None else floor)
         if self.jacobi is None:
             self._plan = tree_plan(parents)
             return self._plan, tokens
@@ -204,6 +212,8 @@ class HybridDrafter:
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
                 path_rows: np.ndarray) -> None:
         if self._tree is not None:  # a step of our tree: our masks are leaves of it
+            if self.cost is not None:
+                self.cost.record(self._plan.bc, perf_counter() - self._t0, len(new_tokens))
             self._learn(new_tokens)
             mask_rows = self._masks_of.get(int(path_rows[-1]), mask_rows[:0])
             if isinstance(self._plan, LookaheadPlan):
@@ -315,12 +325,14 @@ class HybridDrafter:
             self.rates.record_gain(len(truth) - 1 if mask_only else 0.0)
 
 
-def place_masks(tree: GrownTree, bc: int, k: int, vocab: int, gain: float
+def place_masks(tree: GrownTree, bc: int, k: int, vocab: int, gain: float,
+                min_score: float = 0.0
                 ) -> tuple[tuple[int, ...], np.ndarray, dict[int, np.ndarray]]:
     """Split the budget between the first ``r`` grown nodes and ``m`` nodes carrying ``k``
     masks each (``r + m * k <= bc``), maximising the expected accepted nodes plus ``gain``
     times the chance the accepted path ends at a masked node; lay the tree out
-    (:func:`layout`).
+    (:func:`layout`). A node's masks must add at least ``min_score`` per mask row
+    (``tree_cost``), as a node must.
 
     >>> t = GrownTree(5, (5,), 3)
     >>> _ = t.add(6, 0, 0.5); _ = t.add(7, 1, 0.05)    # 5 -> 6 (p 0.5) -> 7 (p 0.05)
@@ -345,6 +357,8 @@ def place_masks(tree: GrownTree, bc: int, k: int, vocab: int, gain: float
             order = sorted(range(r), key=lambda i: -end[i])  # stable: ties keep grow order
             kept, last_r = sum(s[1:r]), r
         top = order[:m]
+        if m and gain * end[top[-1]] < k * min_score:  # (0: masks cost nothing)
+            break  # this node's masks, and every later one's, add less than they cost
         value = kept + gain * sum(end[i] for i in top)
         if value > best:
             best, choice, worse = value, (r, sorted(top)), 0

@@ -239,10 +239,13 @@ class GrownTree:
 Children = Callable[[GrownTree, int], list[tuple[int, float]]]
 
 
-def grow(tree: GrownTree, children: Children, max_nodes: int, max_depth: int) -> GrownTree:
+def grow(tree: GrownTree, children: Children, max_nodes: int, max_depth: int,
+         min_score: float = MIN_SCORE) -> GrownTree:
     """Algorithm 1 for any candidate source: rank candidates by cumulative score
     (``score(parent) * p``) and add the best until ``max_nodes``; ``children(tree, node)``
     proposes ``(token, p)`` under a node just added (called in the order nodes are added).
+    A candidate scoring under ``min_score`` never gets a node (``tree_cost``: what a node
+    must add to pay for itself on this device).
 
     >>> kids = {0: [(7, 0.6), (8, 0.4)], 1: [(9, 0.5)]}
     >>> t = grow(GrownTree(5, (5,), 3), lambda t, v: kids.get(v, []), 3, 10)
@@ -257,7 +260,7 @@ def grow(tree: GrownTree, children: Children, max_nodes: int, max_depth: int) ->
             base = tree.scores[node]
             for t, p in children(tree, node):
                 s = base * p
-                if s >= MIN_SCORE:
+                if s >= min_score:
                     heapq.heappush(heap, (-s, next(order), node, t))
 
     expand(0)

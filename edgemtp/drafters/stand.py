@@ -3,6 +3,7 @@ stored distributions."""
 
 from __future__ import annotations
 
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -10,7 +11,8 @@ import numpy as np
 from ..backend import Backend, StepOut
 from ..budgets import MAX_DEPTH
 from ..plans import Plan
-from .ngram_index import MAX_NGRAM, ContextModel, GrownTree, grow, layout, tree_plan
+from .ngram_index import MAX_NGRAM, MIN_SCORE, ContextModel, GrownTree, grow, layout, tree_plan
+from .tree_cost import TreeCost
 
 if TYPE_CHECKING:
     from ..config import GenerationConfig
@@ -34,17 +36,21 @@ class StandDrafter:
                  max_ngram: int = MAX_NGRAM, depth: int = MAX_DEPTH) -> None:
         self.max_nodes, self.depth, self.max_ngram = config.bc, depth, max_ngram
         self.context = ContextModel(self.topk, max_ngram)
+        # tree_cost="measured": kept in the caller's memory, so it carries across generations
+        self.cost = tree_cost(config, memory, ("stand-tree-cost", config.bc))
+        self._drafted: tuple[float, int] | None = None  # our step: its start, its rows
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.context = ContextModel(self.topk, self.max_ngram)
         self.context.extend(prompt_ids)
 
     def propose(self, root: int) -> tuple[Plan, np.ndarray]:
-        cm = self.context
+        t0, cm = perf_counter(), self.context
         tree = GrownTree(root, tuple(cm.tokens[-self.max_ngram:]), self.max_ngram)
         grow(tree, lambda t, node: cm.next_tokens(t.tails[node]).guesses, self.max_nodes,
-             self.depth)
+             self.depth, MIN_SCORE if self.cost is None else self.cost.min_score(MIN_SCORE))
         parents, tokens, _ = layout(tree, len(tree))
+        self._drafted = t0, len(tree)
         return tree_plan(parents), tokens
 
     def mask_embeds(self) -> None:
@@ -52,4 +58,16 @@ class StandDrafter:
 
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
                 path_rows: np.ndarray) -> None:
+        if self._drafted is not None and self.cost is not None:  # a step of our tree
+            self.cost.record(self._drafted[1], perf_counter() - self._drafted[0],
+                             len(new_tokens))
+        self._drafted = None  # (a step someone else planned, auto's, only feeds the context)
         self.context.extend(new_tokens, out.topk_ids, out.topk_logprobs, path_rows)
+
+
+def tree_cost(config: GenerationConfig, memory: dict | None, key: tuple) -> TreeCost | None:
+    """The drafter's :class:`TreeCost` where ``tree_cost="measured"`` (kept in ``memory``
+    under ``key`` where there is one), else None."""
+    if config.tree_cost != "measured":
+        return None
+    return TreeCost() if memory is None else memory.setdefault(key, TreeCost())
