@@ -117,6 +117,19 @@ def test_auto_runs_a_source_that_is_clearly_best_and_stays_lossless(setup, name)
     assert sum(p.get(key, 0) for p in picked) >= 5, (key, picked)
 
 
+def test_auto_passes_tree_cost_to_its_hybrids_only(setup):
+    # tree_cost="measured" reaches the hybrids (which fit their own step cost as they run);
+    # LADE, k = 2 probing and heads take no such option and are built as ever
+    backend, prompts, refs = setup
+    memory = {("auto-whole", "hybrid", 10): {f: [8.0, 10.0, 1e3] for f in range(4)}}
+    config = GenerationConfig(drafter="auto", bc=10, max_new_tokens=96, latency=SLOW_FLAT,
+                              tree_cost="measured")
+    outs, picked = _generations(backend, prompts[:3], config, memory)
+    assert outs == refs[:3]
+    assert sum(p.get("hybrid BC=10", 0) for p in picked) >= 5, picked
+    assert memory[("hybrid-tree-cost", 10, 1)].n >= 5
+
+
 def test_auto_weighs_every_source_by_the_curve(setup):
     """A flat curve: wide blocks cost what one position does, so what runs is wide (the
     whole drafters, STAND and probing trees) and BE beats any one-token chain's; a steep

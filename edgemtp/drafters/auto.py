@@ -283,7 +283,8 @@ class AutoDrafter:
                ) -> list[WholeDrafter]:
         out = []
         for bc in auto_budgets(config.bc) or (config.bc,):
-            d = HeadsDrafter(backend, replace(config, bc=bc, drafter="heads"), memory)
+            d = HeadsDrafter(backend, replace(config, bc=bc, drafter="heads",
+                                              tree_cost="budget"), memory)
             # optimistic prior: a good step of the heads (their tree is as deep as the heads)
             w = WholeDrafter(f"heads BC={bc}", d, min(3.0, d.runner.info.heads + 1.0),
                              memory.setdefault(("auto-whole", "heads", config.heads, bc), {}))
@@ -302,8 +303,9 @@ class AutoDrafter:
                     ("lade", LookaheadDrafter, None, dict(drafter="lade")),
                     ("probe k=2", ProbeDrafter, 3.0,
                      dict(drafter="probe", mask_tokens=2, tree="dynamic", branching=None))):
-                heads = config.heads if sub["drafter"] == "hybrid" else None
-                c = replace(config, bc=bc, heads=heads, **sub)
+                hybrid_only = sub["drafter"] == "hybrid"  # (heads, tree_cost: its options)
+                c = replace(config, bc=bc, heads=config.heads if hybrid_only else None,
+                            tree_cost=config.tree_cost if hybrid_only else "budget", **sub)
                 d = make(backend, c, memory)
                 w = WholeDrafter(f"{name} BC={bc}", d, best if best else float(d.n),
                                  memory.setdefault(("auto-whole", name, bc), {}))
