@@ -2,12 +2,14 @@
 # Carry onnxruntime-gpu's wheel (255 MB, a CUDA 13 build) to a lent GPU machine in parts: a
 # device call takes at most 64 MiB of working tree, and /tmp there survives between calls
 # made back to back (the machine goes back after 30 s idle).
-#   here:   bash bench/ort_gpu_parts.sh split      # .whl/<wheel>, carry/ortgpu/p0 .. p5
+#   here:   bash bench/ort_gpu_parts.sh split      # .whl/<wheel>, carry/ortgpu/p0 .. p4
+#           bash bench/ort_gpu_parts.sh prep       # carry/stories260K, carry/pkgs/stories-*
 #   there:  one call per part, back to back:
 #             run(carry=["carry/ortgpu/pN"], command="bash bench/ort_gpu_parts.sh take N")
-#           then, in the same warm machine:
-#             bash bench/ort_gpu_parts.sh install && python3 bench/bench_ort_gpu.py ... \
-#               --site /tmp/site --out $OUT
+#           then, in the same warm machine (the last part's call can do it, carrying
+#           carry/pkgs too):
+#             bash bench/ort_gpu_parts.sh install && bash bench/ort_gpu_parts.sh bench
+#   (2026-11-26, H200: five take calls ~6 s each after a ~30 s start; the bench ~2 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=1.31.1
@@ -38,5 +40,24 @@ case "${1:-}" in
       /tmp/ortgpu/$WHEEL
     PYTHONPATH=/tmp/site python3 -c "import onnxruntime as o; o.preload_dlls(); \
 print(o.__version__, o.get_available_providers())";;
-  *) echo "usage: $0 split | take N | install" >&2; exit 2;;
+  prep)
+    # the real-weights packages the bench runs (exported here: the GPU host's onnxruntime
+    # 1.30 could not run the self-check before the empty-past fix) and the model folder
+    S=${SHARED:-../shared}/models/stories260K
+    rm -rf carry/stories260K && mkdir -p carry/pkgs && cp -r "$S" carry/stories260K
+    for d in fp32 fp16; do
+      "${EDGEMTP:-.venv/bin/edgemtp}" export "$S" --out carry/pkgs/stories-$d --dtype $d --force
+    done
+    du -sh carry/pkgs/* carry/stories260K;;
+  bench)
+    # stories260K (real weights: BE, identity) and the 135M shape (random weights, exported
+    # there: t(T) and tok/s), CUDA EP with and without CUDA graphs (see ort_gpu_h200.md)
+    export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 EDGEMTP_LATENCY_CACHE=0
+    OUT=${OUT:-bench/results/gpu}; mkdir -p "$OUT"
+    timeout "${BUDGET:-400}" python3 bench/bench_ort_gpu.py carry/pkgs/stories-fp32 \
+      carry/pkgs/stories-fp16 --export smollm2-135m:fp16 --site /tmp/site \
+      --devices cuda-nographs,cuda --drafters auto,probe,pld,hybrid --bc 10,60 --prompts 12 \
+      --new-tokens 128 --repeats 20 --out "$OUT" > "$OUT/ort_log.txt" 2>&1
+    echo "rc=$?"; grep -v '^|' "$OUT/ort_log.txt" | tail -20;;
+  *) echo "usage: $0 split | prep | take N | install | bench" >&2; exit 2;;
 esac
