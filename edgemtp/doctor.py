@@ -666,8 +666,31 @@ def describe_plan(p: MemoryPlan) -> list[str]:
     return lines
 
 
+def fastest(vs: list[Verdict]) -> str | None:
+    """Which working pair to run on for speed, from what was measured (README: "What was
+    measured on hardware"): on an NVIDIA GPU the torch backend, whose steps replay one CUDA
+    graph per block shape, over onnxruntime's CUDA EP, which refuses to capture edgemtp's graph
+    (shape nodes on the CPU) and ran a third of torch's tokens/s on an H200."""
+    ok = {(v.backend, v.device) for v in vs if v.ok}
+    if ("torch", "cuda") in ok:
+        return ("torch cuda (a model folder, --backend torch --device cuda --dtype fp16): one "
+                "CUDA graph per block shape; onnxruntime's CUDA EP runs edgemtp's graph "
+                "uncaptured, ~1/3 of its tokens/s (bench/results/ort_gpu_h200.md)")
+    if ("onnxruntime", "cuda") in ok:
+        return ("onnxruntime cuda (a package, --device cuda): uncaptured steps, launch-bound; "
+                "torch with CUDA would replay CUDA graphs, ~3x the tokens/s on an H200")
+    if ("onnxruntime", "cpu") in ok:
+        return ("onnxruntime cpu (a package; --dtype int4 for speed, lossless against its "
+                "own plain decoding)")
+    return None
+
+
 def report(facts: Facts, plan: MemoryPlan | None = None) -> str:
-    lines = describe_machine(facts) + [""] + describe_verdicts(verdicts(facts))
+    vs = verdicts(facts)
+    lines = describe_machine(facts) + [""] + describe_verdicts(vs)
+    best = fastest(vs)
+    if best:
+        lines += ["", f"fastest   {best}"]
     if plan is not None:
         lines += [""] + describe_plan(plan)
     return "\n".join(lines)
@@ -679,4 +702,5 @@ def to_dict(facts: Facts, plan: MemoryPlan | None = None) -> dict:
     return {"machine": asdict(facts),
             "jetpack": dict(zip(("jetpack", "cuda", "tensorrt"), jp)) if jp else None,
             "backends": [asdict(v) for v in verdicts(facts)],
+            "fastest": fastest(verdicts(facts)),
             "memory_plan": asdict(plan) if plan is not None else None}

@@ -115,8 +115,9 @@ def test_doctor_json_is_one_object_with_the_same_verdicts(runs):
     assert p.returncode == 0, p.stderr
     (line,) = p.stdout.strip().splitlines()
     data = json.loads(line)
-    assert set(data) == {"machine", "jetpack", "backends", "memory_plan"}
+    assert set(data) == {"machine", "jetpack", "backends", "memory_plan", "fastest"}
     assert data["memory_plan"] is None
+    assert f"fastest   {data['fastest']}" in runs["plain"].stdout
     assert [(b["backend"], b["device"]) for b in data["backends"]] == list(doctor.CHECKS)
     assert data["machine"]["python"] == platform.python_version()
     for b in data["backends"]:
@@ -213,6 +214,22 @@ def test_desktop_torch_cuda_wheel_follows_the_driver(driver, wheel):
     assert "CPU-only build" in v.reason
     assert v.install == ("pip uninstall -y torch && pip install torch --index-url "
                          f"https://download.pytorch.org/whl/{wheel}")
+
+
+def test_fastest_pair_follows_what_was_measured():
+    # an H200-like box with onnxruntime-gpu and CUDA torch: torch (CUDA graphs) is named
+    # over onnxruntime's CUDA EP, which ran uncaptured there; without CUDA torch the EP; a
+    # CPU-only machine gets onnxruntime on its CPU
+    gpu = replace(DESKTOP, torch="2.11.0+cu130", torch_cuda="13.0", torch_cuda_ok=True,
+                  cudnn="9.19.0", onnxruntime="1.31.1",
+                  ort_providers=("CUDAExecutionProvider", "CPUExecutionProvider"))
+    assert by_pair(gpu)["torch", "cuda"].ok and by_pair(gpu)["onnxruntime", "cuda"].ok
+    assert doctor.fastest(doctor.verdicts(gpu)).startswith("torch cuda")
+    ort_only = replace(gpu, torch="2.13.0+cpu", torch_cuda=None, torch_cuda_ok=False)
+    assert doctor.fastest(doctor.verdicts(ort_only)).startswith("onnxruntime cuda")
+    assert doctor.fastest(doctor.verdicts(DESKTOP)).startswith("onnxruntime cpu")
+    assert "fastest   onnxruntime cpu" in doctor.report(DESKTOP)
+    assert doctor.to_dict(gpu)["fastest"].startswith("torch cuda")
 
 
 def test_desktop_verdicts_and_install_steps():
