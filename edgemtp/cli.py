@@ -432,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--drafters", default="probe,pld,stand,lade,hybrid,auto",
                    help="comma-separated drafters (default: probe,pld,stand,lade,hybrid,auto)")
     b.add_argument("--bc", type=_int_list, default=(10, 30, 60), help="budgets (default 10,30,60)")
+    b.add_argument("--tree-cost", default="budget", metavar="budget,measured",
+                   help="for hybrid, stand and auto: budget (default), measured, or both "
+                        "(rows 'NAME measured': trees grow only while a node pays)")
     b.add_argument("--sets", default="stories,spec_bench",
                    help="prompt sets: stories, spec_bench (by category)")
     b.add_argument("--per-set", type=int, default=8,

@@ -107,6 +107,8 @@ BAD_TOOL_INPUTS = [  # (id, argv with {model}, regexes the one stderr line must 
     ("bench-no-drafter-fits", ["bench", "--model", "{model}", "--drafters", "probe", "--bc", "1"],
      [r"no drafter can run", r"probe at BC 1"]),
     ("bench-repeats-0", ["bench", "--model", "{model}", "--repeats", "0"], [r"--repeats"]),
+    ("bench-tree-cost-typo", ["bench", "--model", "{model}", "--tree-cost", "budget,measure"],
+     [r"--tree-cost", r"measured", r"budget,measure"]),
     ("profile-budget-huge", ["profile", "{model}", "--budget", "100000"],
      [r"--budget", r"100000", r"1024"]),
     ("profile-budget-0", ["profile", "{model}", "--budget", "0"], [r"--budget", r"\b0\b"]),
@@ -193,6 +195,20 @@ def test_bench_reference_runs_transformers_on_the_backends_source(stories_path, 
     ref = next(r for r in result["rows"] if r["method"] == "transformers prompt lookup")
     assert ref["bc"] == 11 and ref["lossless"] and ref["tokens"] == 32
     assert result["reference_source"] == stories_path and result["failures"] == []
+
+
+def test_bench_runs_tree_drafters_once_per_tree_cost():
+    # hybrid and stand (and auto) take tree_cost: one row per cost, the measured one named
+    # apart (its own row-log key); pld takes none and runs once
+    from edgemtp import GenerationConfig
+    from edgemtp.tools.benchmark import methods
+
+    greedy = GenerationConfig(drafter="none", max_new_tokens=16)
+    plan = methods(["hybrid", "pld", "stand"], [10], greedy, ("budget", "measured"))
+    got = {(m, c.tree_cost) for m, _, c in plan}
+    assert got == {("hybrid", "budget"), ("hybrid measured", "measured"), ("pld", "budget"),
+                   ("stand", "budget"), ("stand measured", "measured")}
+    assert [m for m, _, _ in methods(["hybrid"], [10], greedy)] == ["hybrid"]
 
 
 def test_row_log_reuses_rows_of_the_same_settings_only(tmp_path):

@@ -26,6 +26,7 @@ from pathlib import Path
 from edgemtp import drafters
 from edgemtp.budgets import check_bc
 from edgemtp.config import GenerationConfig
+from edgemtp.drafters.tree_cost import TREE_COSTS
 from edgemtp.errors import ConfigError
 
 from . import at_least_one, check_fits, quiet_transformers
@@ -42,7 +43,8 @@ def command(a, load) -> int:
     """``edgemtp bench``: check every option, load the model with ``load(a)``, measure (or
     reuse) the rows, write the results. Returns the exit code."""
     greedy = GenerationConfig(drafter="none", max_new_tokens=a.max_new_tokens)
-    plan = methods(check_drafters(a.drafters), [check_bc(bc, "--bc") for bc in a.bc], greedy)
+    plan = methods(check_drafters(a.drafters), [check_bc(bc, "--bc") for bc in a.bc], greedy,
+                   check_tree_costs(getattr(a, "tree_cost", "budget")))
     at_least_one(per_set=a.per_set, repeats=a.repeats)
     tasks = prompt_sets([s for s in a.sets.split(",") if s], a.per_set)
     quiet_transformers(a.model)
@@ -92,20 +94,36 @@ def check_drafters(text: str) -> list[str]:
     return chosen
 
 
-def methods(names: list[str], budgets: list[int], greedy: GenerationConfig
+def check_tree_costs(text: str) -> tuple[str, ...]:
+    """``--tree-cost``: one or both of ``budget``, ``measured``, comma-separated."""
+    chosen = tuple(dict.fromkeys(c for c in text.split(",") if c))
+    if not chosen or any(c not in TREE_COSTS for c in chosen):
+        raise ConfigError(f"--tree-cost must be {' or '.join(TREE_COSTS)}, or both "
+                          f"comma-separated, got {text!r}")
+    return chosen
+
+
+def methods(names: list[str], budgets: list[int], greedy: GenerationConfig,
+            tree_costs: tuple[str, ...] = ("budget",)
             ) -> list[tuple[str, int, GenerationConfig | str]]:
-    """(drafter, BC, config) for every drafter and budget; the config is the reason instead
+    """(method, BC, config) for every drafter and budget; the config is the reason instead
     when the drafter cannot use the budget (a skipped row). Drafters that carry mask tokens use
-    k = 1 at every budget, the others their own BC accounting. Refuses a plan where no drafter
-    can run at all, before any model is loaded."""
+    k = 1 at every budget, the others their own BC accounting. A drafter that takes
+    ``tree_cost`` runs once per cost in ``tree_costs`` (method ``"NAME measured"`` for the
+    measured one). Refuses a plan where no drafter can run at all, before any model is
+    loaded."""
     out = []
     for name in names:
-        for bc in budgets:
-            opts = dict(mask_tokens=1) if drafters.get(name).uses_masks else {}
-            try:
-                out.append((name, bc, greedy.with_(drafter=name, bc=bc, **opts)))
-            except ConfigError as e:
-                out.append((name, bc, str(e)))
+        costs = tree_costs if "tree_cost" in drafters.get(name).options else ("budget",)
+        for cost in costs:
+            method = name if cost == "budget" else f"{name} {cost}"
+            for bc in budgets:
+                opts = dict(mask_tokens=1) if drafters.get(name).uses_masks else {}
+                try:
+                    out.append((method, bc, greedy.with_(drafter=name, bc=bc, tree_cost=cost,
+                                                         **opts)))
+                except ConfigError as e:
+                    out.append((method, bc, str(e)))
     if all(isinstance(config, str) for _, _, config in out):
         raise ConfigError("no drafter can run at these budgets: " + "; ".join(
             f"{name} at BC {bc}: {reason}" for name, bc, reason in out))
