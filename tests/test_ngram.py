@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from edgemtp import GenerationConfig
 from edgemtp.engine import Generation
+from edgemtp.drafters import hybrid as H
 from edgemtp.drafters.lookahead import LookaheadPlan
 from edgemtp.budgets import hybrid_window
 from edgemtp.drafters.prompt_lookup import PromptLookupDrafter
@@ -290,16 +291,19 @@ def test_measured_tree_cost_grows_only_nodes_that_pay(stories, drafter, monkeypa
     records = []
     monkeypatch.setattr(TreeCost, "record", lambda self, *a: records.append(a))
     key = ("hybrid-tree-cost", 60, 1) if drafter == "hybrid" else ("stand-tree-cost", 60)
-    rows = {}
+    rows, windows = {}, {}
     for cost in ("budget", "measured"):
         config = GenerationConfig(max_new_tokens=NEW_TOKENS, bc=60, drafter=drafter,
                                   tree_cost=cost)
-        gen = Generation(backend, config, prompts[0], memory={key: fit})
+        # hybrid: a Jacobi window that has got nothing accepted so far runs only on probes
+        memory = {key: fit, ("hybrid-window", 60, 1): {"gain": 0.0, "steps": 0}}
+        gen = Generation(backend, config, prompts[0], memory=memory)
         seen = []
         propose = gen.drafter.propose
         gen.drafter.propose = lambda root: seen.append(propose(root)) or seen[-1]
         assert gen.run().token_ids == refs[0]
         rows[cost] = [plan.bc for plan, _ in seen]
+        windows[cost] = sum(isinstance(plan, LookaheadPlan) for plan, _ in seen)
     # budget: nothing recorded; measured: every step observed (the last, which ends the
     # generation, is not)
     assert len(rows["measured"]) - 1 <= len(records) <= len(rows["measured"])
@@ -307,6 +311,10 @@ def test_measured_tree_cost_grows_only_nodes_that_pay(stories, drafter, monkeypa
     assert all(s > 0 and 1 <= t <= 60 for _, s, t in records)
     assert max(rows["measured"]) < max(rows["budget"])
     assert sum(rows["measured"]) < 0.5 * sum(rows["budget"])
+    if drafter == "hybrid":
+        assert windows["budget"] == len(rows["budget"])          # every step at BC 60
+        n = len(rows["measured"])
+        assert 1 <= windows["measured"] <= n // H.HybridDrafter.WINDOW_PROBE + 1, (windows, n)
 
 
 def test_tree_cost_fit():

@@ -147,6 +147,12 @@ class HybridDrafter:
         self.context = ContextModel(self.topk, max_ngram)
         # tree_cost="measured": nodes (and masks) only where they pay on this device
         self.cost = tree_cost(config, memory, ("hybrid-tree-cost", config.bc, self.k))
+        # ... and the Jacobi window only while its rows pay: the tokens a step accepted that
+        # only the window's n-grams proposed (running mean, every step of our tree)
+        fresh_window = {"gain": 1.0, "steps": 0}
+        self.window_gain = (fresh_window if memory is None or self.cost is None else
+                            memory.setdefault(("hybrid-window", config.bc, self.k),
+                                              fresh_window))
         self._t0 = 0.0  # when this step's propose began
         # a context someone else keeps current (auto: one for both hybrids, its STAND trees
         # and lookup chains); set before ``start``, it is neither rebuilt nor extended here
@@ -198,16 +204,31 @@ class HybridDrafter:
             return self._children(t, node, j, rates)
 
         self._offers = {}
-        self._tree = grow(tree, children, self.tree_bc, self.depth, floor)
-        parents, tokens, self._masks_of = place_masks(self._tree, self.tree_bc, self.k,
+        window = self.jacobi is not None and self._window_pays(floor)
+        tree_bc = self.tree_bc if window or self.jacobi is None else self.bc
+        self._tree = grow(tree, children, tree_bc, self.depth, floor)
+        parents, tokens, self._masks_of = place_masks(self._tree, tree_bc, self.k,
                                                      self.vocab, self.rates.gain,
                                                      0.0 if self.cost is None else floor)
-        if self.jacobi is None:
+        if not window:
             self._plan = tree_plan(parents)
             return self._plan, tokens
         plan, ids = self.jacobi.block(parents, tokens)
         self._plan = plan
         return plan, ids
+
+    WINDOW_PROBE = 32  # tree_cost="measured": a window step at least this often
+
+    def _window_pays(self, floor: float) -> bool:
+        """Always with ``tree_cost="budget"``; with ``"measured"``, while the tokens the window's
+        n-grams alone got accepted per step beat its rows times what a node must add (and on
+        one step in WINDOW_PROBE, which refreshes its n-gram pool and the measurement)."""
+        if self.cost is None or self.cost.n < self.cost.warmup:
+            return True
+        w = self.window_gain
+        w["steps"] += 1
+        rows = self.jacobi.cells.size - 1  # (its cell (0, 0) is the root)
+        return w["gain"] >= rows * floor or w["steps"] % self.WINDOW_PROBE == 0
 
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
                 path_rows: np.ndarray) -> None:
@@ -296,7 +317,7 @@ class HybridDrafter:
         h, tree, node = self.rates, self._tree, 0
         buckets: list[int] = []
         hits: list[bool] = []
-        mask_only = False
+        mask_only, window_only = False, 0
         for t in truth:
             if node not in self._asked:
                 break
@@ -316,11 +337,18 @@ class HybridDrafter:
             if node == 0:
                 mask_only = (t != lk.literal and all(g != t for g, _ in lk.guesses)
                              and all(g != t for g, _ in jac) and any(m == t for m, _ in masks))
-            node = tree.child.get((node, t))
+            node_t = tree.child.get((node, t))
+            if (node_t is not None and any(g == t for g, _ in jac) and t != lk.literal
+                    and all(g != t for g, _ in lk.guesses) and all(m != t for m, _ in masks)):
+                window_only += 1  # accepted, and only the window's n-grams proposed it
+            node = node_t
             if node is None:
                 break
         if self.calibrate:
             self.rates.record(buckets, hits)
+        if self.cost is not None and self.jacobi is not None:
+            w = self.window_gain
+            w["gain"] += 0.05 * (window_only - w["gain"])
         if self._cand is not None:  # this step's root had mask candidates
             self.rates.record_gain(len(truth) - 1 if mask_only else 0.0)
 

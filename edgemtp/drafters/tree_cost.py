@@ -12,7 +12,10 @@ as exponentially weighted means. Tokens per second ``E / t`` rise with one more 
 as what that row adds beats ``E * b / t``: that is the least score a node must have
 (:meth:`min_score`). The fit is the device's and the drafter's own, so it needs no latency
 measurement up front; until it has enough steps with different block sizes, trees grow to
-the budget. Lossless either way: only the tree changes, never the verification.
+the budget. The hybrid holds its Jacobi window to the same rule: its rows run while the
+tokens that only the window's n-grams got accepted per step beat its rows times that least
+score (and on a probe step now and then). Lossless either way: only the tree changes, never
+the verification.
 """
 
 from __future__ import annotations
