@@ -202,6 +202,10 @@ def test_sampling_with_a_seed_and_edgemtp_options(server, ref):
     r = server.client().completions.create(model="stories", prompt=PROMPTS[4], max_tokens=40,
                                            **options, extra_body=extra)
     assert r.choices[0].text == want
+    extra = dict(bc=30, drafter="hybrid", tree_cost="measured")
+    r = server.client().completions.create(model="stories", prompt=PROMPTS[4], max_tokens=40,
+                                           **options, extra_body=extra)
+    assert r.choices[0].text == want  # sampling is exact whoever drafts
 
 
 def test_token_id_prompt_and_models_and_metrics(server, ref):
@@ -315,6 +319,9 @@ BAD = [  # name, path, body (dict -> JSON, str/bytes -> raw), status, message fr
     ("bc too small for a plan", "/v1/completions", {"prompt": "a", "bc": 3, "drafter": "probe"},
      400,
      "block complexity 3 is too small"),
+    ("tree cost on pld", "/v1/completions",
+     {"prompt": "a", "drafter": "pld", "tree_cost": "measured"}, 400,
+     "tree_cost only applies to drafter='hybrid', 'stand' or 'auto'"),
     ("too many stop strings", "/v1/completions", {"prompt": "a", "stop": list("abcde")}, 400,
      "stop takes at most 4 strings"),
     ("10 MB body", "/v1/completions", b"x" * (10 << 20), 413, "over the server's limit"),

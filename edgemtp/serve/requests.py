@@ -76,6 +76,7 @@ class _Common(_Strict):
     bc: int | None = None
     drafter: str | None = None
     mask_tokens: int | None = None
+    tree_cost: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -134,7 +135,8 @@ class Limits:
 
 # request field -> GenerationConfig field
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-           "bc": "bc", "drafter": "drafter", "mask_tokens": "mask_tokens"}
+           "bc": "bc", "drafter": "drafter", "mask_tokens": "mask_tokens",
+           "tree_cost": "tree_cost"}
 # a ConfigError's first word -> the request field it is about
 PARAM_OF = {v: k for k, v in OPTIONS.items()} | {"max_new_tokens": "max_tokens", "stop": "stop",
                                                   "block": "bc"}  # "block complexity 3 is ..."
