@@ -156,7 +156,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             "block_efficiency": round(result.stats.block_efficiency, 4),
             "tokens_per_second": round(result.stats.tokens_per_second, 2),
             "bc": result.stats.bc, "mask_tokens": result.stats.mask_tokens,
-            "stats": result.stats.to_dict(),
+            "tree_cost": config.tree_cost, "stats": result.stats.to_dict(),
         }))
         return 0
     _print_stream(model, model.stream(prompt, config))
@@ -492,7 +492,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         rec = read_profile(args.profile)[0]
         parser.commands[args.command].set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
                                                    mask_tokens=int(rec["mask_tokens"]),
-                                                   heads=rec.get("heads"))
+                                                   heads=rec.get("heads"),
+                                                   tree_cost=rec.get("tree_cost", "budget"))
         args = parser.parse_args(argv)
     return args
 

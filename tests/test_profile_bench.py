@@ -23,7 +23,8 @@ def cli(*args, check=True):
 
 
 def key(options: dict) -> tuple:
-    return options["drafter"], options.get("bc", 1), options.get("mask_tokens", 1)
+    return (options["drafter"], options.get("bc", 1), options.get("mask_tokens", 1),
+            options.get("tree_cost", "budget"))
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,10 @@ def test_profile_recommends_the_fastest_measured_plan(profiled):
     assert chosen and chosen[0]["tokens_per_second"] == fastest, (rec, data["plans"])
     shown = re.search(r"recommended: --drafter (\S+) --bc (\d+) --mask-tokens (\d+)", stdout)
     assert shown.groups() == (rec["drafter"], str(rec["bc"]), str(rec["mask_tokens"]))
+    # the tree drafters were profiled with measured trees too
+    assert {"stand BC=10 measured", "hybrid k=1 BC=10 measured"} <= {
+        p["plan"] for p in data["plans"]}
+    assert ("--tree-cost measured" in stdout) == (rec.get("tree_cost") == "measured")
 
 
 def test_generate_takes_the_profile_and_flags_still_win(stories_path, profiled):
@@ -71,6 +76,18 @@ def test_generate_takes_the_profile_and_flags_still_win(stories_path, profiled):
     assert forced["bc"] == 8 and forced["token_ids"] == out["token_ids"]
 
 
+def test_generate_takes_a_measured_tree_cost_from_the_profile(stories_path, tmp_path):
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"format_version": 1, "latency": LATENCY, "recommendation": {
+        "drafter": "hybrid", "bc": 10, "mask_tokens": 1, "tree_cost": "measured"}}))
+    base = ["generate", "--model", stories_path, "--prompt", "Once upon a time", "--json",
+            "--max-new-tokens", "16", "--threads", "1", "--profile", str(prof)]
+    out = json.loads(cli(*base).stdout)
+    assert (out["drafter"], out["bc"], out["tree_cost"]) == ("hybrid", 10, "measured")
+    forced = json.loads(cli(*base, "--tree-cost", "budget").stdout)
+    assert forced["tree_cost"] == "budget" and forced["token_ids"] == out["token_ids"]
+
+
 LATENCY = {"block_sizes": [1, 10], "seconds": [0.001, 0.002]}
 REC = {"drafter": "probe", "bc": 10, "mask_tokens": 1}
 BAD_PROFILES = [  # (id, file content, regexes the one stderr line must match)
@@ -82,6 +99,8 @@ BAD_PROFILES = [  # (id, file content, regexes the one stderr line must match)
      [r"mask_tokens", r"1\.5"]),
     ("unknown-drafter", {"recommendation": {**REC, "drafter": "magic"}}, [r"drafter", r"magic"]),
     ("bad-latency-curve", {"recommendation": REC, "latency": [1, 2]}, [r"latency curve"]),
+    ("tree-cost-for-probe", {"recommendation": {**REC, "tree_cost": "measured"}},
+     [r"tree_cost", r"hybrid"]),
 ]
 
 

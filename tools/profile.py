@@ -34,8 +34,8 @@ def candidates(budget: int, heads: tuple[str, ...] = ()) -> list[tuple[str, dict
     """Plans worth measuring under ``budget``: plain decoding; k = 1 probing on a grid of BCs
     and k = 2 dynamic trees on its multiples of 3 from 9; prompt lookup at BC
     ``min(budget, 11)`` (a chain is at most 10 deep); STAND, lookahead (from BC 3) and the k = 1
-    hybrid at the paper's BCs 10 / 30 / 60 (or at the budget, below 10); ``auto`` at the
-    budget (from BC 4)."""
+    hybrid at the paper's BCs 10 / 30 / 60 (or at the budget, below 10), STAND and the hybrid
+    there also with ``tree_cost="measured"``; ``auto`` at the budget (from BC 4)."""
     out = [("none", dict(drafter="none"))]
     out += [(f"probe k=1 BC={b}", dict(drafter="probe", bc=b, mask_tokens=1))
             for b in BC_GRID if b <= budget]
@@ -48,6 +48,12 @@ def candidates(budget: int, heads: tuple[str, ...] = ()) -> list[tuple[str, dict
         if b >= 3:
             out.append((f"lade BC={b}", dict(drafter="lade", bc=b)))
         out.append((f"hybrid k=1 BC={b}", dict(drafter="hybrid", bc=b, mask_tokens=1)))
+        if b >= 10:  # trees (and the hybrid's window) held to what pays on this device
+            out.append((f"stand BC={b} measured", dict(drafter="stand", bc=b,
+                                                        tree_cost="measured")))
+            out.append((f"hybrid k=1 BC={b} measured", dict(drafter="hybrid", bc=b,
+                                                             mask_tokens=1,
+                                                             tree_cost="measured")))
     for kind in heads:
         out += [(f"heads {kind} BC={b}", dict(drafter="heads", heads=kind, bc=b))
                 for b in BC_GRID if b <= budget]
@@ -112,6 +118,8 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
            "mask_tokens": best["options"].get("mask_tokens", 1)}
     if "heads" in best["options"]:
         rec["heads"] = best["options"]["heads"]
+    if "tree_cost" in best["options"]:
+        rec["tree_cost"] = best["options"]["tree_cost"]
     return {
         "format_version": FORMAT, "backend": model.backend.name, "budget": budget,
         "prompts": len(prompts), "max_new_tokens": max_new_tokens,
@@ -127,14 +135,15 @@ def table(profile: dict) -> str:
     lat = profile["latency"]
     lines = ["block size T  " + "  ".join(f"{t:>6}" for t in lat["block_sizes"]),
              "latency ms    " + "  ".join(f"{1e3 * s:>6.2f}" for s in lat["seconds"]), "",
-             f"{'plan':<22}{'BE':>7}{'tok/s':>10}{'predicted':>11}{'speed-up':>10}  lossless"]
+             f"{'plan':<27}{'BE':>7}{'tok/s':>10}{'predicted':>11}{'speed-up':>10}  lossless"]
     for r in profile["plans"]:
-        lines.append(f"{r['plan']:<22}{r['block_efficiency']:>7.3f}{r['tokens_per_second']:>10.1f}"
+        lines.append(f"{r['plan']:<27}{r['block_efficiency']:>7.3f}{r['tokens_per_second']:>10.1f}"
                      f"{r['predicted_tokens_per_second']:>11.1f}{r['speedup']:>9.2f}x  "
                      f"{'yes' if r['lossless'] else 'NO'}")
     rec = profile["recommendation"]
+    cost = f" --tree-cost {rec['tree_cost']}" if rec.get("tree_cost", "budget") != "budget" else ""
     lines += ["", f"recommended: --drafter {rec['drafter']} --bc {rec['bc']} --mask-tokens "
-                  f"{rec['mask_tokens']}  (peak memory {profile['peak_memory_mib']} MiB)"]
+                  f"{rec['mask_tokens']}{cost}  (peak memory {profile['peak_memory_mib']} MiB)"]
     return "\n".join(lines)
 
 
@@ -183,7 +192,8 @@ def read_profile(path: str) -> tuple[dict, LatencyCurve]:
         raise ConfigError(f"profile {path!r} has no recommendation; expected drafter, bc and "
                           f"mask_tokens")
     try:
-        GenerationConfig(drafter=rec["drafter"], bc=rec["bc"], mask_tokens=rec["mask_tokens"])
+        GenerationConfig(drafter=rec["drafter"], bc=rec["bc"], mask_tokens=rec["mask_tokens"],
+                         tree_cost=rec.get("tree_cost", "budget"))
         curve = LatencyCurve.from_dict(data.get("latency"))
     except ConfigError as e:
         raise ConfigError(f"profile {path!r}: {e}") from None
