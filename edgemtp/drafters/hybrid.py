@@ -16,7 +16,7 @@ from ..plans import Plan
 from .lookahead import JacobiWindow, LookaheadPlan
 from .ngram_index import (MAX_NGRAM, MIN_SCORE, P_EDGES, GrownTree, ContextModel, Lookup, grow,
                           layout, tree_plan)
-from .stand import tree_cost
+from .tree_cost import tree_cost
 
 if TYPE_CHECKING:
     from ..config import GenerationConfig
@@ -149,10 +149,11 @@ class HybridDrafter:
         self.cost = tree_cost(config, memory, ("hybrid-tree-cost", config.bc, self.k))
         # ... and the Jacobi window only while its rows pay: the tokens a step accepted that
         # only the window's n-grams proposed (running mean, every step of our tree)
-        fresh_window = {"gain": 1.0, "steps": 0}
-        self.window_gain = (fresh_window if memory is None or self.cost is None else
-                            memory.setdefault(("hybrid-window", config.bc, self.k),
-                                              fresh_window))
+        self.window_gain: dict | None = None
+        if self.cost is not None:
+            fresh_window = {"gain": 1.0, "steps": 0}
+            self.window_gain = (fresh_window if memory is None else memory.setdefault(
+                ("hybrid-window", config.bc, self.k), fresh_window))
         self._t0 = 0.0  # when this step's propose began
         # a context someone else keeps current (auto: one for both hybrids, its STAND trees
         # and lookup chains); set before ``start``, it is neither rebuilt nor extended here
@@ -338,7 +339,8 @@ class HybridDrafter:
                 mask_only = (t != lk.literal and all(g != t for g, _ in lk.guesses)
                              and all(g != t for g, _ in jac) and any(m == t for m, _ in masks))
             node_t = tree.child.get((node, t))
-            if (node_t is not None and any(g == t for g, _ in jac) and t != lk.literal
+            if (self.window_gain is not None and node_t is not None
+                    and any(g == t for g, _ in jac) and t != lk.literal
                     and all(g != t for g, _ in lk.guesses) and all(m != t for m, _ in masks)):
                 window_only += 1  # accepted, and only the window's n-grams proposed it
             node = node_t
@@ -346,7 +348,7 @@ class HybridDrafter:
                 break
         if self.calibrate:
             self.rates.record(buckets, hits)
-        if self.cost is not None and self.jacobi is not None:
+        if self.window_gain is not None and self.jacobi is not None:
             w = self.window_gain
             w["gain"] += 0.05 * (window_only - w["gain"])
         if self._cand is not None:  # this step's root had mask candidates

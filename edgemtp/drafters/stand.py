@@ -12,7 +12,7 @@ from ..backend import Backend, StepOut
 from ..budgets import MAX_DEPTH
 from ..plans import Plan
 from .ngram_index import MAX_NGRAM, MIN_SCORE, ContextModel, GrownTree, grow, layout, tree_plan
-from .tree_cost import TreeCost
+from .tree_cost import tree_cost
 
 if TYPE_CHECKING:
     from ..config import GenerationConfig
@@ -63,11 +63,3 @@ class StandDrafter:
                              len(new_tokens))
         self._drafted = None  # (a step someone else planned, auto's, only feeds the context)
         self.context.extend(new_tokens, out.topk_ids, out.topk_logprobs, path_rows)
-
-
-def tree_cost(config: GenerationConfig, memory: dict | None, key: tuple) -> TreeCost | None:
-    """The drafter's :class:`TreeCost` where ``tree_cost="measured"`` (kept in ``memory``
-    under ``key`` where there is one), else None."""
-    if config.tree_cost != "measured":
-        return None
-    return TreeCost() if memory is None else memory.setdefault(key, TreeCost())

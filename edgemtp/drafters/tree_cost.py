@@ -60,3 +60,12 @@ class TreeCost:
         if self.n < self.warmup or self.seconds <= 0.0:
             return floor
         return max(floor, self.tokens * self.slope / self.seconds)
+
+
+def tree_cost(config, memory: dict | None, key: tuple) -> TreeCost | None:
+    """A drafter's :class:`TreeCost` where ``config.tree_cost == "measured"`` (kept in
+    ``memory`` under ``key`` where there is one, so it carries across generations), else
+    None."""
+    if config.tree_cost != "measured":
+        return None
+    return TreeCost() if memory is None else memory.setdefault(key, TreeCost())
