@@ -3,8 +3,9 @@
 # timeout so a slow part costs only itself. Run from the repo root on the GPU machine with
 # stories260K carried to carry/stories260K; results land in $OUT (default bench/results/gpu).
 # PARTS picks the parts (default ABCDE, ~11 min: more than one call's 10, so run
-# PARTS=ABC then PARTS=DEF on the warm machine; F, tree_cost=measured, is not in the default);
-# budgets (seconds): A, B, C, D, F. The onnxruntime CUDA EP is measured apart
+# PARTS=ABC then PARTS=DEF on the warm machine; F, tree_cost=measured, and G, the per-stage
+# host time of a step, are not in the default);
+# budgets (seconds): A, B, C, D, F, G. The onnxruntime CUDA EP is measured apart
 # (bench/ort_gpu_parts.sh carries onnxruntime-gpu; bench/bench_ort_gpu.py measures it).
 set -u
 OUT=${OUT:-bench/results/gpu}; mkdir -p "$OUT"
@@ -36,6 +37,10 @@ mkdir -p "$OUT/cost"
 has F && timeout "${F:-120}" python3 bench/bench_gpu.py --stories $S --out "$OUT/cost" --fresh \
   --models stories260K:fp32,smollm2-135m:fp16 --prompts 12 --skip eager,static \
   --drafters hybrid,stand,auto --tree-cost measured 2>&1 | tee -a "$OUT/log.txt"
+# G: where a step's time goes, per drafter (the engine's stage timers; cProfile of two)
+has G && timeout "${G:-90}" python3 bench/bench_step_host.py $S --backend torch --device cuda \
+  --drafters none,probe,pld,stand,hybrid,auto --bc 10,60 --tree-cost measured \
+  --profile hybrid@10,stand@10 --out "$OUT/step_host.json" 2>&1 | tee "$OUT/step_host.md"
 # E: the command line from the tree: doctor, and generate on the GPU
 has E && { timeout 30 python3 bench/edgemtp_tree.py doctor
   timeout 30 python3 bench/edgemtp_tree.py generate --model $S --backend torch --device cuda \

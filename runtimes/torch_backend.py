@@ -24,6 +24,7 @@ SLACK = 64        # cache rows past the max context where a block's K/V wait for
 PAD_TO = 64       # blocks longer than this (prefill) are padded to a multiple of it, so one
                   # step shape (and one CUDA graph) serves many prompt lengths
 BUCKET = {"cuda": 256, "cpu": 64}  # attention spans the cache in buckets of this many rows
+EMBED_ROWS = 8192  # embedding rows kept on the host by a GPU backend (mask-embedding updates)
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
@@ -60,10 +61,14 @@ class TorchBackend:
 
     ``static_cache`` (default) runs every step over fixed shapes (one per block size and
     cache bucket), replayed as CUDA graphs on a CUDA device (``cuda_graphs``, default on
-    there); ``static_cache=False`` is the reference session that concatenates the past and
-    the block's K/V in every layer, as the exported graph does. ``batch_invariant`` pads every
-    step to one shape and sums attention in float64 (see :meth:`_init`), so speculation in
-    fp16/bf16 on a GPU gives what plain decoding run the same way gives.
+    there). ``block_buckets`` (default: where graphs run) pads a block of up to 64 rows to the
+    next power of two (its padding rows see only themselves and are never committed): at most
+    7 block shapes per cache bucket, so lookup trees of every size replay a few captured
+    graphs instead of capturing one per size mid-generation; on a GPU a 16-row step costs what
+    a 10-row one does. ``static_cache=False`` is the reference session that concatenates the
+    past and the block's K/V in every layer, as the exported graph does. ``batch_invariant``
+    pads every step to one shape and sums attention in float64 (see :meth:`_init`), so
+    speculation in fp16/bf16 on a GPU gives what plain decoding run the same way gives.
     """
 
     name = "torch"
@@ -73,7 +78,8 @@ class TorchBackend:
     def __init__(self, model: str, device: str = "cpu", dtype: str | None = None,
                  max_context: int | None = None, trust_remote_code: bool = False,
                  threads: int | None = None, static_cache: bool = True,
-                 cuda_graphs: bool | None = None, batch_invariant: bool = False) -> None:
+                 cuda_graphs: bool | None = None, batch_invariant: bool = False,
+                 block_buckets: bool | None = None) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -100,23 +106,26 @@ class TorchBackend:
             raise ModelLoadError(f"cannot load {model!r} as a causal LM: {first}") from None
         self.family = family_for(hf.config)
         self.source = str(Path(model).resolve()) if Path(model).exists() else model
-        self._init(hf, device, max_context, static_cache, cuda_graphs, batch_invariant)
+        self._init(hf, device, max_context, static_cache, cuda_graphs, batch_invariant,
+                   block_buckets)
 
     @classmethod
     def from_model(cls, hf_model, device: str = "cpu", max_context: int | None = None,
                    static_cache: bool = True, cuda_graphs: bool | None = None,
-                   batch_invariant: bool = False):
+                   batch_invariant: bool = False, block_buckets: bool | None = None):
         """Wrap an already loaded ``transformers`` causal LM (tests, notebooks, benchmarks)."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked, but this PyTorch build sees no CUDA device")
         self = cls.__new__(cls)
         self.family = family_for(hf_model.config)
         self.source = None
-        self._init(hf_model, device, max_context, static_cache, cuda_graphs, batch_invariant)
+        self._init(hf_model, device, max_context, static_cache, cuda_graphs, batch_invariant,
+                   block_buckets)
         return self
 
     def _init(self, hf, device: str, requested_context: int | None, static_cache: bool,
-              cuda_graphs: bool | None, batch_invariant: bool = False) -> None:
+              cuda_graphs: bool | None, batch_invariant: bool = False,
+              block_buckets: bool | None = None) -> None:
         if batch_invariant and not static_cache:
             raise ConfigError("batch_invariant needs the static cache (static_cache=True)")
         # every step of up to PAD_TO rows (plain decoding's one row too) padded to PAD_TO: one
@@ -133,6 +142,8 @@ class TorchBackend:
         cuda = self.device.type == "cuda"
         self.static_cache = bool(static_cache)
         self.cuda_graphs = cuda and self.static_cache and cuda_graphs is not False
+        self.block_buckets = self.static_cache and (
+            self.cuda_graphs if block_buckets is None else bool(block_buckets))
         self.bucket = BUCKET["cuda" if cuda else "cpu"]
         # one CUDA stream does the work of every session: steps of concurrent sessions take
         # turns (their graphs share one memory pool); on CPU they run side by side
@@ -151,6 +162,9 @@ class TorchBackend:
         self.cache_shape = (cfg.num_hidden_layers, self.max_context, d.n_kv, d.head_dim)
         self._table = hf.get_input_embeddings().weight.detach()
         self._masks: dict = {}
+        self._rows = HostRows(lambda ids: self._table.index_select(
+            0, torch.as_tensor(ids, device=self.device)).float().cpu().numpy(),
+            self.hidden_size)
 
     def session(self, rows: int | None = None) -> "TorchSession | ConcatSession":
         """A generation's session; ``rows``: a smaller static cache to start with than the
@@ -201,12 +215,48 @@ class TorchBackend:
         return hit[1]
 
     def embed(self, token_ids) -> np.ndarray:
-        idx = torch.as_tensor(np.asarray(token_ids), dtype=torch.long, device=self.device)
-        return self._table.index_select(0, idx).float().cpu().numpy()
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if self.device.type == "cpu":
+            return self._table.index_select(0, torch.from_numpy(ids)).float().numpy()
+        # on a GPU each lookup is a device round trip (~50 us with its synchronisation, every
+        # step of a drafter with mask tokens: their EMA reads the committed tokens' rows)
+        return self._rows(ids)
 
     def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
         t = self._table.float()
         return t.mean(0).cpu().numpy(), t.std(0).cpu().numpy()
+
+
+class HostRows:
+    """Embedding rows kept on the host as they are first asked for (at most ``cap``; all
+    dropped when full): a GPU backend's lookups for the mask embeddings' EMA, whose tokens
+    repeat within a generation, without a device round trip each step.
+
+    >>> table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    >>> rows = HostRows(lambda ids: table[ids], 3, cap=2)
+    >>> rows(np.array([1, 1])).tolist(), sorted(rows.rows)
+    ([[3.0, 4.0, 5.0], [3.0, 4.0, 5.0]], [1])
+    >>> rows(np.array([[2], [3]])).shape, sorted(rows.rows)    # full: dropped, then refilled
+    ((2, 1, 3), [2, 3])
+    >>> rows(np.array([], dtype=np.int64)).shape
+    (0, 3)
+    """
+
+    def __init__(self, fetch, width: int, cap: int = EMBED_ROWS) -> None:
+        self.fetch, self.width, self.cap = fetch, width, cap
+        self.rows: dict[int, np.ndarray] = {}
+
+    def __call__(self, token_ids) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        flat = ids.ravel().tolist()
+        missing = sorted(set(flat) - self.rows.keys())
+        if missing:
+            if len(self.rows) + len(missing) > self.cap:
+                self.rows.clear()
+            self.rows.update(zip(missing, np.asarray(self.fetch(missing), dtype=np.float32)))
+        if not flat:
+            return np.zeros((*ids.shape, self.width), dtype=np.float32)
+        return np.stack([self.rows[i] for i in flat]).reshape(*ids.shape, self.width)
 
 
 class TorchSession:
@@ -232,20 +282,26 @@ class TorchSession:
         # reallocates (rare: blocks over SLACK rows near the end of the context) and drops
         # the graphs, which hold the old buffers' addresses
         b = self.backend
-        shape = (b.cache_shape[0], b.cache_shape[2], rows, b.cache_shape[3])
-        k = torch.zeros(shape, dtype=b.dtype, device=b.device)
-        v = torch.zeros(shape, dtype=b.dtype, device=b.device)
+        # K and V in one tensor [2, L, H_kv, S, D]: a commit moves both in one gather
+        kv = torch.zeros((2, b.cache_shape[0], b.cache_shape[2], rows, b.cache_shape[3]),
+                         dtype=b.dtype, device=b.device)
         if self.rows:
-            k[:, :, :self.cache_len] = self.k_cache[:, :, :self.cache_len]
-            v[:, :, :self.cache_len] = self.v_cache[:, :, :self.cache_len]
-        self.k_cache, self.v_cache, self.rows = k, v, rows
+            kv[:, :, :, :self.cache_len] = self.kv[:, :, :, :self.cache_len]
+        self.kv, self.rows = kv, rows
+        self.k_cache, self.v_cache = kv[0], kv[1]
         self._graphs: dict[tuple, StepGraph] = {}
+        # a commit's source rows, staged in pinned memory on a GPU (no pageable copy)
+        self._src = (torch.zeros(PAD_TO, dtype=torch.long).pin_memory()
+                     if b.device.type == "cuda" else None)
+        self._src_done = torch.cuda.Event() if self._src is not None else None
 
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, tree_mask, mask_embeds, topk: int = 0,
                 full_logits: bool = False, hidden: bool = False) -> StepOut:
         b, p, t = self.backend, self.cache_len, len(input_ids)
         tp = t if t <= PAD_TO else -(-t // PAD_TO) * PAD_TO  # long blocks (prefill) padded
+        if b.block_buckets and t <= PAD_TO:
+            tp = 1 << (t - 1).bit_length()  # 1, 2, 4, ..., 64 (see TorchBackend)
         if b.batch_invariant:
             tp = max(tp, PAD_TO)
         if p + tp > self.rows:
@@ -272,10 +328,15 @@ class TorchSession:
         if r and (rows[-1] != r - 1 or np.any(rows != np.arange(r))):
             # the accepted rows sit at P + rows; move them down to [P, P + r) (a path that is
             # a prefix of the block, as in plain decoding and prefill, is already in place)
-            src = torch.as_tensor(p + rows, device=self.backend.device)
+            if self._src is not None and r <= len(self._src):
+                self._src_done.synchronize()  # the last commit's copy has left the buffer
+                self._src.numpy()[:r] = p + rows
+                src = self._src[:r].to(self.backend.device, non_blocking=True)
+                self._src_done.record()
+            else:
+                src = torch.as_tensor(p + rows, device=self.backend.device)
             with self.backend.lock:
-                self.k_cache[:, :, p:p + r] = self.k_cache.index_select(2, src)
-                self.v_cache[:, :, p:p + r] = self.v_cache.index_select(2, src)
+                self.kv[:, :, :, p:p + r] = self.kv.index_select(3, src)
         self.cache_len += r
 
     def reset(self) -> None:
@@ -291,35 +352,46 @@ class StepGraph:
         b = session.backend
         dev = b.device
         self.session, self.t, self.width, self.topk = session, t, width, topk
-        self.idpos = torch.zeros((2, t), dtype=torch.long, device=dev)  # ids, positions
+        # ids, positions and P in one buffer: one host-to-device copy a step
+        self.inputs = torch.zeros(2 * t + 1, dtype=torch.long, device=dev)
+        self.idpos = self.inputs[:2 * t].view(2, t)
+        self.p = self.inputs[2 * t]
         self.mask = torch.zeros((t, t), dtype=torch.bool, device=dev)
         self.embeds = torch.zeros((k, b.hidden_size), dtype=b.dtype, device=dev)
-        self.p = torch.zeros((), dtype=torch.long, device=dev)
+        self.embeds_zero = True
         self.cuda = dev.type == "cuda"
-        if self.cuda:  # host staging for one copy of ids and positions per step
-            self.staging = torch.zeros((2, t), dtype=torch.long).pin_memory()
+        if self.cuda:  # pinned host staging: the step's copies in and out do not block
+            self.staging = torch.zeros(2 * t + 1, dtype=torch.long).pin_memory()
+            self.embeds_staging = torch.zeros((k, b.hidden_size), dtype=b.dtype).pin_memory()
+            self.packed_host = torch.zeros((t, 1 + 2 * topk), dtype=torch.float32).pin_memory()
         self.graph = None
         self.uses = 0
 
     def load(self, ids, positions, tree_mask, mask_embeds, p: int) -> None:
         t, tp = len(ids), self.t
         b = self.session.backend
-        if self.cuda:
-            host = self.staging.numpy()
-        else:
-            host = self.idpos.numpy()
+        flat = (self.staging if self.cuda else self.inputs).numpy()
+        host = flat[:2 * tp].reshape(2, tp)
         host[0, :t], host[1, :t] = ids, positions
         if tp != t:  # padding rows: token 0 at the last position, each sees only itself
             host[:, t:] = 0
             host[1, t:] = positions[-1]
+        flat[2 * tp] = p
         if self.cuda:
-            self.idpos.copy_(self.staging, non_blocking=True)
+            self.inputs.copy_(self.staging, non_blocking=True)
         self.mask.copy_(b.device_mask(tree_mask, tp))
         if mask_embeds is None:
-            self.embeds.zero_()
+            if not self.embeds_zero:
+                self.embeds.zero_()
+                self.embeds_zero = True
         else:
-            self.embeds.copy_(torch.from_numpy(np.asarray(mask_embeds, dtype=np.float32)))
-        self.p.fill_(p)
+            m = torch.from_numpy(np.asarray(mask_embeds, dtype=np.float32))
+            if self.cuda:
+                self.embeds_staging.copy_(m)
+                self.embeds.copy_(self.embeds_staging, non_blocking=True)
+            else:
+                self.embeds.copy_(m)
+            self.embeds_zero = False
 
     def _compute(self) -> None:
         s = self.session
@@ -329,6 +401,11 @@ class StepGraph:
         self.argmax = self.logits.argmax(-1)
         if self.topk:
             self.topk_lp, self.topk_ids = torch.log_softmax(self.logits, -1).topk(self.topk, -1)
+        if self.cuda:  # what the host reads, in one buffer: one copy back (ids < 2^24: exact)
+            parts = [self.argmax[:, None].float()]
+            if self.topk:
+                parts += [self.topk_ids.float(), self.topk_lp]
+            self.packed = torch.cat(parts, 1)
 
     def run(self) -> None:
         self.uses += 1
@@ -351,19 +428,31 @@ class StepGraph:
     def read(self, t: int, full_logits: bool, hidden: bool) -> StepOut:
         """The first ``t`` rows' outputs on the host: argmax and top-K, logits and hidden
         states only when asked; one synchronisation."""
-        parts = [self.argmax[:t]]
-        if self.topk:
-            parts += [self.topk_ids[:t], self.topk_lp[:t]]
-        if full_logits:
-            parts.append(self.logits[:t])
-        if hidden:
-            parts.append(self.hidden[:t].float())
         if self.cuda:
-            parts = [x.to("cpu", non_blocking=True) for x in parts]
+            extra = []
+            if full_logits:
+                extra.append(self.logits[:t])
+            if hidden:
+                extra.append(self.hidden[:t].float())
+            host = self.packed_host[:t]
+            host.copy_(self.packed[:t], non_blocking=True)
+            extra = [x.to("cpu", non_blocking=True) for x in extra]
             torch.cuda.current_stream(self.session.backend.device).synchronize()
+            packed = host.numpy()
+            k = self.topk
+            parts = [packed[:, 0].astype(np.int64)]  # (fresh arrays: the buffer is reused)
+            if k:
+                parts += [packed[:, 1:1 + k].astype(np.int64), packed[:, 1 + k:].copy()]
+            arrays = iter(parts + [x.numpy() for x in extra])
         else:  # eager buffers are new tensors every step: no copy needed
-            parts = list(parts)
-        arrays = iter([x.numpy() for x in parts])
+            parts = [self.argmax[:t]]
+            if self.topk:
+                parts += [self.topk_ids[:t], self.topk_lp[:t]]
+            if full_logits:
+                parts.append(self.logits[:t])
+            if hidden:
+                parts.append(self.hidden[:t].float())
+            arrays = iter([x.numpy() for x in parts])
         out = StepOut(argmax=next(arrays), topk_ids=np.zeros((t, 0), dtype=np.int64),
                       topk_logprobs=np.zeros((t, 0), dtype=np.float32))
         if self.topk:

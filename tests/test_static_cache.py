@@ -80,6 +80,31 @@ def test_static_steps_equal_the_reference_session(family):
     _steps(static, reference, 5, rng, bc=60, k=2)
 
 
+def test_block_buckets_pad_blocks_to_powers_of_two_and_stay_exact(stories_refs):
+    """``block_buckets`` (on by default where CUDA graphs run, forced here): a block of up to
+    64 rows runs padded to the next power of two, its padding rows invisible and never
+    committed; every step still equals the reference session, and whole generations of the
+    tree drafters equal transformers' greedy."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(family_configs()["qwen3"]).eval()
+    assert not TorchBackend.from_model(hf).block_buckets  # CPU: off unless asked
+    static = TorchBackend.from_model(hf, block_buckets=True)
+    reference = TorchBackend.from_model(hf, static_cache=False)
+    rng = np.random.default_rng(5)
+    s, _ = _steps(static, reference, 90, rng, steps=8, bc=30, k=1)
+    shapes = {g.t for g in s._graphs.values()}
+    assert shapes <= {1, 2, 4, 8, 16, 32, 64, 2 * PAD_TO} and 32 in shapes, shapes
+    hf, prompts, refs = stories_refs
+    backend = TorchBackend.from_model(hf, block_buckets=True)
+    session = backend.session()
+    for drafter, bc in (("stand", 10), ("hybrid", 30), ("probe", 60)):
+        config = GenerationConfig(max_new_tokens=64, bc=bc, drafter=drafter)
+        for ids, ref in zip(prompts[:2], refs[:2]):
+            out = Generation(backend, config, ids, session=session).run()
+            assert out.token_ids == ref[:64], (drafter, bc)
+    assert {g.t for g in session._graphs.values()} <= {1, 2, 4, 8, 16, 32, 64}
+
+
 def test_static_cache_is_written_in_place_and_grows_for_long_blocks():
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(family_configs()["llama3"]).eval()

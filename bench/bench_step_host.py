@@ -1,0 +1,110 @@
+"""Where a decode step's time goes, per drafter: drafting, the forward pass, binding,
+verification and commit, in µs per step, from the engine's own stage timers
+(:class:`edgemtp.metrics.Stats`), on any backend and device; with ``--profile LABEL`` also
+cProfile's top functions for one configuration.
+
+Runs uninstalled from this tree (a bare GPU machine with PyTorch):
+
+    python bench/bench_step_host.py carry/stories260K --backend torch --device cuda \
+        --drafters none,probe,pld,stand,hybrid,auto --bc 10,60 --tree-cost measured \
+        --profile hybrid@10
+
+Every configuration generates the same prompts (4 untimed, then ``--prompts`` timed, 128 new
+tokens each) on one loaded model; a step's parts are the engine's timers summed over the timed
+prompts and divided by their decode steps (prefill left out). ``other`` is the rest of the wall
+time: the engine's loop, stop checks, the drafter's observe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import PROMPTS_FILE, sync  # noqa: E402  (imports edgemtp from the tree)
+
+from edgemtp import GenerationConfig, Model  # noqa: E402
+from edgemtp import drafters as drafter_registry  # noqa: E402
+
+PARTS = ("draft", "forward", "bind", "verify", "commit")
+
+
+def prompts(n: int) -> list[list[int]]:
+    """The shared story prompts as stories260K's token ids (bench_gpu's file)."""
+    return json.loads(PROMPTS_FILE.read_text())["prompts"][:n]
+
+
+def run(model: Model, texts: list[list[int]], config: GenerationConfig, device: str,
+        warmup: int = 4) -> dict:
+    for t in texts[:warmup]:
+        model.generate(t, config)
+    acc = dict.fromkeys(PARTS, 0.0)
+    steps = tokens = calls = 0
+    wall = 0.0
+    for t in texts:
+        sync(device)
+        t0 = time.perf_counter()
+        s = model.generate(t, config).stats
+        wall += time.perf_counter() - t0 - s.time_prefill
+        for k in PARTS:
+            acc[k] += getattr(s, f"time_{k}")
+        steps += s.forward_calls - 1
+        tokens += s.new_tokens
+        calls += s.forward_calls
+    us = {k: round(1e6 * v / steps, 1) for k, v in acc.items()}
+    us["other"] = round(1e6 * wall / steps - sum(us.values()), 1)
+    us["step"] = round(1e6 * wall / steps, 1)
+    return dict(us=us, be=round(tokens / calls, 3), steps=steps)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="a Hugging Face folder or an exported package")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--drafters", default="none,probe,pld,stand,hybrid,auto")
+    ap.add_argument("--bc", default="10,60")
+    ap.add_argument("--tree-cost", default="budget", choices=("budget", "measured"))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--profile", default="", help="DRAFTER@BC,... to run again under cProfile")
+    ap.add_argument("--out", default=None, help="write the table (JSON) here")
+    a = ap.parse_args(argv)
+    model = Model.load(a.model, backend=a.backend, device=a.device, dtype=a.dtype)
+    texts = prompts(a.prompts + 4)
+    rows = []
+    configs = {}
+    for d in a.drafters.split(","):
+        for bc in ([1] if d == "none" else [int(b) for b in a.bc.split(",")]):
+            c = GenerationConfig(drafter=d, bc=bc, max_new_tokens=128)
+            if a.tree_cost != "budget" and "tree_cost" in drafter_registry.get(d).options:
+                c = c.with_(tree_cost=a.tree_cost)
+            configs[f"{d}@{bc}"] = c
+    print("| config | BE | step µs | " + " | ".join(PARTS) + " | other |")
+    print("|---|---:|---:|" + "---:|" * (len(PARTS) + 1))
+    for label, c in configs.items():
+        r = run(model, texts, c, a.device)
+        rows.append(dict(config=label, **r))
+        print(f"| {label} | {r['be']:.2f} | {r['us']['step']:.0f} | "
+              + " | ".join(f"{r['us'][k]:.0f}" for k in (*PARTS, "other")) + " |", flush=True)
+    for label in filter(None, a.profile.split(",")):
+        pr = cProfile.Profile()
+        pr.enable()
+        run(model, texts, configs[label], a.device, warmup=0)
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+        print(f"## {label} under cProfile\n{s.getvalue()}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(dict(command=" ".join(sys.argv), rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
