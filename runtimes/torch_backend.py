@@ -4,9 +4,11 @@ sequence-major KV cache per session. CPU, and CUDA when present."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -351,7 +353,12 @@ class StepGraph:
     def __init__(self, session: TorchSession, t: int, width: int, k: int, topk: int) -> None:
         b = session.backend
         dev = b.device
-        self.session, self.t, self.width, self.topk = session, t, width, topk
+        # a weak reference: a session and its graphs form no cycle, so a dropped session
+        # (a latency measurement's) frees its CUDA graphs at once, not whenever Python's cycle
+        # collector runs, which may be during another graph's capture (where freeing a graph
+        # is not permitted and invalidates that capture: seen on an H200)
+        self.session = weakref.proxy(session)
+        self.t, self.width, self.topk = t, width, topk
         # ids, positions and P in one buffer: one host-to-device copy a step
         self.inputs = torch.zeros(2 * t + 1, dtype=torch.long, device=dev)
         self.idpos = self.inputs[:2 * t].view(2, t)
@@ -420,9 +427,18 @@ class StepGraph:
                 self._compute()
             torch.cuda.current_stream(b.device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=b.graph_pool,
-                                  capture_error_mode="thread_local"):
-                self._compute()
+            # no garbage collection inside the capture: collected objects may own CUDA graphs
+            # or memory, and neither may be freed while a stream captures
+            gc.collect()
+            enabled = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(self.graph, pool=b.graph_pool,
+                                      capture_error_mode="thread_local"):
+                    self._compute()
+            finally:
+                if enabled:
+                    gc.enable()
         self.graph.replay()
 
     def read(self, t: int, full_logits: bool, hidden: bool) -> StepOut:

@@ -105,6 +105,34 @@ def test_block_buckets_pad_blocks_to_powers_of_two_and_stay_exact(stories_refs):
     assert {g.t for g in session._graphs.values()} <= {1, 2, 4, 8, 16, 32, 64}
 
 
+def test_a_dropped_session_frees_its_step_graphs_at_once():
+    """No reference cycle between a session and its step graphs: on a GPU a cycle left
+    sessions (and their CUDA graphs) to Python's cycle collector, which ran inside another
+    graph's capture and invalidated it (an H200, a latency measurement's dropped session)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(family_configs()["llama3"]).eval()
+    backend = TorchBackend.from_model(hf, max_context=64)
+    session = backend.session()
+    for t in (5, 1, 3):
+        ids = np.arange(t) % backend.vocab_size
+        session.forward(ids, session.cache_len + np.arange(t),
+                        np.tril(np.ones((t, t), dtype=bool)), None, topk=2)
+        session.commit(np.arange(t))
+    graphs = [weakref.ref(g) for g in session._graphs.values()]
+    dropped = weakref.ref(session)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del session
+        assert dropped() is None and all(g() is None for g in graphs)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_static_cache_is_written_in_place_and_grows_for_long_blocks():
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(family_configs()["llama3"]).eval()
