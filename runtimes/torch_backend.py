@@ -148,9 +148,9 @@ class TorchBackend:
             self.cuda_graphs if block_buckets is None else bool(block_buckets))
         self.bucket = BUCKET["cuda" if cuda else "cpu"]
         # one CUDA stream does the work of every session: steps of concurrent sessions take
-        # turns (their graphs share one memory pool); on CPU they run side by side
+        # turns (each session's graphs share a memory pool of its own); on CPU they run side
+        # by side
         self.lock = threading.Lock() if cuda else contextlib.nullcontext()
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.vocab_size = int(cfg.vocab_size)
         self.hidden_size = int(cfg.hidden_size)
         self.max_context = max_context(cfg, self.family, requested_context)
@@ -292,6 +292,10 @@ class TorchSession:
         self.kv, self.rows = kv, rows
         self.k_cache, self.v_cache = kv[0], kv[1]
         self._graphs: dict[tuple, StepGraph] = {}
+        # the graphs' memory pool, one per session and cache: PyTorch frees a pool when its
+        # last graph goes, and a handle used again after that fails an internal assert (an
+        # H200: a pool shared by every session died with a latency measurement's session)
+        self.graph_pool = torch.cuda.graph_pool_handle() if b.cuda_graphs else None
         # a commit's source rows, staged in pinned memory on a GPU (no pageable copy)
         self._src = (torch.zeros(PAD_TO, dtype=torch.long).pin_memory()
                      if b.device.type == "cuda" else None)
@@ -428,12 +432,12 @@ class StepGraph:
             torch.cuda.current_stream(b.device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             # no garbage collection inside the capture: collected objects may own CUDA graphs
-            # or memory, and neither may be freed while a stream captures
-            gc.collect()
+            # or memory, and neither may be freed while a stream captures (no gc.collect()
+            # first: a full collection costs tens of ms, and sessions hold no cycles)
             enabled = gc.isenabled()
             gc.disable()
             try:
-                with torch.cuda.graph(self.graph, pool=b.graph_pool,
+                with torch.cuda.graph(self.graph, pool=self.session.graph_pool,
                                       capture_error_mode="thread_local"):
                     self._compute()
             finally:
