@@ -103,6 +103,29 @@ class ExportTreeDecoder(TreeDecoder):
         self.fused = True
         return True
 
+    # no traced sizes of the block (T) or of the mask slots (k): onnxruntime places a node that
+    # computes a shape from an input's size on the CPU, and a CUDA graph needs every node on the
+    # GPU (onnxruntime refused the capture on an H200 for 18 such nodes). With the past's rows
+    # fixed at load (``add_free_dimension_override_by_name("P", rows)``, the fixed-buffer
+    # session's whole cache), the graph then holds no Shape node at all (tested).
+
+    def embed(self, input_ids, mask_embeds):
+        # a mask slot is id - vocab (0 for a token; the engine feeds slots < k only): no clamp
+        # to k - 1, which would read k from mask_embeds' shape
+        is_mask = input_ids >= self.vocab_size
+        tok = self.model.embed_tokens(input_ids.clamp(max=self.vocab_size - 1))
+        slot = (input_ids - self.vocab_size).clamp(min=0)
+        return torch.where(is_mask.unsqueeze(-1), mask_embeds.to(tok.dtype)[slot], tok)
+
+    @staticmethod
+    def block_mask(tree_mask, rows: int, past_len=None):
+        if past_len is None:
+            return TreeDecoder.block_mask(tree_mask, rows, past_len)
+        col = tree_mask[..., :1]
+        every_row = col | ~col  # [1, 1, T, 1] all true, T taken from the data's broadcast
+        cache_cols = (torch.arange(rows, device=tree_mask.device) < past_len)[None, None, None]
+        return torch.cat([cache_cols & every_row, tree_mask], dim=-1)
+
     def body(self, input_ids, position_ids, tree_mask, mask_embeds, past_keys, past_values,
              past_len=None):
         if not self.fused:

@@ -235,14 +235,19 @@ class OrtBackend:
     (default: off on CPU). ``cuda_graphs`` (default: on for ``device="cuda"`` with a format 2
     package) runs every step on device buffers at fixed addresses, one CUDA graph per block
     shape (:class:`GraphSession`); if onnxruntime refuses it for this graph, the backend
-    runs without and says why in :attr:`graphs_off`."""
+    runs without and says why in :attr:`graphs_off`. That session's graph is loaded with the
+    past's rows fixed at the whole cache (``P`` = the max context), so onnxruntime folds every
+    shape computation away and can keep all nodes on the GPU (packages exported before
+    2026-11-26 also traced T and k into shape nodes: re-export them). ``static_past`` runs
+    that same graph and session on any device (tests: on CPU, uncaptured)."""
 
     name = "onnxruntime"
 
     def __init__(self, package_dir, device: str = "cpu", threads: int | None = None,
                  max_context: int | None = None, dtype: str | None = None,
                  trust_remote_code: bool = False, device_cache: bool | None = None,
-                 public_binding: bool = False, cuda_graphs: bool | None = None) -> None:
+                 public_binding: bool = False, cuda_graphs: bool | None = None,
+                 static_past: bool = False) -> None:
         check_options(device, dtype, max_context, threads)
         self.public_binding = public_binding  # onnxruntime's public bind methods only
         ort = self.ort = _ort()
@@ -267,16 +272,22 @@ class OrtBackend:
                 self.graphs_off = "the package is format 1 (no past_len input): re-export it"
             else:
                 try:
-                    self.graph = self._session(ort, device, threads, cuda_graph=True)
+                    self.graph = self._session(ort, device, threads, cuda_graph=True,
+                                               past_rows=self.max_context)
                     self.cuda_graphs, self.graphs_off = True, ""
                 except ModelLoadError as e:
-                    self.graphs_off = str(e)
+                    self.graphs_off = str(e) + RE_EXPORT_HINT
+        self.static_past = self.cuda_graphs or (bool(static_past) and self.past_len)
+        if static_past and not self.past_len:
+            raise ConfigError("static_past needs a format 2 package (a past_len input): "
+                              "re-export it")
         if not self.cuda_graphs:
-            self.graph = self._session(ort, device, threads)
+            self.graph = self._session(ort, device, threads,
+                                       past_rows=self.max_context if self.static_past else None)
         self._check_graph()
         self.supports_hidden = "hidden_states" in m["graph"]["outputs"]
         self.commit_graph = None
-        if self.cuda_graphs or (device_cache if device_cache is not None else device != "cpu"):
+        if self.static_past or (device_cache if device_cache is not None else device != "cpu"):
             self.commit_graph = self._session(ort, device, threads, pkg.root / COMMIT,
                                               graph="commit")
         self._table = pkg.embedding_table()  # memory-mapped; block-quantized rows de-quantized
@@ -301,7 +312,7 @@ class OrtBackend:
         """A generation's session; ``rows``: a smaller KV cache than the max context (a
         latency measurement's; ignored by a CUDA-graph session, whose graphs read the whole
         cache)."""
-        return GraphSession(self) if self.cuda_graphs else OrtSession(self, rows)
+        return GraphSession(self) if self.static_past else OrtSession(self, rows)
 
     def embed(self, token_ids) -> np.ndarray:
         ids = token_ids if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int64 \
@@ -322,7 +333,7 @@ class OrtBackend:
         return min(limit, int(requested))
 
     def _session(self, ort, device: str, threads: int | None, path: Path | None = None,
-                 graph: str = "model", cuda_graph: bool = False):
+                 graph: str = "model", cuda_graph: bool = False, past_rows: int | None = None):
         if device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
         provider, _, install = DEVICES[device]
@@ -343,6 +354,8 @@ class OrtBackend:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             so.intra_op_num_threads = int(threads)
+        if past_rows is not None:  # the whole cache is always bound (GraphSession)
+            so.add_free_dimension_override_by_name("P", int(past_rows))
         path = path or self.package.graph_path
         if not path.is_file():
             raise ModelLoadError(f"the package {str(self.package.root)!r} has no {path.name}; "
@@ -385,6 +398,10 @@ class OrtBackend:
             if any(w is not None and g != w for g, w in zip(got, dims)):
                 raise ModelLoadError(f"model.onnx does not match the manifest: {name} has shape "
                                      f"{got}, the manifest implies {dims}")
+
+
+RE_EXPORT_HINT = (" (a package exported before 2026-11-26 computes block shapes on the CPU: "
+                  "re-export it with this edgemtp)")
 
 
 def _pad_rows(input_ids, position_ids, tree_mask, rows: int):
@@ -648,8 +665,11 @@ class GraphSession(_CacheCommits):
 
     Written against onnxruntime-gpu's documented CUDA-graph contract. On an H200,
     onnxruntime-gpu 1.31.1 refused the capture for the package graph (18 shape nodes placed on
-    the CPU), so the backend ran uncaptured (``graphs_off``); see the README's table. On CPU
-    (tests) the same buffers and bindings run, uncaptured."""
+    the CPU), so the backend ran uncaptured (``graphs_off``); see the README's table. Since,
+    the export traces no size of T or k and this session's graph is loaded with the past's
+    rows fixed, so no shape node is left (tested on CPU); whether onnxruntime then captures
+    is not yet measured on a GPU. On CPU (tests) the same buffers and bindings run,
+    uncaptured (``static_past=True``)."""
 
     GRAPH_MAX_T = 256
 

@@ -115,6 +115,49 @@ def test_fixed_buffer_session_matches_transformers(stories_case, stories_pkg):
             assert len(session._shapes) <= 6  # (T, k) shapes: prefill, the plans', T = 1
 
 
+def test_static_past_graph_holds_no_shape_nodes(stories_pkg, tmp_path):
+    """The CUDA-graph session loads the graph with the past's rows fixed (``P``, the whole
+    cache): onnxruntime then folds every shape computation away, T and k staying symbolic.
+    A node computing a shape from an input's size runs on the CPU under the CUDA EP, and
+    onnxruntime refuses a CUDA graph for a graph with any such node (H200: 18 of them)."""
+    import onnx
+    import onnxruntime as ort
+
+    def shape_nodes(rows):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        so.optimized_model_filepath = str(tmp_path / f"opt{rows}.onnx")
+        if rows:
+            so.add_free_dimension_override_by_name("P", rows)
+        ort.InferenceSession(str(Path(stories_pkg) / "model.onnx"), so,
+                             providers=["CPUExecutionProvider"])
+        graph = onnx.load(so.optimized_model_filepath, load_external_data=False).graph
+        inputs = {i.name: [d.dim_param for d in i.type.tensor_type.shape.dim]
+                  for i in graph.input}
+        return sum(n.op_type == "Shape" for n in graph.node), inputs
+
+    assert shape_nodes(None)[0] > 0  # the past's rows vary by bucket on the CPU path
+    count, inputs = shape_nodes(512)
+    assert count == 0
+    assert inputs["input_ids"][1] == "T" and inputs["mask_embeds"][0] == "k"
+
+
+def test_static_past_session_matches_transformers(stories_case, stories_pkg):
+    # the CUDA-graph path's session (past rows fixed at the whole cache) run on CPU memory
+    from edgemtp.runtimes.onnxrt_backend import GraphSession
+
+    _, prompts, want = stories_case
+    backend = OrtBackend(stories_pkg, threads=1, static_past=True, max_context=256)
+    session = backend.session()
+    assert isinstance(session, GraphSession) and backend.commit_graph is not None
+    for opts in (dict(drafter="probe", bc=30, mask_tokens=2), dict(drafter="hybrid", bc=30),
+                 dict(drafter="none")):
+        config = GenerationConfig(max_new_tokens=128, **opts)
+        for ids, ref in zip(prompts[:2], want[:2]):
+            assert Generation(backend, config, ids,
+                              session=backend.session()).run().token_ids == ref, opts
+
+
 def test_public_binding_path_gives_the_same_tokens(stories_case, stories_pkg):
     # the backend binds through onnxruntime's C++ binding where it can (faster per step);
     # the public IOBinding methods must give exactly the same generations
