@@ -63,6 +63,9 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
             assert all(v >= 1.0 for v in e["be"][d].values()), (key, d)
             assert all(v >= 1.0 for v in e["be_measured"][d].values()), (key, d)
             assert all(n == e["prompts"] for _, n in e["identical"]["rows"][d].values())
+        # plain decoding before and after the drafters; speed-ups against the faster run
+        assert len(e["tps_plain_runs"]) == 2 and tps["plain"] == max(e["tps_plain_runs"])
+        assert e["speedup"]["pld"]["10"] == round(tps["pld"]["10"] / tps["plain"], 4)
         ident = e["identical"]
         assert ident["total"] == len(drafters) * 3 * e["prompts"] == 36
         assert ident["count"] == ident["total"], e["divergences"]  # fp32: lossless
@@ -256,3 +259,23 @@ def torch_cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_step_host_bench_runs_on_cpu(tmp_path):
+    """bench/bench_step_host.py (where a GPU step's time goes) runs from the tree on CPU: one
+    row per configuration, the stages adding up to the step."""
+    out = tmp_path / "steps.json"
+    proc = subprocess.run([sys.executable, "-c", BARE, str(ROOT / "bench" / "bench_step_host.py"),
+                           str(STORIES), "--backend", "torch", "--drafters", "none,probe",
+                           "--bc", "10", "--prompts", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"none@1", "probe@10"}
+    for r in rows.values():
+        us = r["us"]
+        parts = sum(us[k] for k in ("draft", "forward", "bind", "verify", "commit", "other"))
+        assert us["forward"] > 0 and abs(parts - us["step"]) < 1.0
+    assert rows["none@1"]["be"] == 1.0 and rows["probe@10"]["be"] >= 1.0
+    assert "| probe@10 |" in proc.stdout
