@@ -432,6 +432,14 @@ def tidy_graph(model, module: ExportDecoder) -> None:
                 dim.dim_value = value
 
 
+def shape_reads(path: Path) -> tuple[str, ...]:
+    """What the graph's Shape nodes read, sorted (the manifest's ``graph.shape_reads``)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    return tuple(sorted({n.input[0] for n in proto.graph.node if n.op_type == "Shape"}))
+
+
 def commit_graph(layers: int, dtype: str, opset: int, value_dtype: str | None = None):
     """The tiny graph a device-resident cache commits with: it gathers the accepted rows of
     the block's K/V and writes each layer's rows straight into the cache (the backend binds

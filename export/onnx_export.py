@@ -268,7 +268,7 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
 
     from edgemtp.models.decoder import TreeDecoder
 
-    from .graph import ExportDecoder, ExportTreeDecoder, commit_graph
+    from .graph import ExportDecoder, ExportTreeDecoder, commit_graph, shape_reads
     from .quantize import QUANTIZED, fake_quantize
     from .selfcheck import TOLERANCE, self_check
 
@@ -340,7 +340,8 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
             dtype=dtype, max_context=job.context, topk=topk,
             graph=GraphInfo(opset=opset, external_data=graph.external,
                             inputs=tuple(graph_inputs(layers)),
-                            outputs=tuple(graph_outputs(layers, hidden))),
+                            outputs=tuple(graph_outputs(layers, hidden)),
+                            shape_reads=shape_reads(tmp / GRAPH)),
             cache=CacheInfo(dtype=dtype, value_dtype=value_dtype), plans=tuple(plans),
             embeddings=embeddings,
             tokenizer=tokenizer is not None, tokenizer_files=tokenizer_files,

@@ -200,6 +200,11 @@ class GraphInfo:
     file: str = GRAPH
     external_data: str | None = None
     commit_file: str = COMMIT
+    # what the graph's Shape nodes read (graph inputs by name; None: not recorded, a package
+    # from before 2026-11-26). onnxruntime's CUDA EP keeps shape arithmetic on the CPU and
+    # then refuses a CUDA graph; the fixed-buffer session fixes the past's rows at load, so
+    # a graph whose Shape nodes read only past_* inputs folds them all away
+    shape_reads: tuple[str, ...] | None = None
     NOTES: ClassVar[dict] = {
         "mask_slots": "input ids >= vocab_size select row id - vocab_size of mask_embeds",
         "tree_mask": "block only [1, 1, T, T]; the graph prepends the cache columns"}
@@ -890,6 +895,24 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def cuda_graph_readiness(graph: GraphInfo) -> str:
+    """Whether onnxruntime can capture this graph as CUDA graphs (``inspect``'s line).
+
+    >>> cuda_graph_readiness(GraphInfo(opset=17, inputs=(), outputs=(),
+    ...                                shape_reads=("past_key_0",)))[:5]
+    'ready'
+    """
+    if graph.shape_reads is None:
+        return ("graphs not recorded (exported before 2026-11-26, whose graphs onnxruntime "
+                "will not capture): re-export for onnxruntime's CUDA graphs")
+    other = [n for n in graph.shape_reads if not n.startswith("past_")]
+    if not other:
+        return ("ready for onnxruntime's CUDA graphs (no shape node once the past's rows "
+                "are fixed at load)")
+    return (f"no onnxruntime CUDA graphs: shape nodes read {', '.join(other[:3])} "
+            f"(onnxruntime keeps them on the CPU and refuses the capture)")
+
+
 def describe(pkg: Package) -> str:
     """What ``edgemtp inspect`` prints: manifest summary, plans, memory estimate."""
     m = pkg.meta
@@ -916,6 +939,7 @@ def describe(pkg: Package) -> str:
         types = ", ".join(f"{t} x{n}" for t, n in m.gguf.tensor_types.items())
         lines.append(f"gguf      {m.gguf.file} ({m.gguf.architecture}: {types}), "
                      f"de-quantized to {m.dtype}")
+    lines.append(f"cuda      {cuda_graph_readiness(g)}")
     if check:
         lines.append(f"checked   max |logit diff| {check.token_rows_max_logit_diff:.1e} "
                      f"token rows, {check.mask_rows_max_logit_diff:.1e} mask rows "

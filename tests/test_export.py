@@ -182,6 +182,27 @@ def test_inspect_prints_manifest_plans_and_memory(pkg, capsys):
     kv32 = 2 * 5 * 128 * 4 * 8 * 4                       # 2 * L * ctx * H_kv * D * bytes
     assert f"{kv32 / 1024:.1f} KiB" in out and f"{kv32 / 2 / 1024:.1f} KiB" in out
     assert "weights 1.1 MiB" in out  # the tied embedding stored once
+    # the graph's Shape nodes read only the past (fixed at load by the CUDA-graph session)
+    reads = load_package(pkg).meta.graph.shape_reads
+    assert reads and all(r.startswith("past_key_") for r in reads)
+    assert "cuda      ready for onnxruntime's CUDA graphs" in out
+
+
+def test_inspect_says_when_a_graph_would_refuse_cuda_graphs(pkg, tmp_path, capsys):
+    """A package from before the manifest recorded its shape nodes, and one whose shape
+    nodes read the block's size, are named as such: onnxruntime would refuse the capture."""
+    for reads, says in ((None, "not recorded"), (["past_key_0", "tree_mask"],
+                                                 "shape nodes read tree_mask")):
+        copy = tmp_path / f"p{len(says)}"
+        shutil.copytree(pkg, copy)
+        manifest = json.loads((copy / "edgemtp.json").read_text())
+        if reads is None:
+            del manifest["graph"]["shape_reads"]
+        else:
+            manifest["graph"]["shape_reads"] = reads
+        (copy / "edgemtp.json").write_text(json.dumps(manifest))
+        assert main(["inspect", str(copy)]) == 0
+        assert says in capsys.readouterr().out
 
 
 def test_generate_from_package_matches_torch_backend_json(pkg):
