@@ -51,12 +51,14 @@ print(o.__version__, o.get_available_providers())";;
     du -sh carry/pkgs/* carry/stories260K;;
   bench)
     # stories260K (real weights: BE, identity) and the 135M shape (random weights, exported
-    # there: t(T) and tok/s), CUDA EP with and without CUDA graphs (see ort_gpu_h200.md)
+    # there: t(T) and tok/s) with CUDA graphs asked for (DEVICES=cuda-nographs,cuda to compare;
+    # uncaptured was measured on an H200, ort_gpu_h200.md). Packages exported since
+    # 2026-11-26 hold no shape node once the past's rows are fixed: does the EP capture now?
     export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 EDGEMTP_LATENCY_CACHE=0
     OUT=${OUT:-bench/results/gpu}; mkdir -p "$OUT"
     timeout "${BUDGET:-400}" python3 bench/bench_ort_gpu.py carry/pkgs/stories-fp32 \
-      carry/pkgs/stories-fp16 --export smollm2-135m:fp16 --site /tmp/site \
-      --devices cuda-nographs,cuda --drafters auto,probe,pld,hybrid --bc 10,60 --prompts 12 \
+      --export smollm2-135m:fp16 --site /tmp/site \
+      --devices "${DEVICES:-cuda}" --drafters auto,probe,pld,hybrid --bc 10,60 --prompts 12 \
       --new-tokens 128 --repeats 20 --out "$OUT" > "$OUT/ort_log.txt" 2>&1
     echo "rc=$?"; grep -v '^|' "$OUT/ort_log.txt" | tail -20;;
   *) echo "usage: $0 split | prep | take N | install | bench" >&2; exit 2;;
