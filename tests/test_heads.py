@@ -131,7 +131,11 @@ def test_heads_graph_agrees_with_pytorch(kind, chain, by_id, tmp_path):
     # the LM-head rows are not in the file: the runtime supplies them (a view for the chain)
     import onnx
 
-    held = {t.name: t for t in onnx.load(str(path), load_external_data=False).graph.initializer}
+    proto = onnx.load(str(path), load_external_data=False).graph
+    held = {t.name: t for t in proto.initializer}
+    if kind == "residual":  # the residual add rides in the down Gemm (its C input; BIAS_UNIT)
+        gemm_out = {o for n in proto.node if n.op_type == "Gemm" for o in n.output}
+        assert not [n for n in proto.node if n.op_type == "Add" and set(n.input) & gemm_out]
     supplied = ("lm_head", "lm_chain") if kind == "residual" and not by_id else ("lm_head",)
     for name in supplied:
         assert held[name].data_location == onnx.TensorProto.EXTERNAL
