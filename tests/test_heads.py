@@ -317,3 +317,32 @@ def test_inspect_lists_the_heads_with_their_training(trained):
         assert kind in line and f"{info.training.steps} steps" in line and "loss" in line
     manifest = json.loads((pkg / "edgemtp.json").read_text())
     assert manifest["heads"][0]["training"]["data"].startswith("story prompts 24-47")
+
+
+def test_runner_through_the_public_binding_gives_the_same_candidates(trained):
+    """The runner calls onnxruntime's C++ session where it can reach it; through the public
+    ``run_with_iobinding`` (a session object without that attribute) it gives the same ids
+    and log-probs."""
+    from edgemtp.runtimes.heads import HeadsRunner
+    from edgemtp.runtimes.package import load_package
+
+    pkg, _ = trained
+    package = load_package(pkg)
+    fast = HeadsRunner.load(package, "residual", k=10)
+
+    class PublicOnly:  # the real session, its C++ object out of reach
+        def __init__(self, s):
+            self._s = s
+
+        def __getattr__(self, name):
+            if name == "_sess":
+                raise AttributeError(name)
+            return getattr(self._s, name)
+
+    public = HeadsRunner(fast.info, PublicOnly(fast.session), fast.lm_head, fast.vocab, 10)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        h = rng.standard_normal(fast.lm_head.shape[1]).astype(np.float32)
+        a, b = fast.run(h, 7), public.run(h, 7)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
