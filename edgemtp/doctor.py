@@ -525,6 +525,7 @@ class MemoryPlan:
     block: int                 # the largest plan block T
     pool: Pool
     rows: tuple[PlanRow, ...]
+    cuda_graphs: str = ""      # whether onnxruntime can capture the graph (inspect's line)
 
 
 def memory_plan(pkg, facts: Facts) -> MemoryPlan:
@@ -553,7 +554,10 @@ def memory_plan(pkg, facts: Facts) -> MemoryPlan:
             None if budget is None else total <= pool.available, ctx,
             None if usable is None else _longest_prompt(
                 m, nbytes, budget - weights - emb - kv_row * usable, usable)))
-    return MemoryPlan(str(pkg.root), m.max_context, t, pool, tuple(rows))
+    from edgemtp.runtimes.package import cuda_graph_readiness
+
+    return MemoryPlan(str(pkg.root), m.max_context, t, pool, tuple(rows),
+                      cuda_graph_readiness(m.graph))
 
 
 def _with_margin(n: float) -> int:
@@ -639,6 +643,7 @@ def describe_plan(p: MemoryPlan) -> list[str]:
     lines = [f"package   {p.package}: max context {p.max_context}, largest plan block "
              f"T = {p.block}",
              f"against   {p.pool.what}: {size(p.pool.available)}",
+             *([f"cuda      {p.cuda_graphs}"] if p.cuda_graphs else []),
              "", f"plan      {head}"]
     for r in p.rows:
         fits = "?" if r.fits is None else ("yes" if r.fits else "no")

@@ -137,8 +137,11 @@ def test_doctor_with_a_package_prints_its_memory_plan(runs, stories_pkg):
                                  f"{doctor.size(pkg.kv_cache_bytes(dtype='fp32'))}"
     assert re.search(r"^ +fp16 +\d", p.stdout, re.M)  # fp16: the other dtype, unmarked
     assert "formula   total = (weights + KV cache + workspace" in p.stdout
+    # whether onnxruntime can capture its graph, as inspect says (a fresh export: ready)
+    assert "cuda      ready for onnxruntime's CUDA graphs" in p.stdout
 
     plan = json.loads(runs["pkg-json"].stdout)["memory_plan"]
+    assert plan["cuda_graphs"].startswith("ready")
     rows = {r["dtype"]: r for r in plan["rows"]}
     assert rows["fp32"]["own"] and not rows["fp16"]["own"]
     assert rows["fp32"]["weights"] == pkg.weight_bytes()
