@@ -170,16 +170,13 @@ class HeadsGraph(nn.Module):
             d = chain_table.shape[1]
             w, b = heads.up.weight.detach(), heads.up.bias.detach()
             wd, bd = (t.detach() for t in heads.folded_down())
-            self.register_buffer("wh_t", w[:, :d].t().contiguous())
-            self.register_buffer("we_t", w[:, d:].t().contiguous())
-            self.register_buffer("b_up", b.clone())
             # the down projection's bias rides on one more hidden unit, held at a constant
             # pre-activation BIAS_UNIT (silu(32) = 32 in float32: sigmoid(32) rounds to 1),
             # with b_down / 32 as its row: the step's residual add then is the down Gemm's C
             # input, one node a step fewer (onnxruntime charges ~0.8 us a node)
-            z = torch.zeros(d, 1, dtype=w.dtype)
-            self.register_buffer("wh_t", torch.cat([self.wh_t, z], 1))
-            self.register_buffer("we_t", torch.cat([self.we_t, z], 1))
+            w = torch.cat([w, w.new_zeros(1, w.shape[1])])           # [w + 1, 2d]
+            self.register_buffer("wh_t", w[:, :d].t().contiguous())
+            self.register_buffer("we_t", w[:, d:].t().contiguous())
             self.register_buffer("b_up", torch.cat([b, b.new_full((1,), BIAS_UNIT)]))
             self.register_buffer("wd_t", torch.cat([wd.t(), bd[None] / BIAS_UNIT]).contiguous())
             with torch.no_grad():  # U [C, w + 1]: the token half of the first layer, per row

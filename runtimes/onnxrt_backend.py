@@ -27,8 +27,8 @@ import numpy as np
 
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
-from edgemtp.runtimes.package import (COMMIT, PAST_LEN, check_step, kv_names,
-                                      load_package, run_rows)
+from edgemtp.runtimes.package import (COMMIT, PAST_LEN, check_step, cuda_graph_readiness,
+                                      kv_names, load_package, run_rows)
 
 _INT64, _BOOL, _FLOAT32 = np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.float32)
 _KEEP_MASK = 256  # largest block whose mask the backend keeps a bound copy of
@@ -276,11 +276,13 @@ class OrtBackend:
                                                past_rows=self.max_context)
                     self.cuda_graphs, self.graphs_off = True, ""
                 except ModelLoadError as e:
-                    self.graphs_off = str(e) + RE_EXPORT_HINT
-        self.static_past = self.cuda_graphs or (bool(static_past) and self.past_len)
+                    ready = cuda_graph_readiness(pkg.meta.graph)  # why, where the graph says
+                    self.graphs_off = str(e) + ("" if ready.startswith("ready") else
+                                                f" (this package: {ready})")
         if static_past and not self.past_len:
             raise ConfigError("static_past needs a format 2 package (a past_len input): "
                               "re-export it")
+        self.static_past = self.cuda_graphs or bool(static_past)
         if not self.cuda_graphs:
             self.graph = self._session(ort, device, threads,
                                        past_rows=self.max_context if self.static_past else None)
@@ -398,10 +400,6 @@ class OrtBackend:
             if any(w is not None and g != w for g, w in zip(got, dims)):
                 raise ModelLoadError(f"model.onnx does not match the manifest: {name} has shape "
                                      f"{got}, the manifest implies {dims}")
-
-
-RE_EXPORT_HINT = (" (a package exported before 2026-11-26 computes block shapes on the CPU: "
-                  "re-export it with this edgemtp)")
 
 
 def _pad_rows(input_ids, position_ids, tree_mask, rows: int):
