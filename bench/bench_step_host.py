@@ -31,6 +31,7 @@ from bench_gpu import PROMPTS_FILE, sync  # noqa: E402  (imports edgemtp from th
 
 from edgemtp import GenerationConfig, Model  # noqa: E402
 from edgemtp import drafters as drafter_registry  # noqa: E402
+from edgemtp.errors import EdgeMTPError  # noqa: E402
 
 PARTS = ("draft", "forward", "bind", "verify", "commit")
 
@@ -76,16 +77,23 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="", help="DRAFTER@BC,... to run again under cProfile")
     ap.add_argument("--out", default=None, help="write the table (JSON) here")
     a = ap.parse_args(argv)
-    model = Model.load(a.model, backend=a.backend, device=a.device, dtype=a.dtype)
-    texts = prompts(a.prompts + 4)
     rows = []
     configs = {}
-    for d in a.drafters.split(","):
-        for bc in ([1] if d == "none" else [int(b) for b in a.bc.split(",")]):
-            c = GenerationConfig(drafter=d, bc=bc, max_new_tokens=128)
-            if a.tree_cost != "budget" and "tree_cost" in drafter_registry.get(d).options:
-                c = c.with_(tree_cost=a.tree_cost)
-            configs[f"{d}@{bc}"] = c
+    try:
+        for d in a.drafters.split(","):
+            for bc in ([1] if d == "none" else [int(b) for b in a.bc.split(",")]):
+                c = GenerationConfig(drafter=d, bc=bc, max_new_tokens=128)
+                if a.tree_cost != "budget" and "tree_cost" in drafter_registry.get(d).options:
+                    c = c.with_(tree_cost=a.tree_cost)
+                configs[f"{d}@{bc}"] = c
+    except (ValueError, EdgeMTPError) as e:  # a drafter or budget that does not exist
+        ap.error(str(e))
+    unknown = [x for x in filter(None, a.profile.split(",")) if x not in configs]
+    if unknown:
+        ap.error(f"--profile {','.join(unknown)}: not among the configurations run "
+                 f"({', '.join(configs)})")
+    model = Model.load(a.model, backend=a.backend, device=a.device, dtype=a.dtype)
+    texts = prompts(a.prompts + 4)
     print("| config | BE | step µs | " + " | ".join(PARTS) + " | other |")
     print("|---|---:|---:|" + "---:|" * (len(PARTS) + 1))
     for label, c in configs.items():
