@@ -115,6 +115,8 @@ class Facts:
     ort_providers: tuple[str, ...] = ()
     tensorrt: str | None = None
     cuda_python: bool = False
+    native: str | None = None             # the drafters' C helpers: None where they load,
+    #                                       else why the Python code runs instead
     problems: tuple[str, ...] = ()        # probes that failed in an unexpected way
 
     @property
@@ -151,7 +153,7 @@ def probe() -> Facts:
     # the system libraries first: once torch or tensorrt is imported, their own copies are
     # loaded and would answer a dlopen by soname that onnxruntime's providers cannot
     for step in (_host, _jetson, _nvidia_smi, _libcuda, _cuda_toolkit, _libraries, _torch,
-                 _onnxruntime, _tensorrt, _cuda_python):
+                 _onnxruntime, _tensorrt, _cuda_python, _native):
         try:
             found.update(step(found))
         except Exception as e:  # a broken optional package must not stop the report
@@ -159,6 +161,11 @@ def probe() -> Facts:
     return Facts(system=f"{platform.system()} {platform.machine()}",
                  python=platform.python_version(), cpu_cores=os.cpu_count(),
                  problems=tuple(problems), **found)
+
+
+def _native(_) -> dict:
+    from . import native
+    return {"native": None if native.lib() is not None else native.why_not() or "not built"}
 
 
 def _line(e: BaseException) -> str:
@@ -620,7 +627,9 @@ def describe_machine(f: Facts) -> list[str]:
               f"          onnxruntime {_or(f.onnxruntime, 'not installed')}"
               + (f": {', '.join(f.ort_providers)}" if f.onnxruntime else ""),
               f"          tensorrt {_or(f.tensorrt, 'not installed')}, cuda-python "
-              f"{'installed' if f.cuda_python else 'not installed'}"]
+              f"{'installed' if f.cuda_python else 'not installed'}",
+              "drafting  STAND trees in C (compiled here)" if f.native is None
+              else f"drafting  STAND trees in Python ({f.native}; the same trees, slower)"]
     lines += [f"problem   {p}" for p in f.problems]
     return lines
 

@@ -139,6 +139,33 @@ def test_general_plan_mask_rows_positions(tree):
     check_plan(plan, parents, k)
 
 
+@st.composite
+def big_trees(draw):
+    """Trees of 60-140 nodes (the ancestor bits span one, two or three 64-bit words)."""
+    n = draw(st.integers(60, 140))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    depth, parents = [0], [-1]
+    for i in range(1, n):  # a parent at the deepest depth so far, or one above it
+        allowed = [p for p in range(i) if depth[p] + 1 >= depth[-1]]
+        parents.append(int(rng.choice(allowed)))
+        depth.append(depth[parents[-1]] + 1)
+    return parents, draw(st.integers(0, 1))
+
+
+@FAST
+@given(big_trees())
+def test_big_plan_mask_rows_positions(tree):
+    parents, k = tree
+    check_plan(Plan(tuple(parents), k), parents, k)
+
+
+def test_plan_refuses_a_tree_out_of_depth_order():
+    with pytest.raises(ConfigError, match="depth order"):
+        Plan((-1, 0, 1, 0), 0)
+    with pytest.raises(ConfigError, match="earlier node"):
+        Plan((-1, 2, 0), 0)
+
+
 def test_plans_equal_and_hash_by_shape():
     a, b = Plan.top1((2, 1), 1), Plan((-1, 0, 0, 1), 1)
     assert a == b and hash(a) == hash(b)

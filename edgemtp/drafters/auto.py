@@ -66,8 +66,8 @@ from ..tree import prune, static_tree
 from .heads import HeadsDrafter, HeadsHybridDrafter
 from .hybrid import HybridDrafter
 from .lookahead import LookaheadDrafter
-from .ngram_index import (MAX_NGRAM, P_EDGES, ContextModel, GrownTree, chain_plan, grow,
-                          layout, tree_plan)
+from .ngram_index import (MAX_NGRAM, P_EDGES, ContextModel, GrownTree, chain_plan, layout,
+                          tree_plan)
 from .probe import ProbeDrafter
 from .prompt_lookup import lookup
 
@@ -261,7 +261,7 @@ class AutoDrafter:
         # the committed context, kept once for lookup chains, STAND trees and both hybrids
         # (its stored distributions only where a hybrid reads them)
         self._dists = self.hybrid is not None
-        self.context = ContextModel(self.hybrid.topk if self._dists else 1, MAX_NGRAM)
+        self.context = ContextModel(self.hybrid.topk if self._dists else 1, MAX_NGRAM, native=True)
         self.index = self.context.index
         self._chains: list[tuple[int, int, list[int]]] = []  # (position, n, chain) to score
         self._trees: list[tuple[int, GrownTree]] = []  # (position, STAND tree) to score
@@ -315,7 +315,7 @@ class AutoDrafter:
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)
-        self.context = ContextModel(self.context.dists.k, MAX_NGRAM)
+        self.context = ContextModel(self.context.dists.k, MAX_NGRAM, native=True)
         self.context.extend(prompt_ids)
         self.index = self.context.index
         self.topk, self._record = self.topk_max, self._dists
@@ -389,8 +389,7 @@ class AutoDrafter:
             return best, best_rate
         gap = self._stand_gap["gap"]  # a losing tree waits longer each time
         self._stand_next, self._stand_gap["gap"] = self._steps + gap, min(2 * gap, self.stand_max)
-        tree = grow(GrownTree(root, tail, MAX_NGRAM),
-                    lambda t, v: cm.next_tokens(t.tails[v]).guesses, self.stand_nodes, MAX_DEPTH)
+        tree = cm.grow_stand(root, self.stand_nodes, MAX_DEPTH)
         if len(tree) < 2:
             return best, best_rate
         self._trees.append((len(self.index.tokens), tree))

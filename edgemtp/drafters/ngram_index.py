@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import weakref
 from bisect import bisect_right
 from functools import lru_cache
 from typing import Callable, NamedTuple
@@ -176,10 +177,13 @@ class ContextModel:
     (1, [(2, 0.85), (3, 0.15)], [6, 2], 2)
     """
 
-    def __init__(self, topk: int, max_n: int = MAX_NGRAM) -> None:
+    def __init__(self, topk: int, max_n: int = MAX_NGRAM, native: bool = False) -> None:
         self.index = NgramIndex(max_n)
         self.dists = StoredDistributions(topk)
         self._memo: dict[tuple, Lookup] = {}
+        # native=True: the index is mirrored in C, and STAND's tree grows there
+        # (:meth:`grow_stand`); None where the library is not available
+        self.native = NativeIndex.new(max_n) if native else None
 
     @property
     def tokens(self) -> list[int]:
@@ -210,6 +214,117 @@ class ContextModel:
                                            self.index.tokens[ends[-1] + 1])
         return hit
 
+    def grow_stand(self, root: int, max_nodes: int, max_depth: int,
+                   min_score: float = MIN_SCORE) -> GrownTree:
+        """STAND's tree under ``root``: :func:`grow` with the guesses of :meth:`next_tokens`
+        as each node's children, in C where :attr:`native` is set (the same tree)."""
+        tail = tuple(self.tokens[-self.index.max_n:])
+        if self.native is None:
+            return grow(GrownTree(root, tail, self.index.max_n),
+                        lambda t, v: self.next_tokens(t.tails[v]).guesses, max_nodes, max_depth,
+                        min_score)
+        grown = self.native.grow(self, root, tail, max_nodes, max_depth, min_score)
+        if grown is None:  # a token id the C index cannot hold: Python from here on
+            self.native = None
+            return self.grow_stand(root, max_nodes, max_depth, min_score)
+        return GrownTree.from_arrays(*grown, tail, self.index.max_n)
+
+    def stand_layout(self, root: int, max_nodes: int, max_depth: int,
+                     min_score: float = MIN_SCORE) -> tuple[tuple[int, ...], np.ndarray, int]:
+        """``layout(grow_stand(...), len(tree))`` as parents, tokens and the node count,
+        without building the tree in Python where :attr:`native` is set."""
+        if self.native is None:
+            tree = self.grow_stand(root, max_nodes, max_depth, min_score)
+            parents, tokens, _ = layout(tree, len(tree))
+            return parents, tokens, len(tree)
+        tail = tuple(self.tokens[-self.index.max_n:])
+        out = self.native.layout(self, root, tail, max_nodes, max_depth, min_score)
+        if out is None:
+            self.native = None
+            return self.stand_layout(root, max_nodes, max_depth, min_score)
+        return out
+
+
+class NativeIndex:
+    """The C mirror of a :class:`NgramIndex` (``edgemtp/native/ngram.c``), and STAND's
+    grower over it and a :class:`StoredDistributions`' arrays. Buffers are allocated once and
+    their addresses kept (``ndarray.ctypes`` costs ~1 us a use: several per step)."""
+
+    OCCURRENCES, TOKEN_LIMIT, MAX_N = 4, 1 << 20, 3  # what ngram.c is compiled for
+
+    def __init__(self, lib, handle: int) -> None:
+        self.lib, self.handle = lib, handle
+        weakref.finalize(self, lib.ctx_free, handle)
+        self._cap = 0
+        self._grow_out(64)
+        self._in = np.zeros(64, dtype=np.int64)  # tokens of a step, and the root's tail
+        self._in_at = self._in.ctypes.data
+        self._dists: tuple = (None, None, 0, 0)  # (ids, probs) arrays and their addresses
+        self._synced = 0  # the context's tokens the C index holds
+
+    @classmethod
+    def new(cls, max_n: int) -> NativeIndex | None:
+        from .. import native
+        lib = native.lib()
+        if lib is None or STAND_OCCURRENCES != cls.OCCURRENCES or not 1 <= max_n <= cls.MAX_N:
+            return None
+        handle = lib.ctx_new(max_n)
+        return None if not handle else cls(lib, handle)
+
+    def _grow_out(self, n: int) -> None:
+        if n <= self._cap:
+            return
+        self._cap = n = max(n, 2 * self._cap)
+        self._out = [np.zeros(n, dtype=d) for d in
+                     (np.int32, np.int32, np.int32, np.float64, np.int32, np.int64)]
+        self._out_at = [a.ctypes.data for a in self._out]
+
+    def _grow(self, cm: ContextModel, root: int, tail: tuple, max_nodes: int,
+              max_depth: int, min_score: float) -> int | None:
+        # the tokens committed since the last call go in with it: the mirror costs nothing
+        # on steps that grow no tree (auto's)
+        dists, tokens = cm.dists, cm.index.tokens
+        if dists._pending or dists.size > len(dists.ids):
+            dists._flush()
+        if self._dists[0] is not dists.ids or self._dists[1] is not dists.probs:
+            self._dists = (dists.ids, dists.probs, dists.ids.ctypes.data,
+                           dists.probs.ctypes.data)
+        self._grow_out(max_nodes)
+        nt, new = len(tail), len(tokens) - self._synced
+        if new + nt > len(self._in):
+            self._in = np.zeros(2 * (new + nt), dtype=np.int64)
+            self._in_at = self._in.ctypes.data
+        self._in[:nt] = tail
+        self._in[nt:nt + new] = tokens[self._synced:]
+        o = self._out_at
+        n = self.lib.ctx_grow(self.handle, self._in_at + 8 * nt, new, self._dists[2],
+                              self._dists[3], min(dists.size, len(dists.ids)), dists.k, root,
+                              self._in_at, nt, max_nodes, max_depth, min_score,
+                              o[0], o[1], o[2], o[3])
+        if n == -2:
+            return None
+        if n < 0:
+            raise MemoryError("the native tree grower ran out of memory")
+        self._synced = len(tokens)
+        return n
+
+    def grow(self, cm: ContextModel, root: int, tail: tuple, max_nodes: int, max_depth: int,
+             min_score: float) -> tuple[list, list, list, list] | None:
+        """The grown nodes' tokens, parents, depths and scores, in the order grown; None
+        where a token id is outside what the C index holds."""
+        n = self._grow(cm, root, tail, max_nodes, max_depth, min_score)
+        return None if n is None else tuple(a[:n].tolist() for a in self._out[:4])
+
+    def layout(self, cm: ContextModel, root: int, tail: tuple, max_nodes: int, max_depth: int,
+               min_score: float) -> tuple[tuple[int, ...], np.ndarray, int] | None:
+        n = self._grow(cm, root, tail, max_nodes, max_depth, min_score)
+        if n is None:
+            return None
+        o = self._out_at
+        if self.lib.ctx_layout(n, o[0], o[1], o[2], o[3], o[4], o[5]) < 0:
+            raise MemoryError("the native tree layout ran out of memory")
+        return tuple(self._out[4][:n].tolist()), self._out[5][:n].copy(), n
+
 
 # -- growing a tree best-first ------------------------------------------------------------------
 
@@ -224,6 +339,16 @@ class GrownTree:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @classmethod
+    def from_arrays(cls, tokens: list, parents: list, depths: list, scores: list,
+                    tail: tuple[int, ...], n: int) -> GrownTree:
+        """A tree grown elsewhere (:class:`NativeIndex`), nodes in the order grown; only the
+        root's tail is kept (the tree is not grown further)."""
+        t = cls(tokens[0], tail, n)
+        t.tokens, t.parents, t.depths, t.scores = tokens, parents, depths, scores
+        t.child = {(p, x): v for v, (p, x) in enumerate(zip(parents, tokens)) if v}
+        return t
 
     def add(self, token: int, parent: int, score: float) -> int:
         node = len(self.tokens)

@@ -11,7 +11,7 @@ import numpy as np
 from ..backend import Backend, StepOut
 from ..budgets import MAX_DEPTH
 from ..plans import Plan
-from .ngram_index import MAX_NGRAM, MIN_SCORE, ContextModel, GrownTree, grow, layout, tree_plan
+from .ngram_index import MAX_NGRAM, MIN_SCORE, ContextModel, tree_plan
 from .tree_cost import tree_cost
 
 if TYPE_CHECKING:
@@ -35,22 +35,21 @@ class StandDrafter:
     def __init__(self, backend: Backend, config: GenerationConfig, memory: dict | None = None,
                  max_ngram: int = MAX_NGRAM, depth: int = MAX_DEPTH) -> None:
         self.max_nodes, self.depth, self.max_ngram = config.bc, depth, max_ngram
-        self.context = ContextModel(self.topk, max_ngram)
+        self.context = ContextModel(self.topk, max_ngram, native=True)
         # tree_cost="measured": kept in the caller's memory, so it carries across generations
         self.cost = tree_cost(config, memory, ("stand-tree-cost", config.bc))
         self._drafted: tuple[float, int] | None = None  # our step: its start, its rows
 
     def start(self, prompt_ids: np.ndarray) -> None:
-        self.context = ContextModel(self.topk, self.max_ngram)
+        self.context = ContextModel(self.topk, self.max_ngram, native=True)
         self.context.extend(prompt_ids)
 
     def propose(self, root: int) -> tuple[Plan, np.ndarray]:
-        t0, cm = perf_counter(), self.context
-        tree = GrownTree(root, tuple(cm.tokens[-self.max_ngram:]), self.max_ngram)
-        grow(tree, lambda t, node: cm.next_tokens(t.tails[node]).guesses, self.max_nodes,
-             self.depth, MIN_SCORE if self.cost is None else self.cost.min_score(MIN_SCORE))
-        parents, tokens, _ = layout(tree, len(tree))
-        self._drafted = t0, len(tree)
+        t0 = perf_counter()
+        parents, tokens, n = self.context.stand_layout(
+            root, self.max_nodes, self.depth,
+            MIN_SCORE if self.cost is None else self.cost.min_score(MIN_SCORE))
+        self._drafted = t0, n
         return tree_plan(parents), tokens
 
     def mask_embeds(self) -> None:

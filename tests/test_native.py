@@ -1,0 +1,128 @@
+"""The native (C) STAND grower (``edgemtp/native/ngram.c``): the same trees as the Python
+grower, node for node and score for score, on random contexts with ties, zero probabilities
+and repeated ids; the fallback where it cannot run; and whole generations that are the same
+with it and without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgemtp import GenerationConfig, native
+from edgemtp.drafters.ngram_index import (MIN_SCORE, ContextModel, GrownTree, NativeIndex, grow,
+                                          layout)
+from edgemtp.engine import Generation
+from edgemtp.runtimes.torch_backend import TorchBackend
+
+pytestmark = pytest.mark.skipif(native.lib() is None,
+                                reason=f"no native library here: {native.why_not()}")
+
+
+def _python_tree(cm: ContextModel, root: int, max_nodes: int, max_depth: int, min_score: float):
+    tail = tuple(cm.tokens[-cm.index.max_n:])
+    return grow(GrownTree(root, tail, cm.index.max_n),
+                lambda t, v: cm.next_tokens(t.tails[v]).guesses, max_nodes, max_depth, min_score)
+
+
+def _fill(rng, k: int, vocab: int, rows: int, ties: bool, dup: bool):
+    ids = rng.integers(0, vocab, (rows, k))
+    lp = np.log(rng.dirichlet(np.full(k, 0.3), rows)).astype(np.float32)
+    if ties:  # equal probabilities: the order among them is the tie break
+        lp[:] = np.float32(np.log(1.0 / k))
+    if dup:  # one id over and over: its probabilities add up
+        ids[:] = ids[:, :1]
+    if rng.random() < 0.2:
+        lp[:, -1] = -np.inf  # a zero probability: never a guess
+    return ids, lp
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.integers(2, 40), k=st.integers(1, 12),
+       n=st.integers(6, 300), max_n=st.integers(1, 3))
+def test_native_trees_equal_the_python_grower(seed, vocab, k, n, max_n):
+    rng = np.random.default_rng(seed)
+    fast, slow = ContextModel(k, max_n, native=True), ContextModel(k, max_n)
+    assert fast.native is not None and slow.native is None
+    tokens = rng.integers(0, vocab, n)
+    first = _fill(rng, k, vocab, 4, False, False)
+    for cm in (fast, slow):
+        cm.extend(tokens[:5], *first)
+    at, grown = 5, 0
+    while at < n:
+        new = tokens[at:at + int(rng.integers(1, 6))]
+        dist = _fill(rng, k, vocab, len(new), rng.random() < 0.3, rng.random() < 0.2)
+        for cm in (fast, slow):
+            cm.extend(new.tolist(), *dist)
+        at += len(new)
+        if rng.random() < 0.4:
+            root = slow.tokens[-1]
+            nodes, depth = int(rng.integers(1, 70)), int(rng.integers(1, 11))
+            floor = float(rng.choice([MIN_SCORE, 0.0, 0.05]))
+            want = _python_tree(slow, root, nodes, depth, floor)
+            got = fast.grow_stand(root, nodes, depth, floor)
+            assert (got.tokens, got.parents, got.depths, got.scores) == (
+                want.tokens, want.parents, want.depths, want.scores)
+            assert got.child == want.child
+            parents, ids, count = fast.stand_layout(root, nodes, depth, floor)
+            want_parents, want_ids, _ = layout(want, len(want))
+            assert (parents, ids.tolist(), count) == (want_parents, want_ids.tolist(), len(want))
+            grown += 1
+    assert fast.native is not None  # it ran in C throughout
+
+
+def test_a_token_id_the_c_index_cannot_hold_falls_back_to_python():
+    cm = ContextModel(2, 3, native=True)
+    big = NativeIndex.TOKEN_LIMIT + 5
+    ids = np.array([[7, big], [big, 7], [7, 8]])
+    lp = np.log(np.array([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5]], dtype=np.float32))
+    cm.extend([7, big, 7, big], ids, lp)
+    ref = ContextModel(2, 3)
+    ref.extend([7, big, 7, big], ids, lp)
+    tree = cm.grow_stand(big, 10, 5)
+    assert cm.native is None  # from here on the Python grower
+    want = _python_tree(ref, big, 10, 5, MIN_SCORE)
+    assert (tree.tokens, tree.scores) == (want.tokens, want.scores) and len(tree) > 1
+
+
+def test_edgemtp_native_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("EDGEMTP_NATIVE", "0")
+    assert native.lib() is None and native.why_not() == "EDGEMTP_NATIVE=0"
+    assert ContextModel(4, 3, native=True).native is None
+
+
+def test_a_failed_build_is_an_error_the_loader_turns_into_none(monkeypatch, tmp_path):
+    # a compiler that fails: _build raises OSError with its first line (lib() then keeps None
+    # and the reason; the process's own library is already loaded, so _build is called here)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(OSError, match="false failed"):
+        native._build()
+    assert not list((tmp_path / "edgemtp").glob("*.so"))  # nothing half-written is left
+
+
+@pytest.mark.parametrize("drafter", ["stand", "auto"])
+def test_generations_are_the_same_with_and_without_it(stories_refs, drafter, monkeypatch):
+    """STAND and auto (its STAND trees) with the C grower and without: the same tokens in the
+    same number of forward passes (auto: its trees' sizes follow measured host time, so only
+    the tokens are compared)."""
+    hf, prompts, refs = stories_refs
+    backend = TorchBackend.from_model(hf)
+    config = GenerationConfig(drafter=drafter, bc=30, max_new_tokens=64)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("EDGEMTP_NATIVE", flag)
+        runs[flag] = [Generation(backend, config, p).run() for p in prompts[:4]]
+    for i, (a, b) in enumerate(zip(runs["1"], runs["0"])):
+        assert a.token_ids == b.token_ids == refs[i][:len(a.token_ids)]
+        if drafter == "stand":
+            assert a.stats.forward_calls == b.stats.forward_calls
+
+
+def test_doctor_says_which_grower_runs(monkeypatch):
+    from edgemtp import doctor
+    assert "drafting  STAND trees in C" in doctor.report(doctor.probe())
+    monkeypatch.setenv("EDGEMTP_NATIVE", "0")
+    assert ("drafting  STAND trees in Python (EDGEMTP_NATIVE=0"
+            in doctor.report(doctor.probe()))
