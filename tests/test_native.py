@@ -126,3 +126,38 @@ def test_doctor_says_which_grower_runs(monkeypatch):
     monkeypatch.setenv("EDGEMTP_NATIVE", "0")
     assert ("drafting  STAND trees in Python (EDGEMTP_NATIVE=0"
             in doctor.report(doctor.probe()))
+
+
+@pytest.mark.parametrize("bc,calibrate,prune", [(10, True, True), (30, False, True),
+                                                (60, True, False)])
+def test_hybrid_trees_are_the_same_with_and_without_it(stories_refs, bc, calibrate, prune,
+                                                        monkeypatch):
+    """The hybrid's every tree (mask leaves, Jacobi window rows and all), step by step over
+    several generations that share its learned hit rates, grown in C and in Python."""
+    from edgemtp.drafters.hybrid import HybridDrafter
+    hf, prompts, refs = stories_refs
+    backend = TorchBackend.from_model(hf)
+    config = GenerationConfig(drafter="hybrid", bc=bc, max_new_tokens=48, calibrate=calibrate,
+                              prune=prune)
+    propose, seen = HybridDrafter.propose, []
+
+    def recorded(self, root):
+        plan, ids = propose(self, root)
+        seen.append((plan.parents, ids.tolist(), self._grown_at is not None))
+        return plan, ids
+
+    monkeypatch.setattr(HybridDrafter, "propose", recorded)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("EDGEMTP_NATIVE", flag)
+        seen.clear()
+        memory: dict = {}  # the hit rates carry across the prompts, as in a loaded Model
+        outs = [Generation(backend, config, p, memory=memory).run().token_ids
+                for p in prompts[:4]]
+        runs[flag] = outs, list(seen)
+    (fast, fast_trees), (slow, slow_trees) = runs["1"], runs["0"]
+    assert all(grown_in_c for *_, grown_in_c in fast_trees)
+    assert not any(grown_in_c for *_, grown_in_c in slow_trees)
+    assert [t[:2] for t in fast_trees] == [t[:2] for t in slow_trees]
+    for i, out in enumerate(fast):
+        assert out == slow[i] == refs[i][:len(out)]

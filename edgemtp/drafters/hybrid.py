@@ -3,7 +3,9 @@ tree under one BC budget (the paper's App. C direction)."""
 
 from __future__ import annotations
 
+import operator
 from bisect import bisect_right
+from functools import reduce
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -13,9 +15,9 @@ from ..backend import Backend, StepOut
 from ..budgets import MAX_DEPTH, hybrid_tree_budget, hybrid_window
 from ..embeddings import MaskEmbeddings
 from ..plans import Plan
-from .lookahead import JacobiWindow, LookaheadPlan
-from .ngram_index import (MAX_NGRAM, MIN_SCORE, P_EDGES, GrownTree, ContextModel, Lookup, grow,
-                          layout, tree_plan)
+from .lookahead import JacobiWindow, LookaheadPlan, MirroredPool
+from .ngram_index import (MAX_NGRAM, MIN_SCORE, P_EDGES, ContextModel, GrownTree, Lookup,
+                          NativeIndex, NativePool, grow, layout, tree_plan)
 from .tree_cost import tree_cost
 
 if TYPE_CHECKING:
@@ -169,16 +171,23 @@ class HybridDrafter:
         self._plan: Plan | None = None
         # id(Lookup) -> (it, its tokens, their buckets): the context memoises its Lookups
         self._lookup_buckets: dict[int, tuple[Lookup, list[int], list[int]]] = {}
+        # a tree grown in C: the context's length then (its learning asks the lookups as of
+        # that length, along the accepted path only); None: grown in Python (``_asked``)
+        self._grown_at: int | None = None
 
     def start(self, prompt_ids: np.ndarray) -> None:
         if self.shared is not None:
             self.context = self.shared
         else:
-            self.context = ContextModel(self.topk, self.max_ngram)
+            self.context = ContextModel(self.topk, self.max_ngram, native=True)
             self.context.extend(prompt_ids)
         self.embeds.start(prompt_ids)
         if self.jacobi is not None:
             self.jacobi.start(prompt_ids)
+            native = self.context.native
+            if native is not None:  # the tree grows in C: so does a mirror of the pool
+                self.jacobi.pool = MirroredPool(self.jacobi.pool.size, NativePool(
+                    native.lib, self.jacobi.pool.size, self.jacobi.levels))
         self._reset()
 
     def mask_embeds(self) -> np.ndarray:
@@ -192,10 +201,28 @@ class HybridDrafter:
     def propose(self, root: int) -> tuple[Plan, np.ndarray]:
         self._t0 = perf_counter()
         floor = MIN_SCORE if self.cost is None else self.cost.min_score(MIN_SCORE)
+        self._asked, self._offers = {}, {}
+        window = self.jacobi is not None and self._window_pays(floor)
+        tree_bc = self.tree_bc if window or self.jacobi is None else self.bc
+        self._tree = self._grow_native(root, tree_bc, floor)
+        if self._tree is None:
+            self._grown_at = None
+            self._tree = self._grow(root, tree_bc, floor)
+        parents, tokens, self._masks_of = place_masks(
+            self._tree, tree_bc, self.k, self.vocab, self.rates.gain,
+            0.0 if self.cost is None else floor,
+            self.context.native if self._grown_at is not None else None)
+        if not window:
+            self._plan = tree_plan(parents)
+            return self._plan, tokens
+        plan, ids = self.jacobi.block(parents, tokens)
+        self._plan = plan
+        return plan, ids
+
+    def _grow(self, root: int, tree_bc: int, floor: float) -> GrownTree:
         tree = GrownTree(root, tuple(self.context.tokens[-self.max_ngram:]), self.max_ngram)
         rates = self.rates.rates().tolist() if self.calibrate else None
         chain = [0]  # the top-1 chain: mask j's candidates hang under its depth-j node
-        self._asked = {}
 
         def children(t: GrownTree, node: int) -> list[tuple[int, float]]:
             d = t.depths[node]
@@ -204,19 +231,30 @@ class HybridDrafter:
             j = d if d < len(chain) and chain[d] == node else None
             return self._children(t, node, j, rates)
 
-        self._offers = {}
-        window = self.jacobi is not None and self._window_pays(floor)
-        tree_bc = self.tree_bc if window or self.jacobi is None else self.bc
-        self._tree = grow(tree, children, tree_bc, self.depth, floor)
-        parents, tokens, self._masks_of = place_masks(self._tree, tree_bc, self.k,
-                                                     self.vocab, self.rates.gain,
-                                                     0.0 if self.cost is None else floor)
-        if not window:
-            self._plan = tree_plan(parents)
-            return self._plan, tokens
-        plan, ids = self.jacobi.block(parents, tokens)
-        self._plan = plan
-        return plan, ids
+        return grow(tree, children, tree_bc, self.depth, floor)
+
+    def _grow_native(self, root: int, tree_bc: int, floor: float) -> GrownTree | None:
+        """The same tree as :meth:`_grow`, grown in C (``edgemtp/native/ngram.c``); None
+        where the library is not there (or a token id is beyond what it holds)."""
+        native: NativeIndex | None = self.context.native
+        pool = None if self.jacobi is None else self.jacobi.pool
+        if native is None or not (pool is None or isinstance(pool, MirroredPool)):
+            return None
+        h, cand = self.rates, None
+        if self._cand is not None and self._cand[0]:
+            cand = (np.array(self._cand[0], dtype=np.int64),
+                    np.array(self._cand[1], dtype=np.float64))
+        tail = tuple(self.context.tokens[-self.max_ngram:])
+        grown = native.grow_hybrid(
+            self.context, root, tail, tree_bc, self.depth, floor,
+            h.rates() if self.calibrate else None, h.prior,
+            (h.n_bins, h.first_literal, h.first_mask, h.first_jacobi), cand, self.prune,
+            None if pool is None else pool.native)
+        if grown is None:
+            self.context.native = None  # (a token id beyond the C index: Python from here)
+            return None
+        self._grown_at = len(self.context.tokens)
+        return GrownTree.from_arrays(*grown, tail, self.max_ngram)
 
     WINDOW_PROBE = 32  # tree_cost="measured": a window step at least this often
 
@@ -282,7 +320,7 @@ class HybridDrafter:
         for t, b in jac:
             q = h.prior[b] if rates is None else rates[b]
             score[t] = 1.0 - (1.0 - score.get(t, 0.0)) * (1.0 - q)
-        total = sum(score.values())
+        total = reduce(operator.add, score.values(), 0.0)  # (in order, as ngram.c sums)
         if total > 0.99:  # siblings are exclusive events: keep their sum a probability
             return [(t, s * 0.99 / total) for t, s in score.items()]
         return list(score.items())
@@ -294,16 +332,19 @@ class HybridDrafter:
         token: the lowest index offering it)."""
         if self.jacobi is None:
             return []
-        tok, parent = tree.tokens[node], tree.parents[node]
-        offers = [(c, i + 1) for c, i in self._offers.get(parent, ())
-                  if c[i] == tok and i + 1 < len(c)]
+        jac, self._offers[node] = self._jacobi_of(tree.tokens[node],
+                                                  self._offers.get(tree.parents[node], ()))
+        return jac
+
+    def _jacobi_of(self, tok: int, parent_offers) -> tuple[list[tuple[int, int]], list]:
+        """A node's Jacobi guesses and its offers, from its token and its parent's offers."""
+        offers = [(c, i + 1) for c, i in parent_offers if c[i] == tok and i + 1 < len(c)]
         offers.extend((c, 0) for c in self.jacobi.pool.get(tok))
-        self._offers[node] = offers
         best: dict[int, int] = {}
         for c, i in offers:
             if c[i] not in best or i < best[c[i]]:
                 best[c[i]] = i
-        return [(t, self.rates.jacobi_bucket(i)) for t, i in best.items()]
+        return [(t, self.rates.jacobi_bucket(i)) for t, i in best.items()], offers
 
     def _mask_guesses(self, j: int | None, parent: int) -> list[tuple[int, float]]:
         """Mask ``j``'s candidates under the chain node of depth ``j``, best first."""
@@ -319,10 +360,26 @@ class HybridDrafter:
         buckets: list[int] = []
         hits: list[bool] = []
         mask_only, window_only = False, 0
+        lazy = self._grown_at is not None  # grown in C: what each node asked, recomputed
+        if lazy:
+            tail, offers, chain = tree.tails[0], (), self._chain(tree)
+            native = self.context.native  # its index is as it was when the tree grew
+            in_sync = native is not None and native._synced == self._grown_at
         for t in truth:
-            if node not in self._asked:
+            if lazy:
+                d = tree.depths[node]
+                if d >= self.depth:  # (never expanded)
+                    break
+                lk = (native.lookup(self.context, tail) if in_sync
+                      else self.context.next_tokens_at(tail, self._grown_at))
+                masks = self._mask_guesses(d if d < len(chain) and chain[d] == node else None,
+                                           tree.tokens[node])
+                jac, offers = (([], ()) if self.jacobi is None
+                               else self._jacobi_of(tree.tokens[node], offers))
+            elif node not in self._asked:
                 break
-            lk, masks, jac = self._asked[node]
+            else:
+                lk, masks, jac = self._asked[node]
             for tok, b in jac:
                 buckets.append(b)
                 hits.append(tok == t)
@@ -346,6 +403,8 @@ class HybridDrafter:
             node = node_t
             if node is None:
                 break
+            if lazy:
+                tail = (tail + (t,))[-self.max_ngram:]
         if self.calibrate:
             self.rates.record(buckets, hits)
         if self.window_gain is not None and self.jacobi is not None:
@@ -355,14 +414,25 @@ class HybridDrafter:
             self.rates.record_gain(len(truth) - 1 if mask_only else 0.0)
 
 
+    def _chain(self, tree: GrownTree) -> list[int]:
+        """The top-1 chain of a grown tree as :meth:`_grow` built it while expanding."""
+        chain = [0]
+        for v in range(1, len(tree)):
+            d = tree.depths[v]
+            if d < self.depth and d == len(chain) and tree.parents[v] == chain[-1]:
+                chain.append(v)
+        return chain
+
+
 def place_masks(tree: GrownTree, bc: int, k: int, vocab: int, gain: float,
-                min_score: float = 0.0
+                min_score: float = 0.0, native: NativeIndex | None = None
                 ) -> tuple[tuple[int, ...], np.ndarray, dict[int, np.ndarray]]:
     """Split the budget between the first ``r`` grown nodes and ``m`` nodes carrying ``k``
     masks each (``r + m * k <= bc``), maximising the expected accepted nodes plus ``gain``
     times the chance the accepted path ends at a masked node; lay the tree out
     (:func:`layout`). A node's masks must add at least ``min_score`` per mask row
-    (``tree_cost``), as a node must.
+    (``tree_cost``), as a node must. ``native``: the index that grew ``tree`` in C, which
+    computes the same split there.
 
     >>> t = GrownTree(5, (5,), 3)
     >>> _ = t.add(6, 0, 0.5); _ = t.add(7, 1, 0.05)    # 5 -> 6 (p 0.5) -> 7 (p 0.05)
@@ -372,6 +442,9 @@ def place_masks(tree: GrownTree, bc: int, k: int, vocab: int, gain: float,
     # plain Python: a tree holds at most BC nodes, and a dozen numpy calls per split on
     # arrays that small cost more than the arithmetic (~70 us a step at BC 30 on a 2-core
     # CPU; a GPU step is ~0.5 ms)
+    if native is not None:
+        r, masked = native.place_masks(len(tree), bc, k, gain, min_score)
+        return layout(tree, r, masked, k, vocab)
     s, par = tree.scores, tree.parents
     best, choice, worse = -np.inf, (min(len(s), bc), []), 0
     # grown scores never increase, so each mask displaces a node worth at least the last
@@ -385,11 +458,11 @@ def place_masks(tree: GrownTree, bc: int, k: int, vocab: int, gain: float,
                 below[par[c]] += s[c]
             end = [max(a - b, 0.0) for a, b in zip(s, below)]
             order = sorted(range(r), key=lambda i: -end[i])  # stable: ties keep grow order
-            kept, last_r = sum(s[1:r]), r
+            kept, last_r = reduce(operator.add, s[1:r], 0.0), r  # (as ngram.c sums)
         top = order[:m]
         if m and gain * end[top[-1]] < k * min_score:  # (0: masks cost nothing)
             break  # this node's masks, and every later one's, add less than they cost
-        value = kept + gain * sum(end[i] for i in top)
+        value = kept + gain * reduce(operator.add, (end[i] for i in top), 0.0)
         if value > best:
             best, choice, worse = value, (r, sorted(top)), 0
         elif (worse := worse + 1) >= 4:

@@ -189,6 +189,20 @@ class NgramPool:
             self.add(tokens[s], tuple(tokens[s + 1:s + n]))
 
 
+class MirroredPool(NgramPool):
+    """An :class:`NgramPool` whose adds also go to a C mirror
+    (:class:`~edgemtp.drafters.ngram_index.NativePool`), for the hybrid's tree grown in C."""
+
+    def __init__(self, size: int, native) -> None:
+        super().__init__(size)
+        self.native = native
+
+    def add(self, key: int, cont: tuple[int, ...]) -> None:
+        super().add(key, cont)
+        if self.size > 0:
+            self.native.pending.append((key, *cont))
+
+
 class JacobiWindow:
     """LADE's lookahead branch: ``levels`` x ``width`` Jacobi iterates whose cell ``(0, 0)``
     is the root, and the pool of the n-grams (``levels + 1`` tokens) their trajectories give.

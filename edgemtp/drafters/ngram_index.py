@@ -214,6 +214,31 @@ class ContextModel:
                                            self.index.tokens[ends[-1] + 1])
         return hit
 
+    def next_tokens_at(self, tail: tuple[int, ...], length: int) -> Lookup:
+        """:meth:`next_tokens` as it answered when the context held its first ``length``
+        tokens (only occurrences whose follower was known then): what a tree grown then
+        was given, for the hybrid's learning after a tree grown in C."""
+        ends_of = self.index.ends
+        for n in range(min(self.index.max_n, len(tail)), 0, -1):
+            ends = ends_of.get(tuple(tail[-n:]))
+            if ends:
+                ends = ends[:bisect_right(ends, length - 2)]
+                if ends:
+                    break
+        else:
+            return NO_MATCH
+        key = (tail[-n:], len(ends))
+        hit = self._memo.get(key)
+        if hit is None:
+            guesses = sorted(self.dists.mixture(ends[-STAND_OCCURRENCES:]), key=lambda g: -g[1])
+            if not guesses:
+                hit = self._memo[key] = NO_MATCH
+                return hit
+            hit = self._memo[key] = Lookup(n, guesses, [bisect_right(P_EDGES, p)
+                                                        for _, p in guesses],
+                                           self.index.tokens[ends[-1] + 1])
+        return hit
+
     def grow_stand(self, root: int, max_nodes: int, max_depth: int,
                    min_score: float = MIN_SCORE) -> GrownTree:
         """STAND's tree under ``root``: :func:`grow` with the guesses of :meth:`next_tokens`
@@ -261,6 +286,13 @@ class NativeIndex:
         self._in_at = self._in.ctypes.data
         self._dists: tuple = (None, None, 0, 0)  # (ids, probs) arrays and their addresses
         self._synced = 0  # the context's tokens the C index holds
+        self._ip = np.zeros(15, dtype=np.int64)  # ctx_grow_hybrid's integer parameters
+        self._ip_at = self._ip.ctypes.data
+        self._lk: tuple = ((),)  # ctx_lookup's outputs (tokens, probabilities, bins)
+        self._info = np.zeros(2, dtype=np.int64)
+        self._info_at = self._info.ctypes.data
+        self._nm = np.zeros(1, dtype=np.int32)
+        self._nm_at = self._nm.ctypes.data
 
     @classmethod
     def new(cls, max_n: int) -> NativeIndex | None:
@@ -279,10 +311,10 @@ class NativeIndex:
                      (np.int32, np.int32, np.int32, np.float64, np.int32, np.int64)]
         self._out_at = [a.ctypes.data for a in self._out]
 
-    def _grow(self, cm: ContextModel, root: int, tail: tuple, max_nodes: int,
-              max_depth: int, min_score: float) -> int | None:
+    def _prepare(self, cm: ContextModel, tail: tuple, max_nodes: int) -> tuple[int, int]:
         # the tokens committed since the last call go in with it: the mirror costs nothing
-        # on steps that grow no tree (auto's)
+        # on steps that grow no tree (auto's); returns (new tokens, tail length) as laid out
+        # in the input buffer (the tail, then the new tokens)
         dists, tokens = cm.dists, cm.index.tokens
         if dists._pending or dists.size > len(dists.ids):
             dists._flush()
@@ -296,17 +328,85 @@ class NativeIndex:
             self._in_at = self._in.ctypes.data
         self._in[:nt] = tail
         self._in[nt:nt + new] = tokens[self._synced:]
-        o = self._out_at
-        n = self.lib.ctx_grow(self.handle, self._in_at + 8 * nt, new, self._dists[2],
-                              self._dists[3], min(dists.size, len(dists.ids)), dists.k, root,
-                              self._in_at, nt, max_nodes, max_depth, min_score,
-                              o[0], o[1], o[2], o[3])
+        return new, nt
+
+    def _done(self, n: int, cm: ContextModel) -> int | None:
         if n == -2:
             return None
         if n < 0:
             raise MemoryError("the native tree grower ran out of memory")
-        self._synced = len(tokens)
+        self._synced = len(cm.index.tokens)
         return n
+
+    def _grow(self, cm: ContextModel, root: int, tail: tuple, max_nodes: int,
+              max_depth: int, min_score: float) -> int | None:
+        new, nt = self._prepare(cm, tail, max_nodes)
+        o, dists = self._out_at, cm.dists
+        return self._done(self.lib.ctx_grow(
+            self.handle, self._in_at + 8 * nt, new, self._dists[2], self._dists[3],
+            min(dists.size, len(dists.ids)), dists.k, root, self._in_at, nt, max_nodes,
+            max_depth, min_score, o[0], o[1], o[2], o[3]), cm)
+
+    def grow_hybrid(self, cm: ContextModel, root: int, tail: tuple, max_nodes: int,
+                    max_depth: int, min_score: float, rates: np.ndarray | None,
+                    prior: np.ndarray, buckets: tuple[int, int, int, int],
+                    cand: tuple[np.ndarray, np.ndarray] | None, prune: bool,
+                    pool: NativePool | None) -> tuple[list, list, list, list] | None:
+        """The hybrid drafter's tree (``HybridDrafter.propose``'s :func:`grow`): ``rates``
+        per hit-rate bucket (None: raw probabilities, ``calibrate=False``), ``buckets`` =
+        (bins per n, first literal, first mask, first Jacobi bucket), ``cand``: the mask
+        rows' candidate ids and probabilities ``[rows, K]``, ``pool``: the Jacobi window's
+        n-gram pool. The grown nodes as :meth:`grow` gives them; None as there."""
+        new, nt = self._prepare(cm, tail, max_nodes)
+        dists = cm.dists
+        kmask, ck = (0, 0) if cand is None else cand[0].shape
+        ip = self._ip
+        ip[:] = (new, min(dists.size, len(dists.ids)), dists.k, root, nt, max_nodes,
+                 max_depth, *buckets, kmask, ck, int(prune), int(rates is not None))
+        o = self._out_at
+        n = self.lib.ctx_grow_hybrid(
+            self.handle, self._ip_at, min_score, self._in_at + 8 * nt, self._dists[2],
+            self._dists[3], self._in_at, None if rates is None else rates.ctypes.data,
+            prior.ctypes.data, None if cand is None else cand[0].ctypes.data,
+            None if cand is None else cand[1].ctypes.data,
+            None if pool is None else pool.sync(), o[0], o[1], o[2], o[3])
+        n = self._done(n, cm)
+        return None if n is None else tuple(a[:n].tolist() for a in self._out[:4])
+
+    def place_masks(self, n: int, bc: int, k: int, gain: float,
+                    min_score: float) -> tuple[int, list[int]]:
+        """:func:`~edgemtp.drafters.hybrid.place_masks`' split for the tree this index grew
+        last (``n`` nodes): the draft nodes kept and the nodes that carry masks."""
+        o = self._out_at
+        m, masked = self._nm, self._out[4]  # (the layout buffer: free until the layout)
+        r = self.lib.ctx_place_masks(n, o[3], o[1], bc, k, gain, min_score, o[4],
+                                     self._nm_at)
+        if r < 0:
+            raise MemoryError("the native mask placement ran out of memory")
+        return r, masked[:int(m[0])].tolist()
+
+    def lookup(self, cm: ContextModel, tail: tuple) -> Lookup:
+        """``cm.next_tokens(tail)`` as of the last tree grown here (the C index is synced
+        only then): the hybrid's learning reads what its tree was grown from."""
+        dists = cm.dists
+        if self._dists[0] is not dists.ids or self._dists[1] is not dists.probs:
+            self._dists = (dists.ids, dists.probs, dists.ids.ctypes.data,
+                           dists.probs.ctypes.data)
+        if len(self._lk[0]) < STAND_OCCURRENCES * dists.k:
+            self._lk = (np.zeros(STAND_OCCURRENCES * dists.k, dtype=np.int32),
+                        np.zeros(STAND_OCCURRENCES * dists.k, dtype=np.float64),
+                        np.zeros(STAND_OCCURRENCES * dists.k, dtype=np.int32))
+            self._lk_at = tuple(a.ctypes.data for a in self._lk)
+        nt = len(tail)
+        self._in[:nt] = tail
+        info = self._info
+        m = self.lib.ctx_lookup(self.handle, self._dists[2], self._dists[3],
+                                min(self._synced - 1, len(dists.ids)), dists.k, self._in_at,
+                                nt, *self._lk_at, self._info_at)
+        if not m:
+            return NO_MATCH
+        tok, pr, bins = (a[:m].tolist() for a in self._lk)
+        return Lookup(int(info[0]), list(zip(tok, pr)), bins, int(info[1]))
 
     def grow(self, cm: ContextModel, root: int, tail: tuple, max_nodes: int, max_depth: int,
              min_score: float) -> tuple[list, list, list, list] | None:
@@ -324,6 +424,28 @@ class NativeIndex:
         if self.lib.ctx_layout(n, o[0], o[1], o[2], o[3], o[4], o[5]) < 0:
             raise MemoryError("the native tree layout ran out of memory")
         return tuple(self._out[4][:n].tolist()), self._out[5][:n].copy(), n
+
+
+class NativePool:
+    """The C mirror of a LADE n-gram pool (:class:`~edgemtp.drafters.lookahead.NgramPool`,
+    same rows, same order): the pool's adds are queued and sent in one call when a tree is
+    next grown (:meth:`sync`)."""
+
+    def __init__(self, lib, size: int, levels: int) -> None:
+        self.lib, self.levels = lib, levels
+        self.handle = lib.pool_new(size, levels)
+        if not self.handle:
+            raise MemoryError("the native n-gram pool could not be allocated")
+        weakref.finalize(self, lib.pool_free, self.handle)
+        self.pending: list[tuple[int, ...]] = []
+
+    def sync(self) -> int:
+        if self.pending:
+            rows = np.array(self.pending, dtype=np.int64)
+            self.pending = []
+            if self.lib.pool_add_many(self.handle, rows.ctypes.data, len(rows)):
+                raise MemoryError("the native n-gram pool could not grow")
+        return self.handle
 
 
 # -- growing a tree best-first ------------------------------------------------------------------

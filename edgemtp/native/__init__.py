@@ -1,10 +1,13 @@
 """Native (C) helpers for the drafters' host work, compiled on first use.
 
-A small model's decode step on a GPU is ~0.5 ms, and Python drafting was a fifth of it (STAND's
-tree ~90 µs a step on an H200 host). ``ngram.c`` grows STAND's tree as
-:func:`edgemtp.drafters.ngram_index.grow` does, bit for bit. It is compiled once per source
-version with the machine's C compiler (``cc -O2 -shared``; ``$CC`` where set) into the user
-cache (``$XDG_CACHE_HOME/edgemtp`` or ``~/.cache/edgemtp``) and loaded with :mod:`ctypes`.
+A small model's decode step on a GPU is ~0.5 ms, and Python drafting was a fifth to a half of
+it (STAND's tree ~90 µs, the hybrid's ~200 µs a step on an H200 host). ``ngram.c`` grows
+STAND's tree as :func:`edgemtp.drafters.ngram_index.grow` does, and the hybrid drafter's
+(three candidate sources, hit-rate scores) as
+:class:`~edgemtp.drafters.hybrid.HybridDrafter` does, bit for bit. It is compiled once per
+source version with the machine's C compiler (``cc -O2 -shared``; ``$CC`` where set) into the
+user cache (``$XDG_CACHE_HOME/edgemtp`` or ``~/.cache/edgemtp``) and loaded with
+:mod:`ctypes`.
 Where there is no compiler, or ``EDGEMTP_NATIVE=0``, :func:`lib` is None and the Python code
 runs: the same trees, slower.
 """
@@ -73,6 +76,15 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ctx_grow.argtypes = [p, p, i64, p, p, i64, i32, i64, p, i32, i32, i32, f64, p, p, p, p]
     lib.ctx_layout.restype = i32
     lib.ctx_layout.argtypes = [i32, p, p, p, p, p, p]
+    lib.ctx_grow_hybrid.restype = i32
+    lib.ctx_grow_hybrid.argtypes = [p, p, f64] + [p] * 13
+    lib.ctx_place_masks.restype = i32
+    lib.ctx_place_masks.argtypes = [i32, p, p, i32, i32, f64, f64, p, p]
+    lib.ctx_lookup.restype = i32
+    lib.ctx_lookup.argtypes = [p, p, p, i64, i32, p, i32, p, p, p, p]
+    lib.pool_new.restype, lib.pool_new.argtypes = p, [i32, i32]
+    lib.pool_free.restype, lib.pool_free.argtypes = None, [p]
+    lib.pool_add_many.restype, lib.pool_add_many.argtypes = i32, [p, p, i64]
     return lib
 
 

@@ -270,3 +270,384 @@ int ctx_layout(int r, const int32_t *tok, const int32_t *par, const int32_t *dep
     free(order); free(newidx);
     return r;
 }
+
+/* ---- the hybrid drafter's tree (edgemtp/drafters/hybrid.py: HybridDrafter.propose's grow,
+ * _children, _mask_guesses, _jacobi_guesses) and LADE's n-gram pool it reads ---- */
+
+typedef struct {
+    int64_t key;       /* the n-gram's first token; -1: empty */
+    int32_t n;         /* continuations held, oldest first */
+    int64_t *conts;    /* size x levels */
+} PSlot;
+
+typedef struct {
+    int size, levels;
+    PSlot *slots;
+    int64_t nslots, used;
+} Pool;
+
+static PSlot *pfind(Pool *p, int64_t key) {
+    uint64_t m = (uint64_t)p->nslots - 1, i = mix((uint64_t)key) & m;
+    while (p->slots[i].key != -1 && p->slots[i].key != key) i = (i + 1) & m;
+    return &p->slots[i];
+}
+
+static PSlot *pget(const Pool *p, int64_t key) {
+    PSlot *s = pfind((Pool *)p, key);
+    return s->key == key ? s : NULL;
+}
+
+void *pool_new(int size, int levels) {
+    Pool *p = calloc(1, sizeof(Pool));
+    if (!p) return NULL;
+    p->size = size; p->levels = levels; p->nslots = 256;
+    p->slots = malloc(sizeof(PSlot) * 256);
+    if (!p->slots) { free(p); return NULL; }
+    for (int i = 0; i < 256; i++) { p->slots[i].key = -1; p->slots[i].n = 0; p->slots[i].conts = NULL; }
+    return p;
+}
+
+void pool_free(void *q) {
+    Pool *p = q;
+    if (!p) return;
+    for (int64_t i = 0; i < p->nslots; i++) free(p->slots[i].conts);
+    free(p->slots); free(p);
+}
+
+static int pgrow(Pool *p) {
+    int64_t on = p->nslots, n = 2 * on;
+    PSlot *old = p->slots, *s = malloc(sizeof(PSlot) * (size_t)n);
+    if (!s) return -1;
+    for (int64_t i = 0; i < n; i++) { s[i].key = -1; s[i].n = 0; s[i].conts = NULL; }
+    p->slots = s; p->nslots = n;
+    for (int64_t i = 0; i < on; i++)
+        if (old[i].key != -1) *pfind(p, old[i].key) = old[i];
+    free(old);
+    return 0;
+}
+
+/* NgramPool.add for each row [key, cont...] (rows of 1 + levels): a continuation seen again
+ * moves to the back; the oldest leaves when the row is full */
+int pool_add_many(void *q, const int64_t *rows, int64_t count) {
+    Pool *p = q;
+    int L = p->levels;
+    if (p->size <= 0) return 0;
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t *row = rows + r * (1 + L), *cont = row + 1;
+        PSlot *s = pfind(p, row[0]);
+        if (s->key == -1) {
+            if (2 * (p->used + 1) > p->nslots) {
+                if (pgrow(p)) return -1;
+                s = pfind(p, row[0]);
+            }
+            s->conts = malloc(sizeof(int64_t) * (size_t)(p->size * (L > 0 ? L : 1)));
+            if (!s->conts) return -1;
+            s->key = row[0]; s->n = 0; p->used++;
+        }
+        int at = -1;
+        for (int i = 0; i < s->n && at < 0; i++)
+            if (!memcmp(s->conts + (int64_t)i * L, cont, sizeof(int64_t) * (size_t)L)) at = i;
+        if (at < 0 && s->n >= p->size) at = 0;  /* full: the oldest leaves */
+        if (at >= 0) {
+            memmove(s->conts + (int64_t)at * L, s->conts + (int64_t)(at + 1) * L,
+                    sizeof(int64_t) * (size_t)((s->n - at - 1) * L));
+            s->n--;
+        }
+        memcpy(s->conts + (int64_t)s->n * L, cont, sizeof(int64_t) * (size_t)L);
+        s->n++;
+    }
+    return 0;
+}
+
+/* a growable arena of (continuation, index) offers and a candidate dict in insertion order */
+typedef struct { const int64_t *c; int i; } Offer;
+
+typedef struct {
+    int32_t *tok; double *sc; int n, cap;
+} Cands;
+
+static int cands_reserve(Cands *d, int n) {
+    if (n <= d->cap) return 0;
+    int cap = d->cap ? d->cap : 64;
+    while (cap < n) cap *= 2;
+    int32_t *t = realloc(d->tok, sizeof(int32_t) * (size_t)cap);
+    if (t) d->tok = t;
+    double *s = realloc(d->sc, sizeof(double) * (size_t)cap);
+    if (s) d->sc = s;
+    if (!t || !s) return -1;
+    d->cap = cap;
+    return 0;
+}
+
+static int cands_at(const Cands *d, int32_t t) {
+    for (int i = 0; i < d->n; i++) if (d->tok[i] == t) return i;
+    return -1;
+}
+
+static const double P_EDGES[7] = {0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9};
+
+static int pbin(double p) {  /* bisect_right(P_EDGES, p) */
+    int b = 0;
+    while (b < 7 && P_EDGES[b] <= p) b++;
+    return b;
+}
+
+/* ip: nnew, dsize, K, root, ntail, max_nodes, max_depth, n_bins, first_literal, first_mask,
+ *     first_jacobi, kmask (mask rows with candidates, 0: none), ck (candidates per mask row),
+ *     prune, calibrate (0: raw probabilities, rates unused)
+ * returns the node count, or -1 (memory) / -2 (a token id >= 2^20) */
+int ctx_grow_hybrid(void *p, const int64_t *ip, double min_score, const int64_t *newtok,
+                    const int64_t *ids, const float *probs, const int64_t *tail,
+                    const double *rates, const double *prior, const int64_t *cand_ids,
+                    const double *cand_p, void *poolp, int32_t *out_tok, int32_t *out_par,
+                    int32_t *out_depth, double *out_score) {
+    Ctx *c = p;
+    const Pool *pool = poolp;
+    int64_t nnew = ip[0], dsize = ip[1], root = ip[3];
+    int K = (int)ip[2], ntail = (int)ip[4], max_nodes = (int)ip[5], max_depth = (int)ip[6];
+    int n_bins = (int)ip[7], first_literal = (int)ip[8], first_mask = (int)ip[9];
+    int first_jacobi = (int)ip[10], kmask = (int)ip[11], ck = (int)ip[12];
+    int prune = (int)ip[13], calibrate = (int)ip[14];
+    int e = nnew ? ctx_extend(p, newtok, nnew) : 0;
+    if (e) return e == -2 ? -2 : -1;
+    if (max_nodes < 1) return 0;
+    int n = c->max_n, L = pool ? pool->levels : 0;
+    int64_t *tails = malloc(sizeof(int64_t) * (size_t)max_nodes * MAX_N);
+    int *ntails = malloc(sizeof(int) * (size_t)max_nodes);
+    int *chain = malloc(sizeof(int) * (size_t)(max_nodes + 1));
+    int64_t *off_at = malloc(sizeof(int64_t) * (size_t)(max_nodes + 1));
+    int32_t *gtok = malloc(sizeof(int32_t) * (size_t)(OCC * K + 1));
+    double *gpr = malloc(sizeof(double) * (size_t)(OCC * K + 1));
+    Offer *offers = NULL;
+    int64_t noff = 0, offcap = 0;
+    Cands d = {0};
+    int64_t size = 0, order = 0;
+    int nodes = 1, nchain = 1, rc = 0;
+    if (!tails || !ntails || !chain || !off_at || !gtok || !gpr) { rc = -1; goto done; }
+    chain[0] = 0;
+    out_tok[0] = (int32_t)root; out_par[0] = -1; out_depth[0] = 0; out_score[0] = 1.0;
+    ntails[0] = ntail < n ? ntail : n;
+    memcpy(tails, tail + ntail - ntails[0], sizeof(int64_t) * (size_t)ntails[0]);
+    for (int v = 0;; ) {
+        off_at[v] = noff;  /* this node's offers start here (none if not expanded) */
+        off_at[v + 1] = noff;
+        if (out_depth[v] < max_depth) {
+            int dep = out_depth[v], j = -1;
+            if (v && dep == nchain && out_par[v] == chain[nchain - 1]) chain[nchain++] = v;
+            if (dep < nchain && chain[dep] == v) j = dep;
+            d.n = 0;
+            /* lookups: the context's guesses after the node's tail */
+            int ln = 0, m = 0; int64_t literal = -1;
+            {
+                const int64_t *tl = tails + (int64_t)v * MAX_N; int nt = ntails[v];
+                for (int g = nt < c->max_n ? nt : c->max_n; g > 0; g--) {
+                    Slot *s = find(c, pack(tl + nt - g, g));
+                    if (s->key && s->count) {
+                        m = mixture(s, ids, probs, dsize, K, gtok, gpr);
+                        if (m) {
+                            ln = g;
+                            int last = s->count < OCC ? (int)s->count - 1 : OCC - 1;
+                            literal = c->tokens[s->ends[last] + 1];
+                        }
+                        break;
+                    }
+                }
+            }
+            if (cands_reserve(&d, m + 1)) { rc = -1; goto done; }
+            if (!calibrate) {
+                for (int i = 0; i < m; i++) { d.tok[d.n] = gtok[i]; d.sc[d.n++] = gpr[i]; }
+            } else if (m) {
+                int base = (ln - 1) * n_bins;
+                for (int i = 0; i < m; i++) { d.tok[d.n] = gtok[i]; d.sc[d.n++] = rates[base + pbin(gpr[i])]; }
+                if (literal >= 0) {
+                    int b = first_literal + 2 * (ln - 1) + (literal == gtok[0] ? 0 : 1);
+                    int at = cands_at(&d, (int32_t)literal);
+                    if (at < 0) { d.tok[d.n] = (int32_t)literal; d.sc[d.n++] = rates[b]; }
+                    else if (rates[b] > d.sc[at]) d.sc[at] = rates[b];
+                }
+            }
+            /* masks: mask j's candidates under the chain node of depth j */
+            if (j >= 0 && j < kmask) {
+                if (cands_reserve(&d, d.n + ck)) { rc = -1; goto done; }
+                int rank = 0;
+                for (int i = 0; i < ck; i++) {
+                    int64_t t = cand_ids[(int64_t)j * ck + i];
+                    if (prune && t == out_tok[v]) continue;
+                    double q = calibrate ? rates[first_mask + rank] : cand_p[(int64_t)j * ck + i];
+                    rank++;
+                    int at = cands_at(&d, (int32_t)t);
+                    if (at < 0) { at = d.n++; d.tok[at] = (int32_t)t; d.sc[at] = 0.0; }
+                    d.sc[at] = 1.0 - (1.0 - d.sc[at]) * (1.0 - q);
+                }
+            }
+            /* Jacobi offers: the parent's continuations this token matched, then the pool's */
+            if (pool) {
+                int64_t tok = out_tok[v], start = noff;
+                if (v) {
+                    int par = out_par[v];
+                    for (int64_t a = off_at[par]; a < off_at[par + 1]; a++) {
+                        Offer o = offers[a];
+                        if (o.c[o.i] == tok && o.i + 1 < L) {
+                            if (noff == offcap) {
+                                offcap = offcap ? 2 * offcap : 256;
+                                Offer *x = realloc(offers, sizeof(Offer) * (size_t)offcap);
+                                if (!x) { rc = -1; goto done; }
+                                offers = x;
+                            }
+                            offers[noff].c = o.c; offers[noff].i = o.i + 1; noff++;
+                        }
+                    }
+                }
+                const PSlot *ps = pget(pool, tok);
+                if (ps) {
+                    for (int i = 0; i < ps->n; i++) {
+                        if (noff == offcap) {
+                            offcap = offcap ? 2 * offcap : 256;
+                            Offer *x = realloc(offers, sizeof(Offer) * (size_t)offcap);
+                            if (!x) { rc = -1; goto done; }
+                            offers = x;
+                        }
+                        offers[noff].c = ps->conts + (int64_t)i * L; offers[noff].i = 0; noff++;
+                    }
+                }
+                off_at[v + 1] = noff;
+                /* best (lowest) index per token, in first-offer order */
+                int64_t nb = noff - start;
+                if (nb) {
+                    int32_t *bt = malloc(sizeof(int32_t) * (size_t)nb);
+                    int *bi = malloc(sizeof(int) * (size_t)nb);
+                    int nbest = 0;
+                    if (!bt || !bi) { free(bt); free(bi); rc = -1; goto done; }
+                    for (int64_t a = start; a < noff; a++) {
+                        int32_t t = (int32_t)offers[a].c[offers[a].i];
+                        int k2 = 0;
+                        while (k2 < nbest && bt[k2] != t) k2++;
+                        if (k2 == nbest) { bt[nbest] = t; bi[nbest++] = offers[a].i; }
+                        else if (offers[a].i < bi[k2]) bi[k2] = offers[a].i;
+                    }
+                    if (cands_reserve(&d, d.n + nbest)) { free(bt); free(bi); rc = -1; goto done; }
+                    for (int k2 = 0; k2 < nbest; k2++) {
+                        int b = first_jacobi + bi[k2];
+                        double q = calibrate ? rates[b] : prior[b];
+                        int at = cands_at(&d, bt[k2]);
+                        if (at < 0) { at = d.n++; d.tok[at] = bt[k2]; d.sc[at] = 0.0; }
+                        d.sc[at] = 1.0 - (1.0 - d.sc[at]) * (1.0 - q);
+                    }
+                    free(bt); free(bi);
+                }
+            }
+            /* siblings are exclusive events: their sum stays a probability */
+            double total = 0.0;
+            for (int i = 0; i < d.n; i++) total += d.sc[i];
+            if (total > 0.99)
+                for (int i = 0; i < d.n; i++) d.sc[i] = d.sc[i] * 0.99 / total;
+            double base = out_score[v];
+            if (reserve(c, size + d.n)) { rc = -1; goto done; }
+            for (int i = 0; i < d.n; i++) {
+                double sc = base * d.sc[i];
+                if (!(sc >= min_score)) continue;
+                int64_t at = size++;
+                c->hs[at] = sc; c->ho[at] = order++; c->hp[at] = v; c->ht[at] = d.tok[i];
+                while (at > 0 && before(c, at, (at - 1) / 2)) { swap(c, at, (at - 1) / 2); at = (at - 1) / 2; }
+            }
+        }
+        if (!size || nodes >= max_nodes) break;
+        double sc = c->hs[0]; int32_t par = c->hp[0], t = c->ht[0];
+        size--;
+        if (size) {
+            c->hs[0] = c->hs[size]; c->ho[0] = c->ho[size]; c->hp[0] = c->hp[size]; c->ht[0] = c->ht[size];
+            for (int64_t at = 0;;) {
+                int64_t l = 2 * at + 1, r = l + 1, best = at;
+                if (l < size && before(c, l, best)) best = l;
+                if (r < size && before(c, r, best)) best = r;
+                if (best == at) break;
+                swap(c, at, best); at = best;
+            }
+        }
+        v = nodes++;
+        out_tok[v] = t; out_par[v] = par; out_depth[v] = out_depth[par] + 1; out_score[v] = sc;
+        int64_t buf[MAX_N + 1]; int nb2 = ntails[par];
+        memcpy(buf, tails + (int64_t)par * MAX_N, sizeof(int64_t) * (size_t)nb2);
+        buf[nb2++] = t;
+        int keep = nb2 < n ? nb2 : n;
+        memcpy(tails + (int64_t)v * MAX_N, buf + nb2 - keep, sizeof(int64_t) * (size_t)keep);
+        ntails[v] = keep;
+    }
+    rc = nodes;
+done:
+    free(tails); free(ntails); free(chain); free(off_at); free(gtok); free(gpr);
+    free(offers); free(d.tok); free(d.sc);
+    return rc;
+}
+
+/* ContextModel.next_tokens on the index as it stands: the matched n and the literal
+ * (info[0], info[1]; 0 and -1 where nothing matched), the guesses best first into tok/pr and
+ * their probability bins into bin; returns their count */
+int ctx_lookup(void *p, const int64_t *ids, const float *probs, int64_t dsize, int k,
+               const int64_t *tail, int ntail, int32_t *tok, double *pr, int32_t *bin,
+               int64_t *info) {
+    Ctx *c = p;
+    info[0] = 0; info[1] = -1;
+    for (int g = ntail < c->max_n ? ntail : c->max_n; g > 0; g--) {
+        Slot *s = find(c, pack(tail + ntail - g, g));
+        if (s->key && s->count) {
+            int m = mixture(s, ids, probs, dsize, k, tok, pr);
+            if (m) {
+                int last = s->count < OCC ? (int)s->count - 1 : OCC - 1;
+                info[0] = g; info[1] = c->tokens[s->ends[last] + 1];
+                for (int i = 0; i < m; i++) bin[i] = pbin(pr[i]);
+            }
+            return m;
+        }
+    }
+    return 0;
+}
+
+/* hybrid.place_masks' split of the budget: the first r grown nodes and m nodes carrying k
+ * masks each; returns r and writes the masked nodes (ascending) into masked, m into *nm.
+ * The same arithmetic in the same order as the Python (sums left to right from 0). */
+int ctx_place_masks(int n, const double *s, const int32_t *par, int bc, int k, double gain,
+                    double min_score, int32_t *masked, int *nm) {
+    double *below = malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
+    double *end = malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
+    int32_t *order = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
+    if (!below || !end || !order) { free(below); free(end); free(order); return -1; }
+    double best = -1.0 / 0.0, kept = 0.0;
+    int choice_r = n < bc ? n : bc, choice_m = 0, worse = 0, last_r = -1;
+    int mmax = k ? (bc - 1) / k + 1 : 1;
+    *nm = 0;
+    for (int m = 0; m < mmax; m++) {
+        int r = n < bc - m * k ? n : bc - m * k;
+        if (r != last_r) {
+            for (int i = 0; i < r; i++) below[i] = 0.0;
+            for (int c = 1; c < r; c++) below[par[c]] = below[par[c]] + s[c];
+            for (int i = 0; i < r; i++) { double d = s[i] - below[i]; end[i] = 0.0 > d ? 0.0 : d; }
+            for (int i = 0; i < r; i++) order[i] = i;
+            for (int i = 1; i < r; i++) {  /* stable, by -end */
+                int32_t o = order[i]; int j = i - 1;
+                while (j >= 0 && -end[order[j]] > -end[o]) { order[j + 1] = order[j]; j--; }
+                order[j + 1] = o;
+            }
+            kept = 0.0;
+            for (int i = 1; i < r; i++) kept = kept + s[i];
+            last_r = r;
+        }
+        int mt = m < r ? m : r;
+        if (m && gain * end[order[mt - 1]] < k * min_score) break;
+        double add = 0.0;
+        for (int i = 0; i < mt; i++) add = add + end[order[i]];
+        double value = kept + gain * add;
+        if (value > best) {
+            best = value; choice_r = r; choice_m = mt; worse = 0;
+            for (int i = 0; i < mt; i++) masked[i] = order[i];
+        } else if (++worse >= 4) break;
+    }
+    for (int i = 1; i < choice_m; i++) {  /* ascending */
+        int32_t o = masked[i]; int j = i - 1;
+        while (j >= 0 && masked[j] > o) { masked[j + 1] = masked[j]; j--; }
+        masked[j + 1] = o;
+    }
+    *nm = choice_m;
+    free(below); free(end); free(order);
+    return choice_r;
+}
