@@ -202,6 +202,9 @@ class ContextModel:
         n, ends = self.index.match(tail)
         if not ends:
             return NO_MATCH
+        return self._lookup(tail, n, ends)
+
+    def _lookup(self, tail: tuple[int, ...], n: int, ends: list[int]) -> Lookup:
         key = (tail[-n:], len(ends))  # stored distributions never change: memoise
         hit = self._memo.get(key)
         if hit is None:
@@ -227,17 +230,7 @@ class ContextModel:
                     break
         else:
             return NO_MATCH
-        key = (tail[-n:], len(ends))
-        hit = self._memo.get(key)
-        if hit is None:
-            guesses = sorted(self.dists.mixture(ends[-STAND_OCCURRENCES:]), key=lambda g: -g[1])
-            if not guesses:
-                hit = self._memo[key] = NO_MATCH
-                return hit
-            hit = self._memo[key] = Lookup(n, guesses, [bisect_right(P_EDGES, p)
-                                                        for _, p in guesses],
-                                           self.index.tokens[ends[-1] + 1])
-        return hit
+        return self._lookup(tail, n, ends)
 
     def grow_stand(self, root: int, max_nodes: int, max_depth: int,
                    min_score: float = MIN_SCORE) -> GrownTree:

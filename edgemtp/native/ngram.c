@@ -175,6 +175,38 @@ static int reserve(Ctx *c, int64_t n) {
     return 0;
 }
 
+static void heap_push(Ctx *c, int64_t *size, double sc, int64_t order, int32_t v, int32_t t) {
+    int64_t at = (*size)++;
+    c->hs[at] = sc; c->ho[at] = order; c->hp[at] = v; c->ht[at] = t;
+    while (at > 0 && before(c, at, (at - 1) / 2)) { swap(c, at, (at - 1) / 2); at = (at - 1) / 2; }
+}
+
+/* pop the best candidate and add it as node v = *nodes (its tail: (tail(parent) + (t,))[-n:]) */
+static void heap_pop_add(Ctx *c, int64_t *size, int *nodes, int n, int64_t *tails, int *ntails,
+                         int32_t *out_tok, int32_t *out_par, int32_t *out_depth,
+                         double *out_score) {
+    double sc = c->hs[0]; int32_t par = c->hp[0], t = c->ht[0];
+    int64_t sz = --(*size);
+    if (sz) {
+        c->hs[0] = c->hs[sz]; c->ho[0] = c->ho[sz]; c->hp[0] = c->hp[sz]; c->ht[0] = c->ht[sz];
+        for (int64_t at = 0;;) {
+            int64_t l = 2 * at + 1, r = l + 1, best = at;
+            if (l < sz && before(c, l, best)) best = l;
+            if (r < sz && before(c, r, best)) best = r;
+            if (best == at) break;
+            swap(c, at, best); at = best;
+        }
+    }
+    int v = (*nodes)++;
+    out_tok[v] = t; out_par[v] = par; out_depth[v] = out_depth[par] + 1; out_score[v] = sc;
+    int64_t buf[MAX_N + 1]; int nb = ntails[par];
+    memcpy(buf, tails + (int64_t)par * MAX_N, sizeof(int64_t) * (size_t)nb);
+    buf[nb++] = t;
+    int keep = nb < n ? nb : n;
+    memcpy(tails + (int64_t)v * MAX_N, buf + nb - keep, sizeof(int64_t) * (size_t)keep);
+    ntails[v] = keep;
+}
+
 /* grow(GrownTree(root, tail, max_n), STAND's children, max_nodes, max_depth, min_score):
  * the nodes in the order grown, into out_tok/out_par/out_depth/out_score (max_nodes each);
  * returns the node count, or -1 (out of memory) or -2 (a new token id >= 2^20) */
@@ -208,36 +240,13 @@ int ctx_grow(void *p, const int64_t *newtok, int64_t nnew, const int64_t *ids,
                 if (reserve(c, size + m)) { rc = -1; goto done; }
                 for (int i = 0; i < m; i++) {
                     double sc = base * cpr[i];
-                    if (!(sc >= min_score)) continue;
-                    int64_t at = size++;
-                    c->hs[at] = sc; c->ho[at] = order++; c->hp[at] = v; c->ht[at] = ctok[i];
-                    while (at > 0 && before(c, at, (at - 1) / 2)) { swap(c, at, (at - 1) / 2); at = (at - 1) / 2; }
+                    if (sc >= min_score) heap_push(c, &size, sc, order++, v, ctok[i]);
                 }
             }
         }
         if (!size || nodes >= max_nodes) break;
-        /* pop the best candidate: it becomes node v */
-        double sc = c->hs[0]; int32_t par = c->hp[0], t = c->ht[0];
-        size--;
-        if (size) {
-            c->hs[0] = c->hs[size]; c->ho[0] = c->ho[size]; c->hp[0] = c->hp[size]; c->ht[0] = c->ht[size];
-            for (int64_t at = 0;;) {
-                int64_t l = 2 * at + 1, r = l + 1, best = at;
-                if (l < size && before(c, l, best)) best = l;
-                if (r < size && before(c, r, best)) best = r;
-                if (best == at) break;
-                swap(c, at, best); at = best;
-            }
-        }
-        v = nodes++;
-        out_tok[v] = t; out_par[v] = par; out_depth[v] = out_depth[par] + 1; out_score[v] = sc;
-        /* its tail: (tail(parent) + (t,))[-n:] */
-        int64_t buf[MAX_N + 1]; int nb = ntails[par];
-        memcpy(buf, tails + (int64_t)par * MAX_N, sizeof(int64_t) * (size_t)nb);
-        buf[nb++] = t;
-        int keep = nb < n ? nb : n;
-        memcpy(tails + (int64_t)v * MAX_N, buf + nb - keep, sizeof(int64_t) * (size_t)keep);
-        ntails[v] = keep;
+        v = nodes;  /* the best candidate becomes node v */
+        heap_pop_add(c, &size, &nodes, n, tails, ntails, out_tok, out_par, out_depth, out_score);
     }
     rc = nodes;
 done:
@@ -545,33 +554,12 @@ int ctx_grow_hybrid(void *p, const int64_t *ip, double min_score, const int64_t 
             if (reserve(c, size + d.n)) { rc = -1; goto done; }
             for (int i = 0; i < d.n; i++) {
                 double sc = base * d.sc[i];
-                if (!(sc >= min_score)) continue;
-                int64_t at = size++;
-                c->hs[at] = sc; c->ho[at] = order++; c->hp[at] = v; c->ht[at] = d.tok[i];
-                while (at > 0 && before(c, at, (at - 1) / 2)) { swap(c, at, (at - 1) / 2); at = (at - 1) / 2; }
+                if (sc >= min_score) heap_push(c, &size, sc, order++, v, d.tok[i]);
             }
         }
         if (!size || nodes >= max_nodes) break;
-        double sc = c->hs[0]; int32_t par = c->hp[0], t = c->ht[0];
-        size--;
-        if (size) {
-            c->hs[0] = c->hs[size]; c->ho[0] = c->ho[size]; c->hp[0] = c->hp[size]; c->ht[0] = c->ht[size];
-            for (int64_t at = 0;;) {
-                int64_t l = 2 * at + 1, r = l + 1, best = at;
-                if (l < size && before(c, l, best)) best = l;
-                if (r < size && before(c, r, best)) best = r;
-                if (best == at) break;
-                swap(c, at, best); at = best;
-            }
-        }
-        v = nodes++;
-        out_tok[v] = t; out_par[v] = par; out_depth[v] = out_depth[par] + 1; out_score[v] = sc;
-        int64_t buf[MAX_N + 1]; int nb2 = ntails[par];
-        memcpy(buf, tails + (int64_t)par * MAX_N, sizeof(int64_t) * (size_t)nb2);
-        buf[nb2++] = t;
-        int keep = nb2 < n ? nb2 : n;
-        memcpy(tails + (int64_t)v * MAX_N, buf + nb2 - keep, sizeof(int64_t) * (size_t)keep);
-        ntails[v] = keep;
+        v = nodes;
+        heap_pop_add(c, &size, &nodes, n, tails, ntails, out_tok, out_par, out_depth, out_score);
     }
     rc = nodes;
 done:
