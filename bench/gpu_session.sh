@@ -41,9 +41,9 @@ has F && timeout "${F:-120}" python3 bench/bench_gpu.py --stories $S --out "$OUT
 has G && timeout "${G:-90}" python3 bench/bench_step_host.py $S --backend torch --device cuda \
   --drafters none,probe,pld,stand,hybrid,auto --bc 10,60 --tree-cost measured \
   --profile hybrid@10,stand@10 --out "$OUT/step_host.json" 2>&1 | tee "$OUT/step_host.md"
-# G, same machine: STAND's tree grown in Python (EDGEMTP_NATIVE=0) against C (above)
-has G && EDGEMTP_NATIVE=0 timeout "${G2:-40}" python3 bench/bench_step_host.py $S --backend torch \
-  --device cuda --drafters stand,auto --bc 10,60 --tree-cost measured \
+# G, same machine: the trees grown in Python (EDGEMTP_NATIVE=0) against C (above)
+has G && EDGEMTP_NATIVE=0 timeout "${G2:-50}" python3 bench/bench_step_host.py $S --backend torch \
+  --device cuda --drafters stand,hybrid,auto --bc 10,60 --tree-cost measured \
   --out "$OUT/step_host_python.json" 2>&1 | tee "$OUT/step_host_python.md"
 # E: the command line from the tree: doctor, and generate on the GPU
 has E && { timeout 30 python3 bench/edgemtp_tree.py doctor

@@ -128,13 +128,16 @@ def test_doctor_says_which_grower_runs(monkeypatch):
             in doctor.report(doctor.probe()))
 
 
-@pytest.mark.parametrize("bc,calibrate,prune", [(10, True, True), (30, False, True),
-                                                (60, True, False)])
+@pytest.mark.parametrize("bc,calibrate,prune,learn_in_c", [
+    (10, True, True, True), (30, False, True, True), (60, True, False, True),
+    (30, True, True, False)])
 def test_hybrid_trees_are_the_same_with_and_without_it(stories_refs, bc, calibrate, prune,
-                                                        monkeypatch):
+                                                        learn_in_c, monkeypatch):
     """The hybrid's every tree (mask leaves, Jacobi window rows and all), step by step over
-    several generations that share its learned hit rates, grown in C and in Python."""
+    several generations that share its learned hit rates, grown in C and in Python (and
+    learned from in C, or in Python from a tree grown in C)."""
     from edgemtp.drafters.hybrid import HybridDrafter
+    monkeypatch.setattr(HybridDrafter, "learn_in_c", learn_in_c)
     hf, prompts, refs = stories_refs
     backend = TorchBackend.from_model(hf)
     config = GenerationConfig(drafter="hybrid", bc=bc, max_new_tokens=48, calibrate=calibrate,

@@ -174,6 +174,8 @@ class HybridDrafter:
         # a tree grown in C: the context's length then (its learning asks the lookups as of
         # that length, along the accepted path only); None: grown in Python (``_asked``)
         self._grown_at: int | None = None
+        self._grown: tuple | None = None  # its arrays as the C learner reads them
+        self._grown_cand: tuple | None = None  # the mask candidates it was grown with
 
     def start(self, prompt_ids: np.ndarray) -> None:
         if self.shared is not None:
@@ -244,6 +246,7 @@ class HybridDrafter:
         if self._cand is not None and self._cand[0]:
             cand = (np.array(self._cand[0], dtype=np.int64),
                     np.array(self._cand[1], dtype=np.float64))
+        self._grown_cand = cand
         tail = tuple(self.context.tokens[-self.max_ngram:])
         grown = native.grow_hybrid(
             self.context, root, tail, tree_bc, self.depth, floor,
@@ -253,10 +256,11 @@ class HybridDrafter:
         if grown is None:
             self.context.native = None  # (a token id beyond the C index: Python from here)
             return None
-        self._grown_at = len(self.context.tokens)
+        self._grown_at, self._grown = len(self.context.tokens), native.grown
         return GrownTree.from_arrays(*grown, tail, self.max_ngram)
 
     WINDOW_PROBE = 32  # tree_cost="measured": a window step at least this often
+    learn_in_c = True  # False: a tree grown in C is learned from in Python (tests)
 
     def _window_pays(self, floor: float) -> bool:
         """Always with ``tree_cost="budget"``; with ``"measured"``, while the tokens the window's
@@ -356,22 +360,29 @@ class HybridDrafter:
 
     def _learn(self, truth: list[int]) -> None:
         """Hit or miss for every candidate under the true path (known to its end)."""
+        native = self.context.native
+        if self._grown_at is not None and native is not None and self.learn_in_c and \
+                native._synced == self._grown_at:  # the tree grew in C: learn there too
+            h = self.rates
+            mask_only, window_only = native.learn_hybrid(
+                self.context, self._grown, truth, self._grown_cand,
+                None if self.jacobi is None else self.jacobi.pool.native,
+                h.hits if self.calibrate else None, h.seen if self.calibrate else None)
+            self._learned(truth, mask_only, window_only, None)
+            return
         h, tree, node = self.rates, self._tree, 0
         buckets: list[int] = []
         hits: list[bool] = []
         mask_only, window_only = False, 0
         lazy = self._grown_at is not None  # grown in C: what each node asked, recomputed
-        if lazy:
+        if lazy:  # (the C index moved on since the tree grew: recomputed here)
             tail, offers, chain = tree.tails[0], (), self._chain(tree)
-            native = self.context.native  # its index is as it was when the tree grew
-            in_sync = native is not None and native._synced == self._grown_at
         for t in truth:
             if lazy:
                 d = tree.depths[node]
                 if d >= self.depth:  # (never expanded)
                     break
-                lk = (native.lookup(self.context, tail) if in_sync
-                      else self.context.next_tokens_at(tail, self._grown_at))
+                lk = self.context.next_tokens_at(tail, self._grown_at)
                 masks = self._mask_guesses(d if d < len(chain) and chain[d] == node else None,
                                            tree.tokens[node])
                 jac, offers = (([], ()) if self.jacobi is None
@@ -405,14 +416,17 @@ class HybridDrafter:
                 break
             if lazy:
                 tail = (tail + (t,))[-self.max_ngram:]
-        if self.calibrate:
-            self.rates.record(buckets, hits)
+        self._learned(truth, mask_only, window_only, (buckets, hits))
+
+    def _learned(self, truth: list[int], mask_only: bool, window_only: int,
+                 record: tuple | None) -> None:
+        if self.calibrate and record is not None:
+            self.rates.record(*record)
         if self.window_gain is not None and self.jacobi is not None:
             w = self.window_gain
             w["gain"] += 0.05 * (window_only - w["gain"])
         if self._cand is not None:  # this step's root had mask candidates
             self.rates.record_gain(len(truth) - 1 if mask_only else 0.0)
-
 
     def _chain(self, tree: GrownTree) -> list[int]:
         """The top-1 chain of a grown tree as :meth:`_grow` built it while expanding."""

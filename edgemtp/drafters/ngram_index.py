@@ -281,11 +281,11 @@ class NativeIndex:
         self._synced = 0  # the context's tokens the C index holds
         self._ip = np.zeros(15, dtype=np.int64)  # ctx_grow_hybrid's integer parameters
         self._ip_at = self._ip.ctypes.data
-        self._lk: tuple = ((),)  # ctx_lookup's outputs (tokens, probabilities, bins)
         self._info = np.zeros(2, dtype=np.int64)
         self._info_at = self._info.ctypes.data
         self._nm = np.zeros(1, dtype=np.int32)
         self._nm_at = self._nm.ctypes.data
+        self.grown: tuple | None = None  # the last hybrid tree (grow_hybrid)
 
     @classmethod
     def new(cls, max_n: int) -> NativeIndex | None:
@@ -364,7 +364,39 @@ class NativeIndex:
             None if cand is None else cand[1].ctypes.data,
             None if pool is None else pool.sync(), o[0], o[1], o[2], o[3])
         n = self._done(n, cm)
-        return None if n is None else tuple(a[:n].tolist() for a in self._out[:4])
+        if n is None:
+            return None
+        # what learning from this tree reads again (the buffers are reused by the next tree)
+        self.grown = (ip.copy(), *(a[:n].copy() for a in self._out[:3]), tuple(tail))
+        return tuple(a[:n].tolist() for a in self._out[:4])
+
+    def learn_hybrid(self, cm: ContextModel, grown: tuple, truth: list[int],
+                     cand: tuple[np.ndarray, np.ndarray] | None, pool: NativePool | None,
+                     hits: np.ndarray | None, seen: np.ndarray | None) -> tuple[bool, int]:
+        """``HybridDrafter._learn`` for the tree ``grown`` (:attr:`grown` after
+        :meth:`grow_hybrid`; this index still as it was then): adds every candidate on the
+        accepted path to ``seen`` / ``hits`` (None: ``calibrate=False``). Returns whether the
+        root's true token came from the masks alone, and the accepted tokens only the Jacobi
+        window proposed."""
+        ip, tok, par, depth, tail = grown
+        dists = cm.dists
+        if self._dists[0] is not dists.ids or self._dists[1] is not dists.probs:
+            self._dists = (dists.ids, dists.probs, dists.ids.ctypes.data,
+                           dists.probs.ctypes.data)
+        truth_a = np.array(truth, dtype=np.int64)
+        nt = len(tail)
+        self._in[:nt] = tail
+        info = self._info
+        if self.lib.ctx_learn_hybrid(
+                self.handle, ip.ctypes.data, truth_a.ctypes.data, len(truth_a),
+                tok.ctypes.data, par.ctypes.data, depth.ctypes.data, len(tok),
+                self._dists[2], self._dists[3], self._in_at,
+                None if cand is None else cand[0].ctypes.data,
+                None if pool is None else pool.handle,
+                None if hits is None else hits.ctypes.data,
+                None if seen is None else seen.ctypes.data, self._info_at):
+            raise MemoryError("the native learner ran out of memory")
+        return bool(info[0]), int(info[1])
 
     def place_masks(self, n: int, bc: int, k: int, gain: float,
                     min_score: float) -> tuple[int, list[int]]:
@@ -377,29 +409,6 @@ class NativeIndex:
         if r < 0:
             raise MemoryError("the native mask placement ran out of memory")
         return r, masked[:int(m[0])].tolist()
-
-    def lookup(self, cm: ContextModel, tail: tuple) -> Lookup:
-        """``cm.next_tokens(tail)`` as of the last tree grown here (the C index is synced
-        only then): the hybrid's learning reads what its tree was grown from."""
-        dists = cm.dists
-        if self._dists[0] is not dists.ids or self._dists[1] is not dists.probs:
-            self._dists = (dists.ids, dists.probs, dists.ids.ctypes.data,
-                           dists.probs.ctypes.data)
-        if len(self._lk[0]) < STAND_OCCURRENCES * dists.k:
-            self._lk = (np.zeros(STAND_OCCURRENCES * dists.k, dtype=np.int32),
-                        np.zeros(STAND_OCCURRENCES * dists.k, dtype=np.float64),
-                        np.zeros(STAND_OCCURRENCES * dists.k, dtype=np.int32))
-            self._lk_at = tuple(a.ctypes.data for a in self._lk)
-        nt = len(tail)
-        self._in[:nt] = tail
-        info = self._info
-        m = self.lib.ctx_lookup(self.handle, self._dists[2], self._dists[3],
-                                min(self._synced - 1, len(dists.ids)), dists.k, self._in_at,
-                                nt, *self._lk_at, self._info_at)
-        if not m:
-            return NO_MATCH
-        tok, pr, bins = (a[:m].tolist() for a in self._lk)
-        return Lookup(int(info[0]), list(zip(tok, pr)), bins, int(info[1]))
 
     def grow(self, cm: ContextModel, root: int, tail: tuple, max_nodes: int, max_depth: int,
              min_score: float) -> tuple[list, list, list, list] | None:

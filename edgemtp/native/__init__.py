@@ -80,8 +80,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ctx_grow_hybrid.argtypes = [p, p, f64] + [p] * 13
     lib.ctx_place_masks.restype = i32
     lib.ctx_place_masks.argtypes = [i32, p, p, i32, i32, f64, f64, p, p]
-    lib.ctx_lookup.restype = i32
-    lib.ctx_lookup.argtypes = [p, p, p, i64, i32, p, i32, p, p, p, p]
+    lib.ctx_learn_hybrid.restype = i32
+    lib.ctx_learn_hybrid.argtypes = [p, p, p, i32, p, p, p, i32] + [p] * 8
     lib.pool_new.restype, lib.pool_new.argtypes = p, [i32, i32]
     lib.pool_free.restype, lib.pool_free.argtypes = None, [p]
     lib.pool_add_many.restype, lib.pool_add_many.argtypes = i32, [p, p, i64]

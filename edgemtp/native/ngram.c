@@ -111,10 +111,10 @@ int ctx_extend(void *p, const int64_t *tok, int64_t n) {
 int64_t ctx_len(void *p) { return ((Ctx *)p)->ntok; }
 
 /* NgramIndex.match: the slot of the longest matched suffix n-gram, or NULL */
-static Slot *match(Ctx *c, const int64_t *tail, int ntail) {
+static Slot *match(Ctx *c, const int64_t *tail, int ntail, int *matched) {
     for (int n = ntail < c->max_n ? ntail : c->max_n; n > 0; n--) {
         Slot *s = find(c, pack(tail + ntail - n, n));
-        if (s->key && s->count) return s;
+        if (s->key && s->count) { *matched = n; return s; }
     }
     return NULL;
 }
@@ -233,7 +233,8 @@ int ctx_grow(void *p, const int64_t *newtok, int64_t nnew, const int64_t *ids,
     for (int v = 0;; ) {
         /* expand(v) */
         if (out_depth[v] < max_depth) {
-            Slot *s = match(c, tails + (int64_t)v * MAX_N, ntails[v]);
+            int g;
+            Slot *s = match(c, tails + (int64_t)v * MAX_N, ntails[v], &g);
             if (s) {
                 int m = mixture(s, ids, probs, dsize, k, ctok, cpr);
                 double base = out_score[v];
@@ -401,6 +402,23 @@ static int pbin(double p) {  /* bisect_right(P_EDGES, p) */
     return b;
 }
 
+/* ContextModel.next_tokens(tail): the guesses (best first) into tok/pr, returns their count;
+ * *n: the matched n-gram length and *literal: the token after its newest occurrence (0 and -1
+ * where nothing matched, or the match's distributions are all empty) */
+static int lookup(Ctx *c, const int64_t *tail, int ntail, const int64_t *ids, const float *probs,
+                  int64_t dsize, int k, int32_t *tok, double *pr, int *n, int64_t *literal) {
+    int g = 0;
+    *n = 0; *literal = -1;
+    Slot *s = match(c, tail, ntail, &g);
+    if (!s) return 0;
+    int m = mixture(s, ids, probs, dsize, k, tok, pr);
+    if (m) {
+        int last = s->count < OCC ? (int)s->count - 1 : OCC - 1;
+        *n = g; *literal = c->tokens[s->ends[last] + 1];
+    }
+    return m;
+}
+
 /* ip: nnew, dsize, K, root, ntail, max_nodes, max_depth, n_bins, first_literal, first_mask,
  *     first_jacobi, kmask (mask rows with candidates, 0: none), ck (candidates per mask row),
  *     prune, calibrate (0: raw probabilities, rates unused)
@@ -446,22 +464,9 @@ int ctx_grow_hybrid(void *p, const int64_t *ip, double min_score, const int64_t 
             if (dep < nchain && chain[dep] == v) j = dep;
             d.n = 0;
             /* lookups: the context's guesses after the node's tail */
-            int ln = 0, m = 0; int64_t literal = -1;
-            {
-                const int64_t *tl = tails + (int64_t)v * MAX_N; int nt = ntails[v];
-                for (int g = nt < c->max_n ? nt : c->max_n; g > 0; g--) {
-                    Slot *s = find(c, pack(tl + nt - g, g));
-                    if (s->key && s->count) {
-                        m = mixture(s, ids, probs, dsize, K, gtok, gpr);
-                        if (m) {
-                            ln = g;
-                            int last = s->count < OCC ? (int)s->count - 1 : OCC - 1;
-                            literal = c->tokens[s->ends[last] + 1];
-                        }
-                        break;
-                    }
-                }
-            }
+            int ln; int64_t literal;
+            int m = lookup(c, tails + (int64_t)v * MAX_N, ntails[v], ids, probs, dsize, K,
+                           gtok, gpr, &ln, &literal);
             if (cands_reserve(&d, m + 1)) { rc = -1; goto done; }
             if (!calibrate) {
                 for (int i = 0; i < m; i++) { d.tok[d.n] = gtok[i]; d.sc[d.n++] = gpr[i]; }
@@ -568,29 +573,6 @@ done:
     return rc;
 }
 
-/* ContextModel.next_tokens on the index as it stands: the matched n and the literal
- * (info[0], info[1]; 0 and -1 where nothing matched), the guesses best first into tok/pr and
- * their probability bins into bin; returns their count */
-int ctx_lookup(void *p, const int64_t *ids, const float *probs, int64_t dsize, int k,
-               const int64_t *tail, int ntail, int32_t *tok, double *pr, int32_t *bin,
-               int64_t *info) {
-    Ctx *c = p;
-    info[0] = 0; info[1] = -1;
-    for (int g = ntail < c->max_n ? ntail : c->max_n; g > 0; g--) {
-        Slot *s = find(c, pack(tail + ntail - g, g));
-        if (s->key && s->count) {
-            int m = mixture(s, ids, probs, dsize, k, tok, pr);
-            if (m) {
-                int last = s->count < OCC ? (int)s->count - 1 : OCC - 1;
-                info[0] = g; info[1] = c->tokens[s->ends[last] + 1];
-                for (int i = 0; i < m; i++) bin[i] = pbin(pr[i]);
-            }
-            return m;
-        }
-    }
-    return 0;
-}
-
 /* hybrid.place_masks' split of the budget: the first r grown nodes and m nodes carrying k
  * masks each; returns r and writes the masked nodes (ascending) into masked, m into *nm.
  * The same arithmetic in the same order as the Python (sums left to right from 0). */
@@ -638,4 +620,113 @@ int ctx_place_masks(int n, const double *s, const int32_t *par, int bc, int k, d
     *nm = choice_m;
     free(below); free(end); free(order);
     return choice_r;
+}
+
+/* HybridDrafter._learn for a tree grown by ctx_grow_hybrid (its nodes in grown order; the
+ * index, pool and mask candidates as they were then): walks the accepted path (truth), and
+ * for every candidate each node on it proposed adds 1 to seen[bucket] and, where it was the
+ * true token, to hits[bucket] (calibrate only). ip as ctx_grow_hybrid's (nnew unused).
+ * out[0]: 1 where the root's true token came from the masks alone; out[1]: the accepted
+ * tokens only the window's n-grams proposed. Returns 0, or -1 (memory). */
+int ctx_learn_hybrid(void *p, const int64_t *ip, const int64_t *truth, int ntruth,
+                     const int32_t *tok, const int32_t *par, const int32_t *depth, int nodes,
+                     const int64_t *ids, const float *probs, const int64_t *tail,
+                     const int64_t *cand_ids, void *poolp, double *hits, double *seen,
+                     int64_t *out) {
+    Ctx *c = p;
+    const Pool *pool = poolp;
+    int64_t dsize = ip[1];
+    int K = (int)ip[2], ntail = (int)ip[4], max_depth = (int)ip[6];
+    int n_bins = (int)ip[7], first_literal = (int)ip[8], first_mask = (int)ip[9];
+    int first_jacobi = (int)ip[10], kmask = (int)ip[11], ck = (int)ip[12];
+    int prune = (int)ip[13], calibrate = (int)ip[14];
+    int n = c->max_n, L = pool ? pool->levels : 0, rc = 0;
+    int *chain = malloc(sizeof(int) * (size_t)(nodes + 1));
+    int32_t *gtok = malloc(sizeof(int32_t) * (size_t)(OCC * K + 1));
+    double *gpr = malloc(sizeof(double) * (size_t)(OCC * K + 1));
+    Offer *offers = NULL, *next = NULL;
+    int32_t *bt = NULL; int *bi = NULL;
+    int64_t noff = 0;
+    out[0] = 0; out[1] = 0;
+    if (!chain || !gtok || !gpr) { rc = -1; goto done; }
+    int nchain = 1; chain[0] = 0;  /* the top-1 chain, as the grower built it */
+    for (int v = 1; v < nodes; v++)
+        if (depth[v] < max_depth && depth[v] == nchain && par[v] == chain[nchain - 1])
+            chain[nchain++] = v;
+    int64_t tl[MAX_N + 1]; int nt = ntail < n ? ntail : n;
+    memcpy(tl, tail + ntail - nt, sizeof(int64_t) * (size_t)nt);
+    int node = 0;
+    for (int s = 0; s < ntruth; s++) {
+        int64_t t = truth[s];
+        int dep = depth[node];
+        if (dep >= max_depth) break;
+        /* the lookup */
+        int ln; int64_t literal;
+        int m = lookup(c, tl, nt, ids, probs, dsize, K, gtok, gpr, &ln, &literal);
+        /* the Jacobi offers: the parent's matched, then the pool's */
+        int64_t nn = 0, nbest = 0;
+        const PSlot *ps = pool ? pget(pool, tok[node]) : NULL;
+        int64_t cap = noff + (ps ? ps->n : 0) + 1;
+        Offer *x = malloc(sizeof(Offer) * (size_t)cap);
+        if (!x) { rc = -1; goto done; }
+        free(next); next = x;
+        if (pool) {
+            for (int64_t a = 0; a < noff; a++)
+                if (offers[a].c[offers[a].i] == tok[node] && offers[a].i + 1 < L) {
+                    next[nn].c = offers[a].c; next[nn].i = offers[a].i + 1; nn++;
+                }
+            for (int i = 0; ps && i < ps->n; i++) { next[nn].c = ps->conts + (int64_t)i * L; next[nn].i = 0; nn++; }
+        }
+        free(bt); free(bi);
+        bt = malloc(sizeof(int32_t) * (size_t)(nn + 1)); bi = malloc(sizeof(int) * (size_t)(nn + 1));
+        if (!bt || !bi) { rc = -1; goto done; }
+        for (int64_t a = 0; a < nn; a++) {
+            int32_t tt = (int32_t)next[a].c[next[a].i]; int k2 = 0;
+            while (k2 < nbest && bt[k2] != tt) k2++;
+            if (k2 == nbest) { bt[nbest] = tt; bi[nbest++] = next[a].i; }
+            else if (next[a].i < bi[k2]) bi[k2] = next[a].i;
+        }
+        { Offer *sw = offers; offers = next; next = sw; noff = nn; }
+        /* the masks under this node (chain node of depth j) */
+        int j = dep < nchain && chain[dep] == node ? dep : -1;
+        int has_masks = j >= 0 && j < kmask;
+        int in_jac = 0, in_guess = 0, in_mask = 0;
+        for (int64_t k2 = 0; k2 < nbest; k2++) {
+            if (calibrate) { seen[first_jacobi + bi[k2]] += 1.0; if (bt[k2] == t) hits[first_jacobi + bi[k2]] += 1.0; }
+            if (bt[k2] == t) in_jac = 1;
+        }
+        for (int i = 0; i < m; i++) {
+            int b = (ln - 1) * n_bins + pbin(gpr[i]);
+            if (calibrate) { seen[b] += 1.0; if (gtok[i] == t) hits[b] += 1.0; }
+            if (gtok[i] == t) in_guess = 1;
+        }
+        if (literal >= 0 && calibrate) {
+            int b = first_literal + 2 * (ln - 1) + (literal == gtok[0] ? 0 : 1);
+            seen[b] += 1.0; if (literal == t) hits[b] += 1.0;
+        }
+        if (has_masks) {
+            int rank = 0;
+            for (int i = 0; i < ck; i++) {
+                int64_t mt = cand_ids[(int64_t)j * ck + i];
+                if (prune && mt == tok[node]) continue;
+                if (calibrate) { seen[first_mask + rank] += 1.0; if (mt == t) hits[first_mask + rank] += 1.0; }
+                if (mt == t) in_mask = 1;
+                rank++;
+            }
+        }
+        if (node == 0)
+            out[0] = t != literal && !in_guess && !in_jac && in_mask;
+        int child = -1;
+        for (int v = 1; v < nodes && child < 0; v++)
+            if (par[v] == node && tok[v] == t) child = v;
+        if (child >= 0 && in_jac && t != literal && !in_guess && !in_mask) out[1]++;
+        if (child < 0) break;
+        node = child;
+        /* the child's tail */
+        if (nt < n) tl[nt++] = t;
+        else { memmove(tl, tl + 1, sizeof(int64_t) * (size_t)(n - 1)); tl[n - 1] = t; }
+    }
+done:
+    free(chain); free(gtok); free(gpr); free(offers); free(next); free(bt); free(bi);
+    return rc;
 }
