@@ -58,7 +58,7 @@ def test_native_trees_equal_the_python_grower(seed, vocab, k, n, max_n):
         at += len(new)
         if rng.random() < 0.4:
             root = slow.tokens[-1]
-            nodes, depth = int(rng.integers(1, 70)), int(rng.integers(1, 11))
+            nodes, depth = int(rng.integers(0, 70)), int(rng.integers(1, 11))
             floor = float(rng.choice([MIN_SCORE, 0.0, 0.05]))
             want = _python_tree(slow, root, nodes, depth, floor)
             got = fast.grow_stand(root, nodes, depth, floor)

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 #define OCC 4          /* STAND_OCCURRENCES: the most recent matches whose distributions mix */
 #define MAX_N 3        /* the longest n-gram the index can hold */
@@ -218,7 +219,7 @@ int ctx_grow(void *p, const int64_t *newtok, int64_t nnew, const int64_t *ids,
     /* first the tokens committed since the last call (ctx_extend) */
     int e = nnew ? ctx_extend(p, newtok, nnew) : 0;
     if (e) return e == -2 ? -2 : -1;
-    if (max_nodes < 1) return 0;
+    if (max_nodes < 1) max_nodes = 1;  /* (the root is always there, as in GrownTree) */
     int n = c->max_n;
     int64_t *tails = malloc(sizeof(int64_t) * (size_t)max_nodes * MAX_N);
     int *ntails = malloc(sizeof(int) * (size_t)max_nodes);
@@ -437,7 +438,7 @@ int ctx_grow_hybrid(void *p, const int64_t *ip, double min_score, const int64_t 
     int prune = (int)ip[13], calibrate = (int)ip[14];
     int e = nnew ? ctx_extend(p, newtok, nnew) : 0;
     if (e) return e == -2 ? -2 : -1;
-    if (max_nodes < 1) return 0;
+    if (max_nodes < 1) max_nodes = 1;  /* (the root is always there, as in GrownTree) */
     int n = c->max_n, L = pool ? pool->levels : 0;
     int64_t *tails = malloc(sizeof(int64_t) * (size_t)max_nodes * MAX_N);
     int *ntails = malloc(sizeof(int) * (size_t)max_nodes);
@@ -582,7 +583,7 @@ int ctx_place_masks(int n, const double *s, const int32_t *par, int bc, int k, d
     double *end = malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
     int32_t *order = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
     if (!below || !end || !order) { free(below); free(end); free(order); return -1; }
-    double best = -1.0 / 0.0, kept = 0.0;
+    double best = -HUGE_VAL, kept = 0.0;
     int choice_r = n < bc ? n : bc, choice_m = 0, worse = 0, last_r = -1;
     int mmax = k ? (bc - 1) / k + 1 : 1;
     *nm = 0;
