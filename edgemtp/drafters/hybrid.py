@@ -176,6 +176,7 @@ class HybridDrafter:
         self._grown_at: int | None = None
         self._grown: tuple | None = None  # its arrays as the C learner reads them
         self._grown_cand: tuple | None = None  # the mask candidates it was grown with
+        self._counts: tuple = (None, None)  # (HitRates, addresses of its hits and seen)
 
     def start(self, prompt_ids: np.ndarray) -> None:
         if self.shared is not None:
@@ -364,12 +365,15 @@ class HybridDrafter:
         if self._grown_at is not None and native is not None and self.learn_in_c and \
                 native._synced == self._grown_at:  # the tree grew in C: learn there too
             h = self.rates
-            mask_only, window_only = native.learn_hybrid(
+            if self._counts[0] is not h:  # (the arrays are updated in place: kept)
+                self._counts = h, (h.hits.ctypes.data, h.seen.ctypes.data)
+            learned = native.learn_hybrid(
                 self.context, self._grown, truth, self._grown_cand,
                 None if self.jacobi is None else self.jacobi.pool.native,
-                h.hits if self.calibrate else None, h.seen if self.calibrate else None)
-            self._learned(truth, mask_only, window_only, None)
-            return
+                self._counts[1] if self.calibrate else None)
+            if learned is not None:
+                self._learned(truth, *learned, None)
+                return
         h, tree, node = self.rates, self._tree, 0
         buckets: list[int] = []
         hits: list[bool] = []

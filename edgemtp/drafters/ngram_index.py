@@ -286,6 +286,7 @@ class NativeIndex:
         self._nm = np.zeros(1, dtype=np.int32)
         self._nm_at = self._nm.ctypes.data
         self.grown: tuple | None = None  # the last hybrid tree (grow_hybrid)
+        self.trees = 0  # trees grown here (the buffers hold the last one's)
 
     @classmethod
     def new(cls, max_n: int) -> NativeIndex | None:
@@ -324,6 +325,7 @@ class NativeIndex:
         return new, nt
 
     def _done(self, n: int, cm: ContextModel) -> int | None:
+        self.trees += 1
         if n == -2:
             return None
         if n < 0:
@@ -366,35 +368,41 @@ class NativeIndex:
         n = self._done(n, cm)
         if n is None:
             return None
-        # what learning from this tree reads again (the buffers are reused by the next tree)
-        self.grown = (ip.copy(), *(a[:n].copy() for a in self._out[:3]), tuple(tail))
+        # what learning from this tree reads again: its parameters and nodes stay in this
+        # index's buffers until the next tree (:meth:`learn_hybrid` checks the count)
+        self.grown = (self.trees, n, tuple(tail))
         return tuple(a[:n].tolist() for a in self._out[:4])
 
     def learn_hybrid(self, cm: ContextModel, grown: tuple, truth: list[int],
                      cand: tuple[np.ndarray, np.ndarray] | None, pool: NativePool | None,
-                     hits: np.ndarray | None, seen: np.ndarray | None) -> tuple[bool, int]:
+                     counts: tuple[int, int] | None) -> tuple[bool, int] | None:
         """``HybridDrafter._learn`` for the tree ``grown`` (:attr:`grown` after
-        :meth:`grow_hybrid`; this index still as it was then): adds every candidate on the
-        accepted path to ``seen`` / ``hits`` (None: ``calibrate=False``). Returns whether the
-        root's true token came from the masks alone, and the accepted tokens only the Jacobi
-        window proposed."""
-        ip, tok, par, depth, tail = grown
+        :meth:`grow_hybrid`): adds every candidate on the accepted path to the hit rates'
+        ``counts`` (the addresses of their hits and seen arrays; None: ``calibrate=False``).
+        Returns whether the root's true token came from the masks alone, and the accepted
+        tokens only the Jacobi window proposed; None where this index has grown another tree
+        since (the caller learns in Python then)."""
+        trees, n, tail = grown
+        if trees != self.trees:
+            return None
         dists = cm.dists
         if self._dists[0] is not dists.ids or self._dists[1] is not dists.probs:
             self._dists = (dists.ids, dists.probs, dists.ids.ctypes.data,
                            dists.probs.ctypes.data)
-        truth_a = np.array(truth, dtype=np.int64)
-        nt = len(tail)
+        nt, m = len(tail), len(truth)
+        if nt + m > len(self._in):
+            self._in = np.zeros(2 * (nt + m), dtype=np.int64)
+            self._in_at = self._in.ctypes.data
         self._in[:nt] = tail
-        info = self._info
+        self._in[nt:nt + m] = truth
+        o, info = self._out_at, self._info
         if self.lib.ctx_learn_hybrid(
-                self.handle, ip.ctypes.data, truth_a.ctypes.data, len(truth_a),
-                tok.ctypes.data, par.ctypes.data, depth.ctypes.data, len(tok),
+                self.handle, self._ip_at, self._in_at + 8 * nt, m, o[0], o[1], o[2], n,
                 self._dists[2], self._dists[3], self._in_at,
                 None if cand is None else cand[0].ctypes.data,
                 None if pool is None else pool.handle,
-                None if hits is None else hits.ctypes.data,
-                None if seen is None else seen.ctypes.data, self._info_at):
+                None if counts is None else counts[0], None if counts is None else counts[1],
+                self._info_at):
             raise MemoryError("the native learner ran out of memory")
         return bool(info[0]), int(info[1])
 
