@@ -95,11 +95,13 @@ def test_edgemtp_native_0_turns_it_off(monkeypatch):
 def test_a_failed_build_is_an_error_the_loader_turns_into_none(monkeypatch, tmp_path):
     # a compiler that fails: _build raises OSError with its first line (lib() then keeps None
     # and the reason; the process's own library is already loaded, so _build is called here)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("EDGEMTP_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     with pytest.raises(OSError, match="false failed"):
         native._build()
-    assert not list((tmp_path / "edgemtp").glob("*.so"))  # nothing half-written is left
+    assert not list(tmp_path.iterdir())  # nothing half-written is left
+    monkeypatch.delenv("CC")
+    assert native._build().parent == tmp_path  # (and a compiler that works builds there)
 
 
 @pytest.mark.parametrize("drafter", ["stand", "auto"])

@@ -6,9 +6,8 @@ STAND's tree as :func:`edgemtp.drafters.ngram_index.grow` does, and the hybrid d
 (three candidate sources, hit-rate scores) as
 :class:`~edgemtp.drafters.hybrid.HybridDrafter` does, bit for bit. It is compiled once per
 source version with the machine's C compiler (``cc -O2 -shared``; ``$CC`` where set) into the
-user cache (``$XDG_CACHE_HOME/edgemtp`` or ``~/.cache/edgemtp``) and loaded with
-:mod:`ctypes`.
-Where there is no compiler, or ``EDGEMTP_NATIVE=0``, :func:`lib` is None and the Python code
+user cache (``$EDGEMTP_CACHE``, else ``$XDG_CACHE_HOME/edgemtp`` or ``~/.cache/edgemtp``) and
+loaded with :mod:`ctypes`. Where there is no compiler, or ``EDGEMTP_NATIVE=0``, :func:`lib` is None and the Python code
 runs: the same trees, slower.
 """
 
@@ -29,11 +28,6 @@ _LIB: list = []  # [ctypes.CDLL or None] once tried
 _WHY: list[str] = []
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "edgemtp"
-
-
 def _compiler() -> str | None:
     for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cc and shutil.which(cc):
@@ -44,6 +38,7 @@ def _compiler() -> str | None:
 def _build() -> Path:
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + platform.machine().encode() + sys.platform.encode()).hexdigest()[:16]
+    from ..latency import cache_dir  # ($EDGEMTP_CACHE, else ~/.cache/edgemtp)
     out = cache_dir() / f"ngram-{tag}.so"
     if out.exists():
         return out
