@@ -7,8 +7,8 @@ STAND's tree as :func:`edgemtp.drafters.ngram_index.grow` does, and the hybrid d
 :class:`~edgemtp.drafters.hybrid.HybridDrafter` does, bit for bit. It is compiled once per
 source version with the machine's C compiler (``cc -O2 -shared``; ``$CC`` where set) into the
 user cache (``$EDGEMTP_CACHE``, else ``$XDG_CACHE_HOME/edgemtp`` or ``~/.cache/edgemtp``) and
-loaded with :mod:`ctypes`. Where there is no compiler, or ``EDGEMTP_NATIVE=0``, :func:`lib` is None and the Python code
-runs: the same trees, slower.
+loaded with :mod:`ctypes`. Where there is no compiler, or ``EDGEMTP_NATIVE=0``, :func:`lib` is
+None and the Python code runs: the same trees, slower.
 """
 
 from __future__ import annotations
