@@ -166,3 +166,33 @@ def test_hybrid_trees_are_the_same_with_and_without_it(stories_refs, bc, calibra
     assert [t[:2] for t in fast_trees] == [t[:2] for t in slow_trees]
     for i, out in enumerate(fast):
         assert out == slow[i] == refs[i][:len(out)]
+
+
+def test_a_hybrid_that_loses_the_c_grower_mid_generation_goes_on_in_python(stories_refs,
+                                                                           monkeypatch):
+    """Where the C grower gives up (a token id it cannot hold), the hybrid carries on in
+    Python with the same state: the same tokens as the all-Python run, and the pool mirror
+    stops queueing."""
+    from edgemtp.drafters.hybrid import HybridDrafter
+    hf, prompts, refs = stories_refs
+    backend = TorchBackend.from_model(hf)
+    config = GenerationConfig(drafter="hybrid", bc=30, max_new_tokens=48)
+    real, calls, drafters = NativeIndex.grow_hybrid, [0], []
+
+    def flaky(self, *a, **kw):
+        calls[0] += 1
+        return None if calls[0] == 5 else real(self, *a, **kw)
+
+    start = HybridDrafter.start
+
+    def kept(self, prompt_ids):
+        drafters.append(self)
+        start(self, prompt_ids)
+
+    monkeypatch.setattr(NativeIndex, "grow_hybrid", flaky)
+    monkeypatch.setattr(HybridDrafter, "start", kept)
+    out = Generation(backend, config, prompts[0]).run().token_ids
+    assert out == refs[0][:len(out)]
+    d = drafters[0]
+    assert calls[0] == 5 and d.context.native is None and d.jacobi.pool.native is None
+    assert d._grown_at is None  # the last trees grew in Python

@@ -241,7 +241,8 @@ class HybridDrafter:
         where the library is not there (or a token id is beyond what it holds)."""
         native: NativeIndex | None = self.context.native
         pool = None if self.jacobi is None else self.jacobi.pool
-        if native is None or not (pool is None or isinstance(pool, MirroredPool)):
+        if native is None or not (pool is None or isinstance(pool, MirroredPool)
+                                  and pool.native is not None):
             return None
         h, cand = self.rates, None
         if self._cand is not None and self._cand[0]:
@@ -254,8 +255,10 @@ class HybridDrafter:
             h.rates() if self.calibrate else None, h.prior,
             (h.n_bins, h.first_literal, h.first_mask, h.first_jacobi), cand, self.prune,
             None if pool is None else pool.native)
-        if grown is None:
-            self.context.native = None  # (a token id beyond the C index: Python from here)
+        if grown is None:  # a token id beyond the C index: Python from here on
+            self.context.native = None
+            if pool is not None:
+                pool.native = None
             return None
         self._grown_at, self._grown = len(self.context.tokens), native.grown
         return GrownTree.from_arrays(*grown, tail, self.max_ngram)

@@ -199,7 +199,7 @@ class MirroredPool(NgramPool):
 
     def add(self, key: int, cont: tuple[int, ...]) -> None:
         super().add(key, cont)
-        if self.size > 0:
+        if self.size > 0 and self.native is not None:  # (None: the C grower was dropped)
             self.native.pending.append((key, *cont))
 
 
