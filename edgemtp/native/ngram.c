@@ -109,8 +109,6 @@ int ctx_extend(void *p, const int64_t *tok, int64_t n) {
     return 0;
 }
 
-int64_t ctx_len(void *p) { return ((Ctx *)p)->ntok; }
-
 /* NgramIndex.match: the slot of the longest matched suffix n-gram, or NULL */
 static Slot *match(Ctx *c, const int64_t *tail, int ntail, int *matched) {
     for (int n = ntail < c->max_n ? ntail : c->max_n; n > 0; n--) {
@@ -395,6 +393,30 @@ static int cands_at(const Cands *d, int32_t t) {
     return -1;
 }
 
+/* the lowest index per token among n offers, in first-offer order (the hybrid's
+ * _jacobi_of), into a scratch reused across nodes; returns the count, or -1 (memory) */
+typedef struct { int32_t *tok; int *idx; int64_t cap; } Best;
+
+static int64_t best_offers(Best *b, const Offer *o, int64_t n) {
+    if (n > b->cap) {
+        int32_t *t = realloc(b->tok, sizeof(int32_t) * (size_t)n);
+        if (t) b->tok = t;
+        int *i = realloc(b->idx, sizeof(int) * (size_t)n);
+        if (i) b->idx = i;
+        if (!t || !i) return -1;
+        b->cap = n;
+    }
+    int64_t nb = 0;
+    for (int64_t a = 0; a < n; a++) {
+        int32_t t = (int32_t)o[a].c[o[a].i];
+        int64_t k = 0;
+        while (k < nb && b->tok[k] != t) k++;
+        if (k == nb) { b->tok[nb] = t; b->idx[nb++] = o[a].i; }
+        else if (o[a].i < b->idx[k]) b->idx[k] = o[a].i;
+    }
+    return nb;
+}
+
 static const double P_EDGES[7] = {0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9};
 
 static int pbin(double p) {  /* bisect_right(P_EDGES, p) */
@@ -449,6 +471,7 @@ int ctx_grow_hybrid(void *p, const int64_t *ip, double min_score, const int64_t 
     Offer *offers = NULL;
     int64_t noff = 0, offcap = 0;
     Cands d = {0};
+    Best best = {0};
     int64_t size = 0, order = 0;
     int nodes = 1, nchain = 1, rc = 0;
     if (!tails || !ntails || !chain || !off_at || !gtok || !gpr) { rc = -1; goto done; }
@@ -527,28 +550,14 @@ int ctx_grow_hybrid(void *p, const int64_t *ip, double min_score, const int64_t 
                 }
                 off_at[v + 1] = noff;
                 /* best (lowest) index per token, in first-offer order */
-                int64_t nb = noff - start;
-                if (nb) {
-                    int32_t *bt = malloc(sizeof(int32_t) * (size_t)nb);
-                    int *bi = malloc(sizeof(int) * (size_t)nb);
-                    int nbest = 0;
-                    if (!bt || !bi) { free(bt); free(bi); rc = -1; goto done; }
-                    for (int64_t a = start; a < noff; a++) {
-                        int32_t t = (int32_t)offers[a].c[offers[a].i];
-                        int k2 = 0;
-                        while (k2 < nbest && bt[k2] != t) k2++;
-                        if (k2 == nbest) { bt[nbest] = t; bi[nbest++] = offers[a].i; }
-                        else if (offers[a].i < bi[k2]) bi[k2] = offers[a].i;
-                    }
-                    if (cands_reserve(&d, d.n + nbest)) { free(bt); free(bi); rc = -1; goto done; }
-                    for (int k2 = 0; k2 < nbest; k2++) {
-                        int b = first_jacobi + bi[k2];
-                        double q = calibrate ? rates[b] : prior[b];
-                        int at = cands_at(&d, bt[k2]);
-                        if (at < 0) { at = d.n++; d.tok[at] = bt[k2]; d.sc[at] = 0.0; }
-                        d.sc[at] = 1.0 - (1.0 - d.sc[at]) * (1.0 - q);
-                    }
-                    free(bt); free(bi);
+                int64_t nbest = best_offers(&best, offers + start, noff - start);
+                if (nbest < 0 || cands_reserve(&d, d.n + (int)nbest)) { rc = -1; goto done; }
+                for (int64_t k2 = 0; k2 < nbest; k2++) {
+                    int b = first_jacobi + best.idx[k2];
+                    double q = calibrate ? rates[b] : prior[b];
+                    int at = cands_at(&d, best.tok[k2]);
+                    if (at < 0) { at = d.n++; d.tok[at] = best.tok[k2]; d.sc[at] = 0.0; }
+                    d.sc[at] = 1.0 - (1.0 - d.sc[at]) * (1.0 - q);
                 }
             }
             /* siblings are exclusive events: their sum stays a probability */
@@ -570,7 +579,7 @@ int ctx_grow_hybrid(void *p, const int64_t *ip, double min_score, const int64_t 
     rc = nodes;
 done:
     free(tails); free(ntails); free(chain); free(off_at); free(gtok); free(gpr);
-    free(offers); free(d.tok); free(d.sc);
+    free(offers); free(d.tok); free(d.sc); free(best.tok); free(best.idx);
     return rc;
 }
 
@@ -646,7 +655,8 @@ int ctx_learn_hybrid(void *p, const int64_t *ip, const int64_t *truth, int ntrut
     int32_t *gtok = malloc(sizeof(int32_t) * (size_t)(OCC * K + 1));
     double *gpr = malloc(sizeof(double) * (size_t)(OCC * K + 1));
     Offer *offers = NULL, *next = NULL;
-    int32_t *bt = NULL; int *bi = NULL;
+    int64_t ncap = 0;
+    Best best = {0};
     int64_t noff = 0;
     out[0] = 0; out[1] = 0;
     if (!chain || !gtok || !gpr) { rc = -1; goto done; }
@@ -665,12 +675,17 @@ int ctx_learn_hybrid(void *p, const int64_t *ip, const int64_t *truth, int ntrut
         int ln; int64_t literal;
         int m = lookup(c, tl, nt, ids, probs, dsize, K, gtok, gpr, &ln, &literal);
         /* the Jacobi offers: the parent's matched, then the pool's */
-        int64_t nn = 0, nbest = 0;
+        int64_t nn = 0;
         const PSlot *ps = pool ? pget(pool, tok[node]) : NULL;
-        int64_t cap = noff + (ps ? ps->n : 0) + 1;
-        Offer *x = malloc(sizeof(Offer) * (size_t)cap);
-        if (!x) { rc = -1; goto done; }
-        free(next); next = x;
+        int64_t need = noff + (ps ? ps->n : 0) + 1;
+        if (need > ncap) {  /* both offer lists grow together (they swap each node) */
+            Offer *x = realloc(next, sizeof(Offer) * (size_t)need);
+            if (x) next = x;
+            Offer *y = realloc(offers, sizeof(Offer) * (size_t)need);
+            if (y) offers = y;
+            if (!x || !y) { rc = -1; goto done; }
+            ncap = need;
+        }
         if (pool) {
             for (int64_t a = 0; a < noff; a++)
                 if (offers[a].c[offers[a].i] == tok[node] && offers[a].i + 1 < L) {
@@ -678,15 +693,9 @@ int ctx_learn_hybrid(void *p, const int64_t *ip, const int64_t *truth, int ntrut
                 }
             for (int i = 0; ps && i < ps->n; i++) { next[nn].c = ps->conts + (int64_t)i * L; next[nn].i = 0; nn++; }
         }
-        free(bt); free(bi);
-        bt = malloc(sizeof(int32_t) * (size_t)(nn + 1)); bi = malloc(sizeof(int) * (size_t)(nn + 1));
-        if (!bt || !bi) { rc = -1; goto done; }
-        for (int64_t a = 0; a < nn; a++) {
-            int32_t tt = (int32_t)next[a].c[next[a].i]; int k2 = 0;
-            while (k2 < nbest && bt[k2] != tt) k2++;
-            if (k2 == nbest) { bt[nbest] = tt; bi[nbest++] = next[a].i; }
-            else if (next[a].i < bi[k2]) bi[k2] = next[a].i;
-        }
+        int64_t nbest = best_offers(&best, next, nn);
+        if (nbest < 0) { rc = -1; goto done; }
+        const int32_t *bt = best.tok; const int *bi = best.idx;
         { Offer *sw = offers; offers = next; next = sw; noff = nn; }
         /* the masks under this node (chain node of depth j) */
         int j = dep < nchain && chain[dep] == node ? dep : -1;
@@ -728,6 +737,6 @@ int ctx_learn_hybrid(void *p, const int64_t *ip, const int64_t *truth, int ntrut
         else { memmove(tl, tl + 1, sizeof(int64_t) * (size_t)(n - 1)); tl[n - 1] = t; }
     }
 done:
-    free(chain); free(gtok); free(gpr); free(offers); free(next); free(bt); free(bi);
+    free(chain); free(gtok); free(gpr); free(offers); free(next); free(best.tok); free(best.idx);
     return rc;
 }
