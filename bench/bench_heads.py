@@ -89,16 +89,23 @@ def step_costs(model: Model, rounds: int = 15, reps: int = 10, bcs=()) -> dict:
     fns = {"t1": lambda: s.forward(np.array([5]), np.array([64]), one, None),
            "t1_hidden": lambda: s.forward(np.array([5]), np.array([64]), one, None,
                                           hidden=True)}
-    kinds = []
+    kinds, engines = [], {}
     for info in b.package.meta.heads:
         for k in (None, *bcs):
             r = HeadsRunner.load(b.package, info.kind, k=k)
             if k is not None and r.k == r.info.topk:
                 continue  # no k input (an older graph), or k >= its top-K: the same run
-            embed, key = r.needs_embedding, info.kind if k is None else f"{info.kind}@{k}"
-            kinds.append(key)
-            fns[key] = (lambda r=r, embed=embed:
-                        r.run(h, 5, b.embed(np.array([5]))[0] if embed else None))
+            base = info.kind if k is None else f"{info.kind}@{k}"
+            engines[base] = r.engine  # what the drafter runs (C where it is the faster)
+            # both engines side by side: onnxruntime's graph and the C kernel (heads.c)
+            for engine, native in (("onnxruntime", False), ("C", "always")):
+                r = HeadsRunner.load(b.package, info.kind, k=k, native=native)
+                if r.engine != engine:
+                    continue  # no C kernel here
+                embed, key = r.needs_embedding, f"{base} {engine}"
+                kinds.append(key)
+                fns[key] = (lambda r=r, embed=embed:
+                            r.run(h, 5, b.embed(np.array([5]))[0] if embed else None))
     per: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm up
         for _ in range(3):
@@ -111,6 +118,7 @@ def step_costs(model: Model, rounds: int = 15, reps: int = 10, bcs=()) -> dict:
         ratios = [x / t for x, t in zip(per[key], per["t1_hidden"])]
         out[f"{key}_share"] = statistics.median(ratios)
     out["load_1min"], out["rounds"] = os.getloadavg()[0], rounds
+    out["engines"] = engines
     return out
 
 
@@ -159,23 +167,35 @@ def markdown(rows: list, costs: dict, heads: list, meta: dict) -> str:
                    f"generations ({t['data']}) | {'/'.join(f'{a:.2f}' for a in t['val_top1'])} | "
                    f"{t['loss_first']:.2f} -> {t['loss_last']:.2f} | {t['minutes']:.1f} | "
                    f"{t['gen_minutes']:.1f} |")
+    return "\n".join(out + [""] + cost_markdown(costs, heads)) + "\n"
+
+
+def cost_markdown(costs: dict, heads: list) -> list[str]:
     t1 = costs["t1_hidden_us"]
-    out += ["", "## Step cost", "",
+    out = ["## Step cost", "",
             f"t(1) at P = 64: {costs['t1_us']:.0f} us ({t1:.0f} us with the hidden state "
             f"bound, as the heads drafter runs it); 1-minute load average "
             f"{costs.get('load_1min', float('nan')):.2f} on {os.cpu_count()} cores. One heads "
             f"run (the drafter's extra work per step), median of {costs.get('rounds', 15)} "
             f"rounds each timing both back to back:"]
+    out += ["", "| heads | candidates | onnxruntime (heads graph) | C (heads.c) | the drafter "
+            "runs |", "|---|---|---:|---:|---|"]
+    engines = costs.get("engines", {})
     for h in heads:
-        for key in [h["kind"]] + sorted((k.rsplit("_", 1)[0] for k in costs
-                                         if k.startswith(h["kind"] + "@") and k.endswith("_us")),
-                                        key=lambda k: int(k.split("@")[1])):
-            us = costs[f"{key}_us"]
-            share = costs.get(f"{key}_share", us / t1)
-            what = (f"all {h['topk']} candidates" if "@" not in key else
-                    f"k = {key.split('@')[1]}, as at BC {key.split('@')[1]}")
-            out.append(f"- {h['kind']} ({what}): {us:.0f} us = {100 * share:.1f} % of t(1)")
-    return "\n".join(out) + "\n"
+        bases = [h["kind"]] + sorted({k.split(" ")[0] for k in costs
+                                      if k.startswith(h["kind"] + "@") and k.endswith("_us")},
+                                     key=lambda k: int(k.split("@")[1]))
+        for base in bases:
+            what = (f"all {h['topk']}" if "@" not in base else
+                    f"k = {base.split('@')[1]} (BC {base.split('@')[1]})")
+            cells = []
+            for engine in ("onnxruntime", "C"):
+                us = costs.get(f"{base} {engine}_us")
+                share = costs.get(f"{base} {engine}_share", (us or 0) / t1)
+                cells.append("–" if us is None else f"{us:.1f} us = {100 * share:.1f} %")
+            out.append(f"| {h['kind']} | {what} | {cells[0]} | {cells[1]} | "
+                       f"{engines.get(base, '?')} |")
+    return out
 
 
 def main(argv=None) -> int:
@@ -191,10 +211,17 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--name", default=None, help="results file stem (default: the package's)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--costs-only", action="store_true",
+                    help="only the step costs (printed; no results file written)")
     a = ap.parse_args(argv)
     model = Model.load(a.package, backend="onnxruntime", threads=a.threads)
     prompts, what = eval_prompts(model, a.prompts, a.stride)
     bcs = [int(b) for b in a.bc.split(",")]
+    if a.costs_only:
+        costs = step_costs(model, bcs=bcs)
+        heads = model.backend.package.manifest["heads"]
+        print("\n".join(cost_markdown(costs, heads)))
+        return 0
     rows = run(model, prompts, bcs, a.new_tokens, a.repeats)
     costs = step_costs(model, bcs=bcs)
     heads = model.backend.package.manifest["heads"]

@@ -117,6 +117,8 @@ class Facts:
     cuda_python: bool = False
     native: str | None = None             # the drafters' C helpers: None where they load,
     #                                       else why the Python code runs instead
+    native_heads: str | None = None       # the learned heads' C kernel: likewise (else
+    #                                       onnxruntime runs the heads graphs)
     problems: tuple[str, ...] = ()        # probes that failed in an unexpected way
 
     @property
@@ -165,7 +167,9 @@ def probe() -> Facts:
 
 def _native(_) -> dict:
     from . import native
-    return {"native": None if native.lib() is not None else native.why_not() or "not built"}
+    return {"native": None if native.lib() is not None else native.why_not() or "not built",
+            "native_heads": (None if native.heads_lib() is not None
+                             else native.heads_why_not() or "not built")}
 
 
 def _line(e: BaseException) -> str:
@@ -629,7 +633,10 @@ def describe_machine(f: Facts) -> list[str]:
               f"          tensorrt {_or(f.tensorrt, 'not installed')}, cuda-python "
               f"{'installed' if f.cuda_python else 'not installed'}",
               "drafting  STAND trees in C (compiled here)" if f.native is None
-              else f"drafting  STAND trees in Python ({f.native}; the same trees, slower)"]
+              else f"drafting  STAND trees in Python ({f.native}; the same trees, slower)",
+              "          learned heads in C where faster than onnxruntime (compiled here)"
+              if f.native_heads is None
+              else f"          learned heads in onnxruntime ({f.native_heads})"]
     lines += [f"problem   {p}" for p in f.problems]
     return lines
 

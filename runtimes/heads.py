@@ -20,10 +20,18 @@ which the runner supplies from the package's own embedding table (the LM head of
 model) when it loads the graph. So the heads add no copy of the LM head on disk, and
 onnxruntime still sees constant weights, which it packs once at load rather than every run.
 (Heads graphs from before that, listed without ``supplied``, take the rows as inputs.)
+
+On a CPU with a C compiler the runner computes the same function with
+:mod:`edgemtp.native`'s ``heads.c`` (:class:`NativeHeads`, weights read from the graph's
+initializers): a heads run on a model as small as stories260K is ~30 onnxruntime kernels,
+mostly per-node overhead. Each file is checked once per process against its onnxruntime
+session on random states (the same tolerance as ``train-heads``' export check); a file it
+cannot read or that disagrees runs in onnxruntime. ``EDGEMTP_NATIVE=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,6 +135,180 @@ def heads_session(path, threads: int, rows: dict[str, np.ndarray]):
                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
+@dataclass
+class NativeHeads:
+    """One heads file's weights laid out for ``heads.c`` (row-major, reduction axis
+    contiguous), and the run: ``run(hidden [d], root, root_embed, k, ids, lp)`` writes
+    ``[H, k]`` row indices and log-probs into ``ids`` / ``lp``."""
+
+    kind: str
+    heads: int
+    lm_head: np.ndarray                  # [M, d], the runner's rows (kept alive here)
+    chain: int                           # C: the chain's rows (residual), M for medusa
+    arrays: dict[str, np.ndarray]        # the kernel's weights
+    by_id: bool                          # residual: the root's row gathered by id
+
+    def __post_init__(self) -> None:
+        from edgemtp import native
+
+        self._lib = native.heads_lib()
+        m, d = self.lm_head.shape
+        w = self.arrays["wh"].shape[0] if self.kind == "residual" else 0
+        # the LM-head rows as panels of 8 ([ceil(M / 8), d, 8], zero rows past M), which
+        # heads.c scores without horizontal adds: a second copy of the rows in memory (the
+        # heads graph reads the package's own), 128 KiB on stories260K, 18 MiB on SmolLM2
+        mp = -(-m // 8) * 8
+        pad = np.zeros((mp, d), np.float32)
+        pad[:m] = self.lm_head
+        self.arrays["panels"] = np.ascontiguousarray(pad.reshape(mp // 8, 8, d).transpose(0, 2, 1))
+        self._work = np.zeros(self.heads * (mp + d) + mp + 2 * d + 2 * w + 64, np.float32)
+        self._u0 = np.zeros(max(w, 1), np.float32)
+        self._ptr = {k: a.ctypes.data for k, a in self.arrays.items()}
+
+    @classmethod
+    def from_graph(cls, path: Path, info: HeadsInfo, lm_head: np.ndarray,
+                   inputs: tuple[str, ...]) -> "NativeHeads":
+        """The kernel's weights from the heads graph's initializers (``KeyError`` or
+        ``ValueError`` where the graph is not laid out as ``models.heads.HeadsGraph``
+        exports it)."""
+        import onnx
+        from onnx import numpy_helper
+
+        model = onnx.load(str(path), load_external_data=False)
+        init = {t.name: t for t in model.graph.initializer
+                if t.data_location != onnx.TensorProto.EXTERNAL}
+
+        def arr(name: str) -> np.ndarray:
+            return np.ascontiguousarray(numpy_helper.to_array(init[name]), dtype=np.float32)
+
+        m, d = lm_head.shape
+        if info.kind == "medusa":
+            [gemm] = [n for n in model.graph.node if n.op_type == "Gemm"]
+            trans = {a.name: a.i for a in gemm.attribute}.get("transB", 0)
+            w1 = arr(gemm.input[1]) if trans else np.ascontiguousarray(arr(gemm.input[1]).T)
+            arrays = {"w1": w1, "b1": arr(gemm.input[2]), "scale": arr("g.heads.scale")}
+            if w1.shape != (info.heads * d, d) or arrays["b1"].shape != (info.heads * d,):
+                raise ValueError(f"medusa weights of shape {w1.shape}")
+            return cls("medusa", info.heads, lm_head, m, arrays, False)
+        arrays = {"wh": np.ascontiguousarray(arr("g.wh_t").T),
+                  "wd": np.ascontiguousarray(arr("g.wd_t").T), "table": arr("g.u_table")}
+        if "g.b_down" in init:
+            arrays["bd"] = arr("g.b_down")
+        by_id = "root_ids" in inputs
+        if not by_id:
+            arrays["we"] = np.ascontiguousarray(arr("g.we_t").T)
+            arrays["bu"] = arr("g.b_up")
+        w = arrays["wh"].shape[0]
+        chain = info.chain or m
+        if (arrays["wh"].shape != (w, d) or arrays["wd"].shape != (d, w)
+                or arrays["table"].shape != (chain, w)):
+            raise ValueError("residual weights of unexpected shapes")
+        return cls("residual", info.heads, lm_head, chain, arrays, by_id)
+
+    def bind(self, hidden: np.ndarray, root_embed: np.ndarray, ids: np.ndarray,
+             lp: np.ndarray, k: int):
+        """A call of the kernel on these buffers (hidden [d], root_embed [d], ids / lp [H, k],
+        all contiguous and kept alive by the caller): ``call(root)`` fills ids and lp and
+        returns 0 (else the kernel refused the shapes or the root)."""
+        from edgemtp.native import HeadsCall
+
+        p, (m, d) = self._ptr, self.lm_head.shape
+        w = self.arrays["wh"].shape[0] if self.kind == "residual" else 0
+        args = HeadsCall(kind=int(self.kind == "residual"), d=d, w=w, heads=self.heads,
+                         c=self.chain, m=m, k=k, by_id=int(self.by_id), h=hidden.ctypes.data,
+                         emb=root_embed.ctypes.data, work=self._work.ctypes.data,
+                         u0=self._u0.ctypes.data, ids=ids.ctypes.data, lp=lp.ctypes.data,
+                         lm=p["panels"], **{n: p.get(n) for n in ("w1", "b1", "scale", "wh",
+                                                                    "wd", "bd", "table", "we",
+                                                                    "bu")})
+        f, addr = self._lib.heads_run, ctypes.addressof(args)
+
+        def call(root: int) -> int:
+            return f(addr, root)
+        call.args = args  # (kept alive with the call)
+        return call
+
+    def run(self, hidden: np.ndarray, root: int, root_embed, k: int, ids: np.ndarray,
+            lp: np.ndarray) -> None:
+        """One run on any buffers (``ids`` / ``lp`` contiguous ``[H, k]``)."""
+        h = np.ascontiguousarray(hidden, dtype=np.float32)
+        e = np.ascontiguousarray(h if root_embed is None else root_embed, dtype=np.float32)
+        if self.bind(h, e, ids, lp, k)(int(root)):
+            raise ValueError(f"heads.c refused the {self.kind} heads' shapes")
+
+
+def agrees(native: NativeHeads, session, inputs: tuple[str, ...], topk: int,
+           seed: int = 0) -> bool:
+    """Whether ``native`` gives the graph's candidates on a few random states: log-probs
+    within ``train-heads``' export tolerance, the top-1 equal where it is not a near-tie."""
+    m, d = native.lm_head.shape
+    rng = np.random.default_rng(seed)
+    hidden = rng.standard_normal((4, d)).astype(np.float32)
+    roots = rng.integers(0, native.chain if native.by_id else m, 4)
+    embeds = rng.standard_normal((4, d)).astype(np.float32)
+    feeds = {"hidden": hidden, "root_ids": roots.astype(np.int64), "root_embeds": embeds,
+             "k": np.array([topk], np.int64)}
+    ref_ids, ref_lp = session.run(None, {n: feeds[n] for n in inputs})
+    ids = np.zeros((native.heads, topk), np.int64)
+    lp = np.zeros((native.heads, topk), np.float32)
+    limit = max(3e-4 * max(10.0, float(np.abs(ref_lp).max())), 1e-3)
+    for r in range(4):
+        native.run(hidden[r], int(roots[r]), embeds[r], topk, ids, lp)
+        clear = ((ref_lp[r, :, 0] - ref_lp[r, :, 1]) > 2 * limit if topk > 1
+                 else np.ones(native.heads, bool))
+        if (np.abs(lp - ref_lp[r]).max() > limit
+                or not ((ids[:, 0] == ref_ids[r, :, 0]) | ~clear).all()):
+            return False
+    return True
+
+
+_NATIVE: dict[tuple, NativeHeads | None] = {}
+
+
+def native_heads(path: Path, stamp: tuple, info: HeadsInfo, lm_head: np.ndarray,
+                 session) -> NativeHeads | None:
+    """The C kernel for a heads file, checked against its onnxruntime ``session`` once per
+    process (None: no compiler, ``EDGEMTP_NATIVE=0``, or a graph it does not reproduce)."""
+    from edgemtp import native
+
+    if native.heads_lib() is None:
+        return None
+    key = (str(path), stamp, id(lm_head))
+    if key not in _NATIVE:
+        inputs = tuple(x.name for x in session.get_inputs())
+        try:
+            nh = NativeHeads.from_graph(path, info, lm_head, inputs)
+            _NATIVE[key] = nh if agrees(nh, session, inputs, info.topk) else None
+        except (KeyError, ValueError):
+            _NATIVE[key] = None
+    return _NATIVE[key]
+
+
+_FASTER: dict[tuple, bool] = {}
+
+
+def faster(a: "HeadsRunner", b: "HeadsRunner", rounds: int = 9) -> bool:
+    """Whether runner ``a`` runs faster than ``b`` on this machine: the median of ``rounds``
+    alternating timings of a few runs each on one random state (~1 ms on stories260K, ~50 ms
+    on SmolLM2-135M; once per heads file, thread count and k in a process)."""
+    import statistics
+    import time
+
+    d = a.lm_head.shape[1]
+    h = np.random.default_rng(0).standard_normal(d).astype(np.float32)
+    e = h if a.needs_embedding else None
+    ratios = []
+    for _ in range(rounds):
+        t = []
+        for r in (a, b):
+            t0 = time.perf_counter()
+            for _ in range(3):
+                r.run(h, 1, e)
+            t.append(time.perf_counter() - t0)
+        ratios.append(t[0] / t[1])
+    return statistics.median(ratios) < 1.0
+
+
 _SESSIONS: dict[tuple, object] = {}
 
 
@@ -170,8 +352,10 @@ class HeadsRunner:
     lm_head: np.ndarray          # [M, d] float32
     vocab: np.ndarray | None     # [M] ids of the rows (None: the rows are the vocabulary)
     k: int | None = None
+    native: NativeHeads | None = None  # the C kernel (None: onnxruntime runs the graph)
     inputs: tuple[str, ...] = field(init=False)
     _run: object = field(init=False, repr=False)
+    _call: object = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         s, i, d = self.session, self.info, self.lm_head.shape[1]
@@ -198,6 +382,9 @@ class HeadsRunner:
         self._run = ((lambda: sess_c.run_with_iobinding(io_c, None))
                      if sess_c is not None and io_c is not None
                      else (lambda: s.run_with_iobinding(io)))
+        self._call = (None if self.native is None else
+                      self.native.bind(self._hidden[0], self._root[0], self._ids[0],
+                                       self._lp[0], k))
 
     @property
     def needs_embedding(self) -> bool:
@@ -210,16 +397,33 @@ class HeadsRunner:
         ``C`` rows (contiguous, so the same memory)."""
         return {"lm_head": lm_head, "lm_chain": lm_head[:info.chain or len(lm_head)]}
 
+    @property
+    def engine(self) -> str:
+        """What runs the heads: ``"C"`` (:class:`NativeHeads`) or ``"onnxruntime"``."""
+        return "onnxruntime" if self.native is None else "C"
+
     @classmethod
     def load(cls, package, kind: str | None = None, threads: int = 1,
-             k: int | None = None) -> "HeadsRunner":
+             k: int | None = None, native: bool | str = True) -> "HeadsRunner":
+        """``native``: True runs the C kernel where it reproduces the graph and is the faster
+        here; ``"always"`` wherever it reproduces the graph; False never."""
         info = pick(package.meta.heads, kind, f"the package {str(package.root)!r}")
         path = package.root / info.file
         st = path.stat()
         lm_head, vocab = _table(package, info.vocab_file)
         supplied = {k_: v for k_, v in cls.rows(info, lm_head).items() if k_ in info.supplied}
-        session = _graph(path, (st.st_size, st.st_mtime_ns), threads, supplied)
-        return cls(info, session, lm_head, vocab, k)
+        stamp = (st.st_size, st.st_mtime_ns)
+        session = _graph(path, stamp, threads, supplied)
+        nh = native_heads(path, stamp, info, lm_head, session) if native else None
+        if nh is None:
+            return cls(info, session, lm_head, vocab, k)
+        key = (str(path), stamp, id(lm_head), threads, k)
+        if native == "always":
+            return cls(info, session, lm_head, vocab, k, nh)
+        if key not in _FASTER:  # C where it is the faster here (a small model: ~2x)
+            _FASTER[key] = faster(cls(info, session, lm_head, vocab, k, nh),
+                                  cls(info, session, lm_head, vocab, k))
+        return cls(info, session, lm_head, vocab, k, nh if _FASTER[key] else None)
 
     def run(self, hidden: np.ndarray, root: int = 0, root_embed: np.ndarray | None = None
             ) -> tuple[np.ndarray, np.ndarray]:
@@ -229,6 +433,10 @@ class HeadsRunner:
         self._root_id[0] = root
         if root_embed is not None:
             self._root[0] = root_embed
-        self._run()
+        if self._call is not None:
+            if self._call(int(root)):
+                raise ValueError(f"heads.c refused the {self.info.kind} heads' shapes")
+        else:
+            self._run()
         ids = self._ids[0]
         return (ids.copy() if self.vocab is None else self.vocab[ids]), self._lp[0].copy()

@@ -16,6 +16,7 @@ import torch
 
 from edgemtp import GenerationConfig
 from edgemtp.engine import Generation
+from edgemtp.runtimes.package import load_package
 
 from conftest import QUICK, STORIES, story_prompts
 
@@ -165,6 +166,90 @@ def test_heads_graph_agrees_with_pytorch(kind, chain, by_id, tmp_path):
         assert len({tuple(ids[0, j, :3]) for j in range(3)}) > 1
 
 
+def _variant(kind, chain, by_id, d, tmp_path):
+    """A heads graph with random weights (away from the zero start) over a 96-row table."""
+    from edgemtp.export.heads import export_heads
+    from edgemtp.models.heads import build
+    from edgemtp.runtimes.heads import ROW_INPUTS, HeadsInfo, HeadsRunner, heads_session
+
+    torch.manual_seed(d)
+    table = torch.randn(96, d)
+    heads = build(kind, table, 3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    path = tmp_path / f"{kind}.onnx"
+    export_heads(heads, table.numpy(), path, topk=8, chain=chain, by_id=by_id)
+    info = HeadsInfo(kind=kind, file=path.name, heads=3, topk=8, vocab=96, chain=chain,
+                     supplied=ROW_INPUTS if kind == "residual" and not by_id else ("lm_head",))
+    lm = np.ascontiguousarray(table.numpy())
+    rows = {k: v for k, v in HeadsRunner.rows(info, lm).items() if k in info.supplied}
+    return path, info, lm, heads_session(path, 1, rows)
+
+
+@pytest.mark.parametrize("kind,chain,by_id,d", [("medusa", None, False, 16),
+                                                ("medusa", None, False, 20),
+                                                ("residual", None, True, 16),
+                                                ("residual", None, True, 20),
+                                                ("residual", None, False, 16),
+                                                ("residual", 37, False, 20)])
+def test_native_heads_compute_the_graph(kind, chain, by_id, d, tmp_path):
+    """``heads.c`` against the exported graph in onnxruntime: every candidate's log-prob
+    within 1e-4, the same ids wherever neighbouring log-probs are apart (widths that are
+    not a multiple of 8 and a chain of 37 rows exercise the kernels' remainders)."""
+    from edgemtp import native
+    from edgemtp.runtimes.heads import NativeHeads, agrees
+
+    if native.heads_lib() is None:
+        pytest.skip(f"no C heads kernel here: {native.heads_why_not()}")
+    path, info, lm, sess = _variant(kind, chain, by_id, d, tmp_path)
+    inputs = tuple(i.name for i in sess.get_inputs())
+    nh = NativeHeads.from_graph(path, info, lm, inputs)
+    assert agrees(nh, sess, inputs, 8)
+    rng = np.random.default_rng(1)
+    x, e = (rng.standard_normal((20, d)).astype(np.float32) * 3 for _ in range(2))
+    roots = rng.integers(0, 96, 20)
+    feeds = {"hidden": x, "root_ids": roots, "root_embeds": e, "k": np.array([8])}
+    ref_ids, ref_lp = sess.run(None, {n: feeds[n] for n in inputs})
+    ids, lp = np.zeros((3, 8), np.int64), np.zeros((3, 8), np.float32)
+    for r in range(20):
+        nh.run(x[r], int(roots[r]), e[r], 8, ids, lp)
+        np.testing.assert_allclose(lp, ref_lp[r], atol=1e-4)
+        gap = np.diff(ref_lp[r], axis=-1) < -2e-4
+        apart = np.ones_like(gap[:, :1])
+        clear = np.concatenate([gap, apart], -1) & np.concatenate([apart, gap], -1)
+        assert (ids == ref_ids[r])[clear].all() and clear.mean() > 0.5
+    few_ids, few_lp = np.zeros((3, 3), np.int64), np.zeros((3, 3), np.float32)
+    nh.run(x[0], int(roots[0]), e[0], 3, few_ids, few_lp)  # k = 3: a prefix
+    nh.run(x[0], int(roots[0]), e[0], 8, ids, lp)
+    assert (few_ids == ids[:, :3]).all()
+
+
+def test_native_heads_refuse_what_they_cannot_reproduce(tmp_path, monkeypatch):
+    """A file the kernel would compute wrongly, or cannot read, runs in onnxruntime."""
+    import onnx
+
+    from edgemtp import native
+    from edgemtp.runtimes.heads import NativeHeads, agrees, native_heads
+
+    if native.heads_lib() is None:
+        pytest.skip(f"no C heads kernel here: {native.heads_why_not()}")
+    path, info, lm, sess = _variant("residual", None, True, 16, tmp_path)
+    inputs = tuple(i.name for i in sess.get_inputs())
+    nh = NativeHeads.from_graph(path, info, lm, inputs)
+    nh.arrays["wd"][3, 5] += 1.0  # one weight off
+    assert not agrees(nh, sess, inputs, 8)
+    model = onnx.load(str(path), load_external_data=False)  # a graph laid out otherwise
+    for t in model.graph.initializer:
+        t.name = t.name.replace("g.wh_t", "other")
+    for n in model.graph.node:
+        n.input[:] = [i.replace("g.wh_t", "other") for i in n.input]
+    onnx.save(model, str(path))
+    assert native_heads(path, (0, 1), info, lm, sess) is None
+    monkeypatch.setenv("EDGEMTP_NATIVE", "0")
+    assert native.heads_lib() is None and native.heads_why_not() == "EDGEMTP_NATIVE=0"
+
+
 @pytest.mark.parametrize("kind", ["medusa", "residual"])
 def test_heads_step_does_not_depend_on_the_input_scale(kind):
     """Inputs are RMS-normalised inside the module and the step is scaled by the states'
@@ -210,10 +295,20 @@ def test_residual_graph_feeds_its_own_argmax_like_teacher_forcing():
 # -- the drafter: lossless, and better than probing -----------------------------------------
 
 
+@pytest.mark.parametrize("engine", ["C", "onnxruntime"])
 @pytest.mark.parametrize("bc", [10, 30, pytest.param(60, marks=pytest.mark.slow)])
-def test_heads_equal_transformers_greedy(trained, stories_refs, bc):
+def test_heads_equal_transformers_greedy(trained, stories_refs, bc, engine, monkeypatch):
+    import edgemtp.runtimes.heads as rh
+    from edgemtp import native
+
+    if engine == "C" and native.heads_lib() is None:
+        pytest.skip(f"no C heads kernel here: {native.heads_why_not()}")
+    # the runner keeps whichever engine is faster here; each is held to greedy
+    monkeypatch.setattr(rh, "faster", lambda a, b: engine == "C")
+    monkeypatch.setattr(rh, "_FASTER", {})
     hf, prompts, refs = stories_refs
     pkg, _ = trained
+    assert rh.HeadsRunner.load(load_package(pkg), "residual", k=bc).engine == engine
     backend = _ort(pkg)
     session = backend.session()
     for drafter, kind in (("heads", "medusa"), ("heads", "residual"), ("hybrid", "residual")):
@@ -328,7 +423,7 @@ def test_runner_through_the_public_binding_gives_the_same_candidates(trained):
 
     pkg, _ = trained
     package = load_package(pkg)
-    fast = HeadsRunner.load(package, "residual", k=10)
+    fast = HeadsRunner.load(package, "residual", k=10, native=False)  # onnxruntime runs it
 
     class PublicOnly:  # the real session, its C++ object out of reach
         def __init__(self, s):

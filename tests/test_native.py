@@ -104,6 +104,21 @@ def test_a_failed_build_is_an_error_the_loader_turns_into_none(monkeypatch, tmp_
     assert native._build().parent == tmp_path  # (and a compiler that works builds there)
 
 
+def test_the_heads_kernel_falls_back_to_the_portable_build(monkeypatch, tmp_path):
+    """heads.c: this machine's vector units first, then plain -O3 where the compiler refuses
+    an option; one library per option set (and per CPU for -march=native)."""
+    monkeypatch.setenv("EDGEMTP_CACHE", str(tmp_path))
+    bogus = (("-O3", "-fno-such-option-here"), ("-O3",))
+    out = native._build(native.HEADS_SOURCE, bogus)
+    assert out.parent == tmp_path and out.name.startswith("heads-")
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the failed try left nothing
+    assert native._build(native.HEADS_SOURCE, bogus) == out     # built once
+    best = native._build(native.HEADS_SOURCE, native.HEADS_OPTIONS)
+    assert best != out
+    lib = native._declare_heads(__import__("ctypes").CDLL(str(best)))
+    assert lib.heads_medusa(0, 1, 8, 1, *[None] * 8) == -1  # shapes it refuses: -1, no crash
+
+
 @pytest.mark.parametrize("drafter", ["stand", "auto"])
 def test_generations_are_the_same_with_and_without_it(stories_refs, drafter, monkeypatch):
     """STAND and auto (its STAND trees) with the C grower and without: the same tokens in the
@@ -124,10 +139,12 @@ def test_generations_are_the_same_with_and_without_it(stories_refs, drafter, mon
 
 def test_doctor_says_which_grower_runs(monkeypatch):
     from edgemtp import doctor
-    assert "drafting  STAND trees in C" in doctor.report(doctor.probe())
+    text = doctor.report(doctor.probe())
+    assert "drafting  STAND trees in C" in text and "learned heads in C where faster" in text
     monkeypatch.setenv("EDGEMTP_NATIVE", "0")
-    assert ("drafting  STAND trees in Python (EDGEMTP_NATIVE=0"
-            in doctor.report(doctor.probe()))
+    text = doctor.report(doctor.probe())
+    assert "drafting  STAND trees in Python (EDGEMTP_NATIVE=0" in text
+    assert "learned heads in onnxruntime (EDGEMTP_NATIVE=0)" in text
 
 
 @pytest.mark.parametrize("bc,calibrate,prune,learn_in_c", [

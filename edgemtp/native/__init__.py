@@ -9,6 +9,12 @@ source version with the machine's C compiler (``cc -O2 -shared``; ``$CC`` where 
 user cache (``$EDGEMTP_CACHE``, else ``$XDG_CACHE_HOME/edgemtp`` or ``~/.cache/edgemtp``) and
 loaded with :mod:`ctypes`. Where there is no compiler, or ``EDGEMTP_NATIVE=0``, :func:`lib` is
 None and the Python code runs: the same trees, slower.
+
+``heads.c`` runs a package's learned heads (:mod:`edgemtp.runtimes.heads`) for one hidden
+state: the same function as the heads graph, without onnxruntime's per-node cost, which is
+most of a heads run on a small model. It is built the same way (``-O3``; on x86-64 Linux with
+GCC an AVX2/FMA clone picked at load); :func:`heads_lib` is None where it cannot be, and the
+heads graph runs in onnxruntime.
 """
 
 from __future__ import annotations
@@ -24,8 +30,13 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("ngram.c")
+HEADS_SOURCE = Path(__file__).with_name("heads.c")
 _LIB: list = []  # [ctypes.CDLL or None] once tried
 _WHY: list[str] = []
+_HEADS: list = []
+# this machine's vector units where the compiler knows them, else the portable build
+HEADS_OPTIONS = (("-O3", "-march=native", "-ffp-contract=fast"), ("-O3",))
+_HEADS_WHY: list[str] = []
 
 
 def _compiler() -> str | None:
@@ -35,30 +46,48 @@ def _compiler() -> str | None:
     return None
 
 
-def _build() -> Path:
-    src = SOURCE.read_bytes()
-    tag = hashlib.sha256(src + platform.machine().encode() + sys.platform.encode()).hexdigest()[:16]
-    from ..latency import cache_dir  # ($EDGEMTP_CACHE, else ~/.cache/edgemtp)
-    out = cache_dir() / f"ngram-{tag}.so"
-    if out.exists():
-        return out
-    cc = _compiler()
-    if cc is None:
-        raise OSError("no C compiler (cc, gcc or clang) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target, then rename: concurrent first uses never load a partial file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+def _cpu() -> bytes:
+    """What ``-march=native`` builds for: the CPU's model and feature flags (a cache shared by
+    machines of different CPUs keeps one library per CPU)."""
     try:
-        r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-std=c99", "-o", tmp, str(SOURCE)],
-                           capture_output=True, text=True, timeout=120)
-        if r.returncode:
-            raise OSError(f"{cc} failed: {(r.stderr or r.stdout).strip().splitlines()[:1]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({x for x in lines if x.split(":")[0].strip() in
+                                  ("model name", "flags", "Features", "CPU part")})).encode()
+    except OSError:
+        return platform.processor().encode()
+
+
+def _build(source: Path = SOURCE, options: tuple[tuple[str, ...], ...] = (("-O2",),)) -> Path:
+    """``source`` compiled into the cache with the first of ``options`` the compiler takes."""
+    src = source.read_bytes()
+    from ..latency import cache_dir  # ($EDGEMTP_CACHE, else ~/.cache/edgemtp)
+    cc = None
+    errors = []
+    for opts in options:
+        key = src + platform.machine().encode() + sys.platform.encode()
+        if opts != ("-O2",):  # (the n-gram library's tag from before options were part of it)
+            key += " ".join(opts).encode() + (_cpu() if "-march=native" in opts else b"")
+        out = cache_dir() / f"{source.stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
+        if out.exists():
+            return out
+        cc = cc or _compiler()
+        if cc is None:
+            raise OSError("no C compiler (cc, gcc or clang) on PATH")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # build beside the target, then rename: concurrent first uses never load a partial file
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *opts, "-shared", "-fPIC", "-std=c99", "-o", tmp,
+                                str(source)], capture_output=True, text=True, timeout=120)
+            if not r.returncode:
+                os.replace(tmp, out)
+                return out
+            errors.append(f"{cc} failed: {(r.stderr or r.stdout).strip().splitlines()[:1]}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise OSError(errors[-1])
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -87,17 +116,61 @@ def lib() -> ctypes.CDLL | None:
     :func:`why_not` says why."""
     if os.environ.get("EDGEMTP_NATIVE", "1") == "0":
         return None
-    if not _LIB:
+    return _load(_LIB, _WHY, lambda: _declare(ctypes.CDLL(str(_build()))))
+
+
+def _load(slot: list, why: list, make) -> ctypes.CDLL | None:
+    # once per process: the library, or None with the first line of why it is not
+    if not slot:
         try:
-            _LIB.append(_declare(ctypes.CDLL(str(_build()))))
+            slot.append(make())
         except (OSError, subprocess.SubprocessError) as e:
-            _LIB.append(None)
-            _WHY.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    return _LIB[0]
+            slot.append(None)
+            why.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return slot[0]
+
+
+def _why(why: list) -> str | None:
+    if os.environ.get("EDGEMTP_NATIVE", "1") == "0":
+        return "EDGEMTP_NATIVE=0"
+    return why[0] if why else None
 
 
 def why_not() -> str | None:
     """Why :func:`lib` is None (None where it loaded or was not tried)."""
+    return _why(_WHY)
+
+
+def _declare_heads(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.heads_medusa.restype = i32
+    lib.heads_medusa.argtypes = [i32] * 4 + [p] * 8
+    lib.heads_residual.restype = i32
+    lib.heads_residual.argtypes = [i32] * 6 + [p] * 10
+    lib.heads_root_row.restype = None
+    lib.heads_root_row.argtypes = [i32] * 2 + [p] * 5
+    lib.heads_run.restype, lib.heads_run.argtypes = i32, [p, ctypes.c_int64]
+    return lib
+
+
+class HeadsCall(ctypes.Structure):
+    """``heads.c``'s ``HeadsCall``: one heads run's shapes and buffers."""
+    _fields_ = ([(n, ctypes.c_int32) for n in ("kind", "d", "w", "heads", "c", "m", "k",
+                                               "by_id")]
+                + [(n, ctypes.c_void_p) for n in ("h", "emb", "w1", "b1", "scale", "wh", "wd",
+                                                  "bd", "table", "we", "bu", "lm", "work", "u0",
+                                                  "ids", "lp")])
+
+
+def heads_lib() -> ctypes.CDLL | None:
+    """The learned heads' C kernels (``heads.c``), or None (no compiler, a failed build, or
+    ``EDGEMTP_NATIVE=0``); :func:`heads_why_not` says why."""
     if os.environ.get("EDGEMTP_NATIVE", "1") == "0":
-        return "EDGEMTP_NATIVE=0"
-    return _WHY[0] if _WHY else None
+        return None
+    return _load(_HEADS, _HEADS_WHY, lambda: _declare_heads(
+        ctypes.CDLL(str(_build(HEADS_SOURCE, HEADS_OPTIONS)))))
+
+
+def heads_why_not() -> str | None:
+    """Why :func:`heads_lib` is None (None where it loaded or was not tried)."""
+    return _why(_HEADS_WHY)
