@@ -161,8 +161,7 @@ class NativeHeads:
         pad = np.zeros((mp, d), np.float32)
         pad[:m] = self.lm_head
         self.arrays["panels"] = np.ascontiguousarray(pad.reshape(mp // 8, 8, d).transpose(0, 2, 1))
-        self._work = np.zeros(self.heads * (mp + d) + mp + 2 * d + 2 * w + 64, np.float32)
-        self._u0 = np.zeros(max(w, 1), np.float32)
+        self._scratch = (self.heads * (mp + d) + mp + 2 * d + 2 * w + 64, max(w, 1))
         self._ptr = {k: a.ctypes.data for k, a in self.arrays.items()}
 
     @classmethod
@@ -214,10 +213,12 @@ class NativeHeads:
 
         p, (m, d) = self._ptr, self.lm_head.shape
         w = self.arrays["wh"].shape[0] if self.kind == "residual" else 0
+        # scratch per call, not per file: runners of one heads file may run in parallel
+        work, u0 = (np.zeros(n, np.float32) for n in self._scratch)
         args = HeadsCall(kind=int(self.kind == "residual"), d=d, w=w, heads=self.heads,
                          c=self.chain, m=m, k=k, by_id=int(self.by_id), h=hidden.ctypes.data,
-                         emb=root_embed.ctypes.data, work=self._work.ctypes.data,
-                         u0=self._u0.ctypes.data, ids=ids.ctypes.data, lp=lp.ctypes.data,
+                         emb=root_embed.ctypes.data, work=work.ctypes.data,
+                         u0=u0.ctypes.data, ids=ids.ctypes.data, lp=lp.ctypes.data,
                          lm=p["panels"], **{n: p.get(n) for n in ("w1", "b1", "scale", "wh",
                                                                     "wd", "bd", "table", "we",
                                                                     "bu")})
@@ -225,7 +226,7 @@ class NativeHeads:
 
         def call(root: int) -> int:
             return f(addr, root)
-        call.args = args  # (kept alive with the call)
+        call.args = args, work, u0  # (kept alive with the call)
         return call
 
     def run(self, hidden: np.ndarray, root: int, root_embed, k: int, ids: np.ndarray,

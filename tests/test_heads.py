@@ -225,6 +225,38 @@ def test_native_heads_compute_the_graph(kind, chain, by_id, d, tmp_path):
     assert (few_ids == ids[:, :3]).all()
 
 
+def test_native_heads_run_in_parallel_threads(tmp_path):
+    """Calls of one heads file from several threads (a server's generations) each have their
+    own scratch: the results are those of the same calls one after another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from edgemtp import native
+    from edgemtp.runtimes.heads import NativeHeads
+
+    if native.heads_lib() is None:
+        pytest.skip(f"no C heads kernel here: {native.heads_why_not()}")
+    path, info, lm, sess = _variant("residual", 37, False, 20, tmp_path)
+    nh = NativeHeads.from_graph(path, info, lm, tuple(i.name for i in sess.get_inputs()))
+    rng = np.random.default_rng(2)
+    states = rng.standard_normal((4, 2, 20)).astype(np.float32)  # [thread, hidden/embed, d]
+
+    def calls(t):
+        h, e = np.ascontiguousarray(states[t, 0]), np.ascontiguousarray(states[t, 1])
+        ids, lp = np.zeros((3, 8), np.int64), np.zeros((3, 8), np.float32)
+        call, seen = nh.bind(h, e, ids, lp, 8), []
+        for _ in range(300):
+            assert call(0) == 0
+            seen.append((ids.copy(), lp.copy()))
+        return seen
+
+    alone = [calls(t) for t in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(calls, range(4)))
+    for a, b in zip(alone, together):
+        assert all((x[0] == y[0]).all() and (x[1] == y[1]).all() for x, y in zip(a, b))
+        assert all((x[0] == a[0][0]).all() for x in a)
+
+
 def test_native_heads_refuse_what_they_cannot_reproduce(tmp_path, monkeypatch):
     """A file the kernel would compute wrongly, or cannot read, runs in onnxruntime."""
     import onnx
