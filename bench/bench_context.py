@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     contexts = [int(c) for c in a.contexts.split(",")]
     sizes = [int(t) for t in a.sizes.split(",")]
     sessions = {(n, p): fill(b, p) for n, b in backends.items() for p in contexts
-                if p + max(sizes) < b.max_context}
+                if p + max(sizes) <= b.max_context}
     times = {key: {t: [] for t in sizes} for key in sessions}
     order = list(sessions)
     for r in range(a.rounds):

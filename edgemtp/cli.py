@@ -218,7 +218,8 @@ def cmd_export(a: argparse.Namespace) -> int:
     report = export_package(a.model, a.output, dtype=a.dtype, max_context=a.max_context,
                             bc=a.bc, mask_tokens=a.mask_tokens, opset=a.opset, force=a.force,
                             trust_remote_code=a.trust_remote_code, progress=not a.quiet,
-                            hidden_states=a.hidden_states, symmetric=a.symmetric)
+                            hidden_states=a.hidden_states, symmetric=a.symmetric,
+                            cache_layout=a.cache_layout)
     print(report.summary())
     if a.trt:
         _build_engine(a.output, a.workspace, None, not a.quiet)
@@ -342,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "coarser grid; onnxruntime-genai's default)")
     e.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
+    e.add_argument("--cache-layout", default="seq", choices=("seq", "head"),
+                   help="the past K/V per layer: seq [1, P, H_kv, D] (default; every backend) "
+                        "or head [1, H_kv, P, D] (fp32/fp16, onnxruntime CPU only: faster "
+                        "long contexts)")
     e.add_argument("--bc", type=_int_list, default=(10, 30, 60),
                    help="block-complexity budgets to precompile plans for (default: 10,30,60)")
     e.add_argument("--mask-tokens", type=_int_list, default=(1, 2),

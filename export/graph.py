@@ -72,6 +72,16 @@ class ExportTreeDecoder(TreeDecoder):
     """
 
     exact_attention: bool = False  # True: exact_sums (int4/int8 exports)
+    # a head-major past ([1, H_kv, P, D], ``--cache-layout head``; not with exact sums): each
+    # KV head's rows are one contiguous block, and a one-row step is one matrix-vector
+    # product per query head, which onnxruntime's MLAS streams without packing the past
+    # (P = 2048: 8.5 -> 4.8 ms of attention a step for SmolLM2, bench/results/
+    # attention_layout_cpu.md)
+    head_major: bool = False
+
+    @property
+    def cache_axis(self) -> int:
+        return 2 if self.head_major else 1
     # onnxruntime's fused contrib ops (RotaryEmbedding, SkipSimplifiedLayerNormalization) in
     # place of their decompositions: int4/int8 exports, whose MatMulNBits already tie the
     # graph to onnxruntime (see :meth:`fuse`)
@@ -132,7 +142,7 @@ class ExportTreeDecoder(TreeDecoder):
             return super().body(input_ids, position_ids, tree_mask, mask_embeds, past_keys,
                                 past_values, past_len)
         x = self.embed(input_ids, mask_embeds)
-        mask = self.block_mask(tree_mask, past_keys[0].shape[1], past_len)
+        mask = self.block_mask(tree_mask, past_keys[0].shape[self.cache_axis], past_len)
         layers = self.model.layers
         h = layers[0].input_layernorm(x)
         # the tables end at the context's last position; a block near the end may hold draft
@@ -192,6 +202,8 @@ class ExportTreeDecoder(TreeDecoder):
         scale, or None where q already carries it. Returns the output and the block's V as
         the cache keeps it (on the exact sums' grid, float64, in an int4/int8 export)."""
         hd, g = self.head_dim, self.n_heads // self.n_kv
+        if self.head_major:
+            return self._attend_heads(attn, q, k_t, v, mask, past_k, past_v, scale)
         # the past is never copied: its sequence-major [P, H_kv, D] is read in place by
         # MatMuls onnxruntime fuses with the permutes (FusedMatMul, transBatchB); only the
         # block's own K/V and the [H_kv, g*T, P + T] scores are new tensors
@@ -212,6 +224,27 @@ class ExportTreeDecoder(TreeDecoder):
             probs = torch.softmax(logits, dim=-1).to(v_past.dtype)
             out = (torch.matmul(probs[..., :past], v_past)
                    + torch.matmul(probs[..., past:], v[0].transpose(0, 1))).to(v.dtype)
+        out = attn.o_proj(out.reshape(1, self.n_heads, -1, hd).transpose(1, 2)
+                          .reshape(1, -1, self.n_heads * hd))
+        return out, v
+
+    def _attend_heads(self, attn, q, k_t, v, mask, past_k, past_v, scale):
+        """:meth:`_attend` over a head-major past ``[1, H_kv, P, D]``: the queries as
+        ``[1, H_kv, g, T, D]`` against the past broadcast over the group (``[1, H_kv, 1, P,
+        D]``), so each query head of a one-row step is an M = 1 product over its KV head's
+        contiguous rows; the block's own keys as in :meth:`_attend`."""
+        hd, g = self.head_dim, self.n_heads // self.n_kv
+        past = past_k.shape[2]
+        q5 = q.reshape(1, self.n_kv, g, -1, hd)                           # [1, H_kv, g, T, D]
+        s_past = torch.matmul(q5, past_k.unsqueeze(2).transpose(-1, -2))  # [1, H_kv, g, T, P]
+        scores = torch.cat([s_past.reshape(self.n_kv, -1, past),
+                            torch.matmul(q, k_t)], dim=-1).float()        # [H_kv, g*T, P+T]
+        bias = torch.where(mask, 0.0, MASKED).repeat(1, 1, g, 1)[0]
+        logits = (scores if scale is None else scores * scale) + bias
+        probs = torch.softmax(logits, dim=-1).to(past_v.dtype)
+        p_past = probs[..., :past].reshape(1, self.n_kv, g, -1, past)
+        out = (torch.matmul(p_past, past_v.unsqueeze(2)).reshape(self.n_kv, -1, hd)
+               + torch.matmul(probs[..., past:], v[0].transpose(0, 1))).to(v.dtype)
         out = attn.o_proj(out.reshape(1, self.n_heads, -1, hd).transpose(1, 2)
                           .reshape(1, -1, self.n_heads * hd))
         return out, v
@@ -383,16 +416,18 @@ def example_inputs(decoder: TreeDecoder, dtype: torch.dtype, t: int = 5, p: int 
     embeds = torch.zeros(k, hidden, dtype=torch.float32)
     layers = len(decoder.model.layers)
     v_dtype = torch.float64 if getattr(decoder, "exact_attention", False) else dtype
-    past = [torch.zeros(1, p, decoder.n_kv, decoder.head_dim, dtype=dt)
-            for _ in range(layers) for dt in (dtype, v_dtype)]
+    shape = ((1, decoder.n_kv, p, decoder.head_dim) if getattr(decoder, "head_major", False)
+             else (1, p, decoder.n_kv, decoder.head_dim))
+    past = [torch.zeros(*shape, dtype=dt) for _ in range(layers) for dt in (dtype, v_dtype)]
     return (ids, pos, mask, embeds, *past, torch.tensor([p - 1]))
 
 
-def dynamic_axes(layers: int, hidden: bool = False) -> dict[str, dict[int, str]]:
+def dynamic_axes(layers: int, hidden: bool = False,
+                 cache_axis: int = 1) -> dict[str, dict[int, str]]:
     axes = {"input_ids": {1: "T"}, "position_ids": {1: "T"}, "tree_mask": {2: "T", 3: "T"},
             "mask_embeds": {0: "k"}}
     for name in graph_inputs(layers)[len(FIXED_INPUTS):-1]:  # past K/V; past_len is [1]
-        axes[name] = {1: "P"}
+        axes[name] = {cache_axis: "P"}
     for name in graph_outputs(layers, hidden):
         axes[name] = {1: "T"}
     return axes
@@ -407,7 +442,9 @@ def trace_to_onnx(module: ExportDecoder, path: Path, dtype: torch.dtype, opset: 
         torch.onnx.export(module, example_inputs(dec, dtype), str(path),
                           input_names=graph_inputs(layers),
                           output_names=graph_outputs(layers, module.hidden),
-                          dynamic_axes=dynamic_axes(layers, module.hidden), opset_version=opset,
+                          dynamic_axes=dynamic_axes(layers, module.hidden,
+                                                    getattr(dec, "cache_axis", 1)),
+                          opset_version=opset,
                           do_constant_folding=True, dynamo=False)
 
 

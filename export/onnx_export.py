@@ -34,11 +34,11 @@ from edgemtp.models.families import family_for
 from edgemtp.models.families import max_context as context_limit
 from edgemtp.plans import static_plan
 from edgemtp.runtimes.gguf_source import GGUFInfo, ModelSource, check_gguf, resolve_model
-from edgemtp.runtimes.package import (COMMIT, EMBEDDINGS, GRAPH, MANIFEST, TOKENIZER_FILES,
-                                      CacheInfo, EmbeddingInfo, GGUFSourceInfo, GraphInfo,
-                                      Manifest, PlanInfo, SelfCheckInfo, TensorRef, Tolerance,
-                                      WeightsInfo, graph_inputs, graph_outputs, load_package,
-                                      plan_arrays, record_files)
+from edgemtp.runtimes.package import (CACHE_LAYOUTS, COMMIT, EMBEDDINGS, GRAPH, MANIFEST,
+                                      TOKENIZER_FILES, CacheInfo, EmbeddingInfo, GGUFSourceInfo,
+                                      GraphInfo, Manifest, PlanInfo, SelfCheckInfo, TensorRef,
+                                      Tolerance, WeightsInfo, graph_inputs, graph_outputs,
+                                      load_package, plan_arrays, record_files)
 
 from .folders import ExportError, check_destination, partial_folder, swap_in, touch
 
@@ -71,6 +71,9 @@ class ExportOptions:
     tolerance: tuple[float, float] | None = None
     hidden_states: bool = False  # the graph's last output: hidden states, for learned heads
     symmetric: bool = False      # int4/int8: scales only (no zero points), faster kernels
+    # the past's layout: "seq" [1, P, H_kv, D] (every backend) or "head" [1, H_kv, P, D]
+    # (fp32/fp16 on onnxruntime's CPU provider: faster long contexts)
+    cache_layout: str = "seq"
     budgets: tuple[tuple[int, int], ...] = field(init=False)
     skipped: tuple[str, ...] = field(init=False)
 
@@ -90,6 +93,13 @@ class ExportOptions:
                                              or self.max_context < 2):
             raise ConfigError(f"max context must be an integer >= 2 tokens, got "
                               f"{self.max_context!r}")
+        if self.cache_layout not in CACHE_LAYOUTS:
+            raise ConfigError(f"cache layout must be one of {', '.join(CACHE_LAYOUTS)}, got "
+                              f"{self.cache_layout!r}")
+        if self.cache_layout == "head" and self.dtype in ("int4", "int8"):
+            raise ConfigError(f"--cache-layout head is for fp32/fp16 packages; {self.dtype} "
+                              f"graphs keep exact attention sums, which read a sequence-major "
+                              f"past (drop --cache-layout or export --dtype fp32)")
         if self.symmetric and self.dtype not in ("int4", "int8"):
             raise ConfigError(f"symmetric quantization is for int4/int8 exports, not "
                               f"{self.dtype}; drop --symmetric or export --dtype int4|int8")
@@ -192,7 +202,7 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
                    trust_remote_code: bool = False,
                    tolerance: tuple[float, float] | None = None,
                    progress: bool = True, hidden_states: bool = False,
-                   symmetric: bool = False) -> ExportReport:
+                   symmetric: bool = False, cache_layout: str = "seq") -> ExportReport:
     """Export ``model`` (a local Hugging Face folder, a llama.cpp GGUF file or a folder
     holding one, or a hub id when online) to ``out``.
 
@@ -202,12 +212,14 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
     (``edgemtp train-heads``). ``symmetric`` (int4/int8): blocks with a scale and no zero
     point, as onnxruntime-genai's builder writes them: about a quarter faster per quantized
     MatMul on a few rows, and a coarser grid than asymmetric blocks (a Q4_1 GGUF's own weights
-    are asymmetric).
+    are asymmetric). ``cache_layout`` "head" (fp32/fp16): the past K/V head-major, ``[1, H_kv,
+    P, D]``, which onnxruntime's CPU provider reads faster on long contexts; such a package
+    runs on onnxruntime's CPU provider only.
     """
     t0 = time.perf_counter()
     options = ExportOptions(dtype, max_context, tuple(bc), tuple(mask_tokens), opset,
                             None if tolerance is None else tuple(tolerance), hidden_states,
-                            symmetric)
+                            symmetric, cache_layout)
     out = check_destination(model, out, force)  # before the heavy imports: fail fast
     source, gguf = _check_source(model)
     with partial_folder(out) as tmp:  # an unwritable place fails here, before any loading
@@ -279,6 +291,7 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
         if job.options.dtype in QUANTIZED:  # batch-invariant softmax (export.quantize)
             decoder.exact_attention = True
             decoder.fuse(job.context)  # onnxruntime contrib ops, as MatMulNBits already are
+        decoder.head_major = job.options.cache_layout == "head"
         topk = min(int(hf.config.vocab_size),
                    max(static_plan(b, k).n_nodes for b, k in job.budgets) + 1)
         hidden = job.options.hidden_states
@@ -309,7 +322,8 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
         tol, fmt = job.options.tolerance, job.options.dtype
         if graph.spec is None:
             tol = tol or TOLERANCE[fmt]
-            check = self_check(tmp / GRAPH, reference, job.budgets, tokenizer, tol)
+            check = self_check(tmp / GRAPH, reference, job.budgets, tokenizer, tol,
+                               head_major=decoder.head_major)
         else:  # the weights strictly, with float32 activations; the shipped graph loosely
             tol = tol or TOLERANCE["fp32"]
             check = _check_quantized(tmp, reference, job, tokenizer, tol, TOLERANCE[fmt])
@@ -342,7 +356,9 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
                             inputs=tuple(graph_inputs(layers)),
                             outputs=tuple(graph_outputs(layers, hidden)),
                             shape_reads=shape_reads(tmp / GRAPH)),
-            cache=CacheInfo(dtype=dtype, value_dtype=value_dtype), plans=tuple(plans),
+            cache=CacheInfo(dtype=dtype, value_dtype=value_dtype,
+                            layout=CACHE_LAYOUTS[job.options.cache_layout]),
+            plans=tuple(plans),
             embeddings=embeddings,
             tokenizer=tokenizer is not None, tokenizer_files=tokenizer_files,
             files=record_files(tmp),

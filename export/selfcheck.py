@@ -62,8 +62,10 @@ ONNX_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
 
 
 def self_check(graph: Path, module, budgets: list[tuple[int, int]], tokenizer,
-               tol: tuple[float, float]) -> CheckResult:
-    """Run both checks; raises :class:`SelfCheckError` on the first row over tolerance."""
+               tol: tuple[float, float], head_major: bool = False) -> CheckResult:
+    """Run both checks; raises :class:`SelfCheckError` on the first row over tolerance.
+    ``head_major``: the graph takes its past ``[1, H_kv, P, D]`` (``module``, the reference,
+    sequence-major)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -92,7 +94,7 @@ def self_check(graph: Path, module, budgets: list[tuple[int, int]], tokenizer,
     causal = torch.tril(torch.ones(t, t, dtype=torch.bool))[None, None]
     head = (ids, torch.arange(t)[None], causal, embeds)
     ref, ours = _both(session, module, names, (*head, *noise, torch.tensor([0])),
-                      (*head, *empty, torch.tensor([0])))
+                      (*head, *empty, torch.tensor([0])), head_major)
     _compare("prefill", ref, ours, np.arange(t) >= p, tol, result)
 
     # tree step: the widest dynamic plan with the most depths, after the prompt's K/V
@@ -111,7 +113,7 @@ def self_check(graph: Path, module, budgets: list[tuple[int, int]], tokenizer,
     exact = [x[:, :p] for x in past]
     inputs = (ids, pos, mask, embeds[:plan.k], *past, torch.tensor([p]))
     ref, ours = _both(session, module, names, inputs,
-                      (ids, pos, mask, embeds[:plan.k], *exact, torch.tensor([p])))
+                      (ids, pos, mask, embeds[:plan.k], *exact, torch.tensor([p])), head_major)
     what = f"tree step (bc={plan.bc} k={plan.k}, counts {list(plan.counts)})"
     _compare(what, ref, ours, np.arange(plan.bc) >= plan.n_nodes, tol, result)
     return result
@@ -131,14 +133,18 @@ def _widest_plan(budgets) -> Plan:
     return table[max(table, key=lambda counts: (sum(c > 0 for c in counts), counts[::-1]))]
 
 
-def _both(session, module, names, inputs, reference_inputs=None):
+def _both(session, module, names, inputs, reference_inputs=None, head_major=False):
     # the graph runs on inputs, PyTorch on reference_inputs (default: the same)
     with torch.no_grad():
         ref = [x.numpy() for x in module(*(reference_inputs or inputs))]
-    # each as the graph declares it (an exact package keeps V in float64)
+    # each as the graph declares it (an exact package keeps V in float64; a head-major
+    # past [1, H_kv, P, D])
     types = {i.name: ONNX_TYPES.get(i.type) for i in session.get_inputs()}
     feeds = {n: x.numpy().astype(types[n] or x.numpy().dtype, copy=False)
              for n, x in zip(names, inputs)}
+    if head_major:
+        feeds = {n: np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+                 if n.startswith(("past_key_", "past_value_")) else x for n, x in feeds.items()}
     return ref, session.run(None, feeds)
 
 

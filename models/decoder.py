@@ -40,6 +40,8 @@ class TreeDecoder(nn.Module):
         slot = (input_ids - self.vocab_size).clamp(min=0, max=mask_embeds.shape[0] - 1)
         return torch.where(is_mask.unsqueeze(-1), mask_embeds.to(tok.dtype)[slot], tok)
 
+    cache_axis = 1  # the past's row axis: [1, P, H_kv, D]
+
     def forward(self, input_ids, position_ids, tree_mask, mask_embeds, past_keys, past_values,
                 past_len=None):
         hidden, new_keys, new_values = self.body(input_ids, position_ids, tree_mask, mask_embeds,
@@ -52,7 +54,7 @@ class TreeDecoder(nn.Module):
         final norm, what the LM head reads) and the block's new K/V per layer."""
         x = self.embed(input_ids, mask_embeds)
         cos, sin = self.model.rotary_emb(x, position_ids)
-        mask = self.block_mask(tree_mask, past_keys[0].shape[1], past_len)
+        mask = self.block_mask(tree_mask, past_keys[0].shape[self.cache_axis], past_len)
         new_keys, new_values = [], []
         for layer, pk, pv in zip(self.model.layers, past_keys, past_values):
             h, k, v = self._attention(layer, x, cos, sin, mask, pk, pv)

@@ -105,6 +105,7 @@ class KVCache:
     when T changes). Subclasses own the memory and the commit."""
 
     device = "cpu"
+    moves = 0  # times the cache memory moved (a binding of an older one must be redone)
 
     def __init__(self, layers: int, rows: int, heads: int, dim: int, dtype,
                  v_dtype=None) -> None:
@@ -187,6 +188,55 @@ class HostKV(KVCache):
             self.v[:, p:p + r] = self.new_v[:, rows]
 
 
+class HostKVHeads(HostKV):
+    """A head-major host cache (a ``--cache-layout head`` package): K and V ``[L, H_kv,
+    width, D]``, where ``width`` is the past the graph is bound to (a 64-row bucket). A
+    head's first P rows are contiguous but a prefix of all heads is not, so the cache is as
+    wide as the bound past and moves (a copy of the rows in use) when the bucket changes:
+    an O(P) copy once every 64 tokens, where the graph then reads each KV head's rows as one
+    block (``bench/results/attention_layout_cpu.md``). A commit writes the block's new rows
+    (sequence-major ``[L, T, H_kv, D]``) transposed into place."""
+
+    def __init__(self, layers: int, rows: int, heads: int, dim: int, dtype) -> None:
+        self.width = 0
+        super().__init__(layers, rows, heads, dim, dtype)
+
+    def _alloc_cache(self):
+        self._resize(min(PAST_BUCKET, self.rows))
+        return self.k.ctypes.data, self.v.ctypes.data
+
+    def _resize(self, width: int) -> None:
+        # zeroed: the rows past P are masked, but 0 x NaN is NaN
+        shape = (self.layers, self.tail[0], width, self.tail[1])
+        k, v = np.zeros(shape, self.dtype), np.zeros(shape, self.v_dtype)
+        keep = min(width, self.width)
+        if keep:
+            k[:, :, :keep], v[:, :, :keep] = self.k[:, :, :keep], self.v[:, :, :keep]
+        self.k, self.v, self.width = k, v, width
+        self.moves += 1
+
+    def bind_past(self, bind: Binder, p: int) -> None:
+        if p != self.width:
+            self._resize(p)
+        shape, fn = [1, self.tail[0], p, self.tail[1]], bind.input
+        k_layer, v_layer = self.k[0].nbytes, self.v[0].nbytes
+        k_ptr, v_ptr = self.k.ctypes.data, self.v.ctypes.data
+        for i in range(self.layers):
+            fn(self.past[2 * i], self.dtype, shape, k_ptr + i * k_layer)
+            fn(self.past[2 * i + 1], self.v_dtype, shape, v_ptr + i * v_layer)
+
+    def commit(self, rows: np.ndarray, p: int) -> None:
+        r = len(rows)
+        if r == 0:
+            return
+        if p + r > self.width:
+            self._resize(min(-(-(p + r) // PAST_BUCKET) * PAST_BUCKET, self.rows))
+        first = int(rows[0])
+        take = (slice(first, first + r) if r == 1 or np.all(np.diff(rows) == 1) else rows)
+        self.k[:, :, p:p + r] = self.new_k[:, take].transpose(0, 2, 1, 3)
+        self.v[:, :, p:p + r] = self.new_v[:, take].transpose(0, 2, 1, 3)
+
+
 class DeviceKV(KVCache):
     """``OrtValue`` memory on the session's device; a commit runs the package's gather graph
     with each layer's output bound into the cache at row P, so K/V never leave the device."""
@@ -266,6 +316,12 @@ class OrtBackend:
         self.max_context = self._context(m["max_context"], max_context)
         self.device, self.threads = device, threads
         self.past_len = PAST_LEN in m["graph"]["inputs"]  # format 2: past views, past_len
+        self.head_major = pkg.meta.cache.head_major  # --cache-layout head: host cache only
+        if self.head_major and (device != "cpu" or device_cache or static_past):
+            raise ConfigError(f"the package {str(pkg.root)!r} keeps its cache head-major "
+                              f"(exported with --cache-layout head), which runs on "
+                              f"onnxruntime's CPU provider with a host cache only; export "
+                              f"again without --cache-layout head for --device {device}")
         self.cuda_graphs, self.graphs_off = False, "not asked"
         if device == "cuda" and cuda_graphs is not False:
             if not self.past_len:
@@ -393,7 +449,9 @@ class OrtBackend:
             raise ModelLoadError(f"model.onnx does not match the manifest: graph inputs/outputs "
                                  f"missing {missing[:3]}, unexpected {extra[:3]}")
         expect = {"mask_embeds": [None, m["hidden_size"]],
-                  "past_key_0": [1, None, m["num_kv_heads"], m["head_dim"]],
+                  "past_key_0": ([1, m["num_kv_heads"], None, m["head_dim"]]
+                                 if self.head_major else
+                                 [1, None, m["num_kv_heads"], m["head_dim"]]),
                   "topk_ids": [1, None, m["topk"]], "logits": [1, None, m["vocab_size"]]}
         for name, dims in expect.items():
             got = inputs.get(name, outputs.get(name))
@@ -495,6 +553,8 @@ class OrtSession(_CacheCommits):
         if b.commit_graph is not None:
             self.kv = DeviceKV(ort, b.commit_graph, DEVICES[b.device][1], layers, cache,
                                *dims, b.package.np_dtype, b.package.np_value_dtype)
+        elif b.head_major:
+            self.kv = HostKVHeads(layers, cache, *dims, b.package.np_dtype)
         else:
             self.kv = HostKV(layers, cache, *dims, b.package.np_dtype,
                              b.package.np_value_dtype)
@@ -531,9 +591,9 @@ class OrtSession(_CacheCommits):
             # never zero wide (a prefill): the CUDA EP's kernels die on an empty past
             # (SIGFPE, onnxruntime-gpu 1.31); the columns past P are masked by past_len
             width = min(max(1, -(-p // PAST_BUCKET)) * PAST_BUCKET, self.kv.rows)
-            if width != bound.past_width:
+            if (width, self.kv.moves) != bound.past_width:  # (a head-major cache moves)
                 self.kv.bind_past(bound.kv_bind, width)
-                bound.past_width = width
+                bound.past_width = (width, self.kv.moves)
         else:
             self.kv.bind_past(bound.kv_bind, p)
         views = bound.views.get(topk)

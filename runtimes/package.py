@@ -51,6 +51,10 @@ COMMIT = "kv_commit.onnx"  # gathers accepted K/V rows into a device-resident ca
 EMBEDDINGS = "embeddings.npy"
 ENGINES = "engines"  # TensorRT engines (and their timing caches) built on a device
 CACHE_LAYOUT = "[1, P, H_kv, D] per layer, sequence-major"
+# --cache-layout head (fp32/fp16 packages for onnxruntime's CPU provider): each KV head's rows
+# contiguous, read faster on long contexts (bench/results/attention_layout_cpu.md)
+HEAD_MAJOR = "[1, H_kv, P, D] per layer, head-major"
+CACHE_LAYOUTS = {"seq": CACHE_LAYOUT, "head": HEAD_MAJOR}
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 # the graph's weights: float as the activations, or weight-only block-quantized (MatMulNBits)
 WEIGHT_FORMATS = ("fp32", "fp16", "int4", "int8")
@@ -223,9 +227,16 @@ class CacheInfo:
     # sums (int4/int8), which add p @ V in float64 and so keep V in float64 (None: ``dtype``)
     value_dtype: str | None = None
 
+    @property
+    def head_major(self) -> bool:
+        return self.layout == HEAD_MAJOR
+
     def __post_init__(self) -> None:
-        _check(self.layout == CACHE_LAYOUT, f"'cache.layout' must be {CACHE_LAYOUT!r}, got "
-                                            f"{self.layout!r}")
+        _check(self.layout in CACHE_LAYOUTS.values(), f"'cache.layout' must be one of "
+               f"{', '.join(repr(x) for x in CACHE_LAYOUTS.values())}, got {self.layout!r}")
+        _check(self.layout == CACHE_LAYOUT or self.value_dtype is None,
+               "a head-major cache is for packages without exact attention sums "
+               "('cache.value_dtype' must be absent)")
         _check_dtype(self.dtype, "cache.dtype")
         _check(self.value_dtype in (None, "fp64"),
                f"'cache.value_dtype' must be absent or 'fp64', got {self.value_dtype!r}")

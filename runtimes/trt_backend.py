@@ -31,8 +31,8 @@ import numpy as np
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, EdgeMTPError, ModelLoadError
 from edgemtp.runtimes.package import NP_DTYPES, PAST_LEN, check_step, kv_names, load_package
-from edgemtp.runtimes.trt_engine import (_logger, check_trt_weights, engine_name, import_tensorrt,
-                                         select_profile)
+from edgemtp.runtimes.trt_engine import (_logger, check_trt_cache, check_trt_weights,
+                                         engine_name, import_tensorrt, select_profile)
 
 _MIN_CAP = 64  # block rows the per-session buffers are first sized for
 
@@ -226,6 +226,7 @@ class TrtBackend:
             raise ConfigError(f"the package {str(pkg.root)!r} holds {m.dtype} weights and a "
                               f"package's dtype is fixed at export; drop --dtype {dtype}")
         check_trt_weights(pkg.weights.format, f"the package {str(pkg.root)!r}")
+        check_trt_cache(pkg, f"the package {str(pkg.root)!r}")
         if not m.engines:
             raise ModelLoadError(f"the package {str(pkg.root)!r} has no TensorRT engine; build "
                                  f"one on this machine: edgemtp build-engine {str(pkg.root)}")

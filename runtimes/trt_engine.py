@@ -55,6 +55,14 @@ def check_trt_weights(fmt: str, who: str) -> None:
                           f"attention); export with --dtype fp16 for TensorRT")
 
 
+def check_trt_cache(pkg, who: str) -> None:
+    """One line for a package whose cache layout the TensorRT path does not bind."""
+    if pkg.meta.cache.head_major:
+        raise ConfigError(f"{who}: the package keeps its cache head-major (--cache-layout "
+                          f"head), which runs on onnxruntime's CPU provider only; export "
+                          f"again without --cache-layout head for TensorRT")
+
+
 def import_tensorrt(who: str = "backend 'tensorrt'"):
     """The ``tensorrt`` module, or one line saying how to install it."""
     try:
@@ -196,6 +204,7 @@ def build_engine(package, *, workspace_gib: float = WORKSPACE_GIB,
     pkg = package if isinstance(package, Package) else load_package(package, check_plans=False,
                                                                     check_engines=False)
     check_trt_weights(pkg.weights.format, f"the package {str(pkg.root)!r}")
+    check_trt_cache(pkg, f"the package {str(pkg.root)!r}")
     trt = import_tensorrt("building a TensorRT engine")
     gpu, capability = cuda_device()
     version = trt.__version__

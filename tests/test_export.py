@@ -239,9 +239,9 @@ def test_self_check_never_feeds_the_graph_an_empty_past(tmp_path, monkeypatch):
 
     widths, both = [], sc._both
 
-    def record(session, module, names, inputs, reference_inputs=None):
+    def record(session, module, names, inputs, reference_inputs=None, head_major=False):
         widths.append((inputs[4].shape[1], (reference_inputs or inputs)[4].shape[1]))
-        return both(session, module, names, inputs, reference_inputs)
+        return both(session, module, names, inputs, reference_inputs, head_major)
 
     monkeypatch.setattr(sc, "_both", record)
     export_package(str(STORIES), tmp_path / "pkg", bc=(10,), mask_tokens=(1,), progress=False)
