@@ -568,7 +568,7 @@ def memory_plan(pkg, facts: Facts) -> MemoryPlan:
     from edgemtp.runtimes.package import cuda_graph_readiness
 
     return MemoryPlan(str(pkg.root), m.max_context, t, pool, tuple(rows),
-                      cuda_graph_readiness(m.graph))
+                      cuda_graph_readiness(m.graph, m.cache))
 
 
 def _with_margin(n: float) -> int:

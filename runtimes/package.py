@@ -906,13 +906,16 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def cuda_graph_readiness(graph: GraphInfo) -> str:
+def cuda_graph_readiness(graph: GraphInfo, cache: CacheInfo | None = None) -> str:
     """Whether onnxruntime can capture this graph as CUDA graphs (``inspect``'s line).
 
     >>> cuda_graph_readiness(GraphInfo(opset=17, inputs=(), outputs=(),
     ...                                shape_reads=("past_key_0",)))[:5]
     'ready'
     """
+    if cache is not None and cache.head_major:
+        return ("not for CUDA: the cache is head-major (--cache-layout head), which runs on "
+                "onnxruntime's CPU provider only")
     if graph.shape_reads is None:
         return ("graphs not recorded (exported before 2026-11-26, whose graphs onnxruntime "
                 "will not capture): re-export for onnxruntime's CUDA graphs")
@@ -950,7 +953,7 @@ def describe(pkg: Package) -> str:
         types = ", ".join(f"{t} x{n}" for t, n in m.gguf.tensor_types.items())
         lines.append(f"gguf      {m.gguf.file} ({m.gguf.architecture}: {types}), "
                      f"de-quantized to {m.dtype}")
-    lines.append(f"cuda      {cuda_graph_readiness(g)}")
+    lines.append(f"cuda      {cuda_graph_readiness(g, m.cache)}")
     if check:
         lines.append(f"checked   max |logit diff| {check.token_rows_max_logit_diff:.1e} "
                      f"token rows, {check.mask_rows_max_logit_diff:.1e} mask rows "

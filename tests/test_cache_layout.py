@@ -44,6 +44,7 @@ def test_the_package_says_its_layout_and_the_graph_takes_it(head_pkg):
     r = subprocess.run([sys.executable, "-m", "edgemtp.cli", "inspect", str(head_pkg)],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "head-major" in r.stdout
+    assert "cuda      not for CUDA: the cache is head-major" in r.stdout
 
 
 @pytest.mark.parametrize("drafter,bc", [("none", 10), ("probe", 10), ("probe", 60),
@@ -94,6 +95,11 @@ def test_what_cannot_bind_a_head_major_cache_says_so(head_pkg, tmp_path):
         OrtBackend(head_pkg, device_cache=True)
     with pytest.raises(ConfigError, match="head-major.*CPU provider"):
         OrtBackend(head_pkg, static_past=True)
+    r = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model",
+                        str(head_pkg), "--device", "cuda", "--prompt", "Once"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "keeps its cache head-major" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     with pytest.raises(ConfigError, match="head-major.*without --cache-layout head for "
                                           "TensorRT"):
         check_trt_cache(load_package(head_pkg), "build-engine")
