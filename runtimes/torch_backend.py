@@ -57,6 +57,24 @@ def _check_hf_folder(path: str) -> None:
         raise ModelLoadError(f"{path!r} has no config.json; expected a Hugging Face model folder")
 
 
+def package_source(model: str):
+    """``(package, source)``: for an exported package, the package and the model it was
+    exported from (its manifest's ``source``, as written or relative to the package's
+    folder); else ``(None, model)``. One line where the source is not on this machine."""
+    from edgemtp.runtimes.package import is_package, load_package
+
+    if not is_package(model):
+        return None, model
+    pkg = load_package(model, check_plans=False, check_engines=False)
+    src = pkg.meta.source
+    for cand in (Path(src), pkg.root / src, pkg.root.parent / src):
+        if src and cand.exists():
+            return pkg, str(cand)
+    raise ModelLoadError(f"the torch backend runs the model a package was exported from, and "
+                         f"{str(pkg.root)!r} was exported from {src!r}, which is not on this "
+                         f"machine; give --model that Hugging Face folder or GGUF file")
+
+
 class TorchBackend:
     """A Hugging Face causal LM in PyTorch: the weights once; each :meth:`session` owns a
     KV cache preallocated on the device at the max context and written in place.
@@ -93,6 +111,9 @@ class TorchBackend:
             raise ConfigError("device 'cuda' asked, but this PyTorch build sees no CUDA device")
         if threads is not None:
             torch.set_num_threads(int(threads))
+        # an exported package: the model it was exported from, and the package for what it
+        # adds (learned heads, edgemtp train-heads), so the heads drafter runs here too
+        self.package, model = package_source(model)
         source = resolve_model(model)
         if source.gguf_file:  # its architecture, checked without the seconds transformers
             check_gguf(source)  # takes to parse a GGUF (it does so once more to load it)
@@ -108,6 +129,15 @@ class TorchBackend:
             raise ModelLoadError(f"cannot load {model!r} as a causal LM: {first}") from None
         self.family = family_for(hf.config)
         self.source = str(Path(model).resolve()) if Path(model).exists() else model
+        if self.package is not None:
+            m, cfg = self.package.meta, hf.config
+            if (m.vocab_size, m.hidden_size, m.num_layers) != (
+                    int(cfg.vocab_size), int(cfg.hidden_size), int(cfg.num_hidden_layers)):
+                raise ModelLoadError(
+                    f"the package {str(self.package.root)!r} does not match its source "
+                    f"{model!r}: vocab/hidden/layers {m.vocab_size}/{m.hidden_size}/"
+                    f"{m.num_layers} against {cfg.vocab_size}/{cfg.hidden_size}/"
+                    f"{cfg.num_hidden_layers}")
         self._init(hf, device, max_context, static_cache, cuda_graphs, batch_invariant,
                    block_buckets)
 
@@ -120,7 +150,7 @@ class TorchBackend:
             raise ConfigError("device 'cuda' asked, but this PyTorch build sees no CUDA device")
         self = cls.__new__(cls)
         self.family = family_for(hf_model.config)
-        self.source = None
+        self.source, self.package = None, None
         self._init(hf_model, device, max_context, static_cache, cuda_graphs, batch_invariant,
                    block_buckets)
         return self

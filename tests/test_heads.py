@@ -425,6 +425,39 @@ def test_heads_on_the_torch_backend_is_one_clear_error(stories_path):
         Generation(TorchBackend(stories_path), GenerationConfig(drafter="heads"), [1, 2])
 
 
+def test_heads_on_the_torch_backend_from_a_package(trained, stories_refs, tmp_path):
+    """``--backend torch`` on a package runs the model it was exported from, with the
+    package's learned heads: the heads drafter (and the hybrid with heads) equals
+    transformers greedy there too. A package whose source is not on this machine is one
+    clear error."""
+    from edgemtp.errors import ModelLoadError
+    from edgemtp.runtimes.torch_backend import TorchBackend
+
+    hf, prompts, refs = stories_refs
+    pkg, _ = trained
+    backend = TorchBackend(str(pkg))
+    assert backend.package is not None and backend.source == str(STORIES.resolve())
+    for drafter, kind in (("heads", "residual"), ("heads", "medusa"), ("hybrid", "residual")):
+        config = GenerationConfig(drafter=drafter, heads=kind, bc=10, max_new_tokens=128)
+        calls = tokens = 0
+        for i, (ids, ref) in enumerate(zip(prompts[:3], refs)):
+            r = Generation(backend, config, ids).run()
+            assert r.token_ids == ref, f"torch {drafter} {kind}: prompt {i} differs"
+            calls, tokens = calls + r.stats.forward_calls, tokens + r.stats.new_tokens
+        assert tokens / calls > 1.2, (drafter, kind, tokens / calls)
+    moved = tmp_path / "moved"
+    shutil.copytree(pkg, moved)
+    raw = json.loads((moved / "edgemtp.json").read_text())
+    raw["source"] = "/nowhere/stories260K"
+    (moved / "edgemtp.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="exported from '/nowhere/stories260K', which is "
+                                             "not on this machine"):
+        TorchBackend(str(moved))
+    r = _cli("generate", "--model", str(moved), "--backend", "torch", "--prompt", "Once")
+    assert r.returncode == 2 and "not on this machine" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_heads_option_needs_the_heads_drafter():
     from edgemtp.errors import ConfigError
 
