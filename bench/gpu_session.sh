@@ -3,8 +3,9 @@
 # timeout so a slow part costs only itself. Run from the repo root on the GPU machine with
 # stories260K carried to carry/stories260K; results land in $OUT (default bench/results/gpu).
 # PARTS picks the parts (default ABCDE, ~11 min: more than one call's 10, so run
-# PARTS=ABC then PARTS=DEF on the warm machine; F, tree_cost=measured, and G, the per-stage
-# host time of a step, are not in the default);
+# PARTS=ABC then PARTS=DEF on the warm machine; F, tree_cost=measured, G, the per-stage
+# host time of a step, and H, learned heads through the torch backend, are not in the
+# default);
 # budgets (seconds): A, B, C, D, F, G. The onnxruntime CUDA EP is measured apart
 # (bench/ort_gpu_parts.sh carries onnxruntime-gpu; bench/bench_ort_gpu.py measures it).
 set -u
@@ -45,6 +46,15 @@ has G && timeout "${G:-90}" python3 bench/bench_step_host.py $S --backend torch 
 has G && EDGEMTP_NATIVE=0 timeout "${G2:-50}" python3 bench/bench_step_host.py $S --backend torch \
   --device cuda --drafters stand,hybrid,auto --bc 10,60 --tree-cost measured \
   --out "$OUT/step_host_python.json" 2>&1 | tee "$OUT/step_host_python.md"
+# H: learned heads on the GPU (the torch backend on a package runs its source model with the
+# package's heads): export with hidden states and train residual heads on the CPU, then time
+HP=${HP:-/tmp/stories-heads}
+has H && { timeout 60 python3 bench/edgemtp_tree.py export $S -o $HP --hidden-states --quiet \
+    --force
+  timeout 150 python3 bench/edgemtp_tree.py train-heads $HP --kind residual --quiet
+  timeout 60 python3 bench/bench_step_host.py $HP --backend torch --device cuda \
+    --drafters none,heads,auto --bc 10,30 --out "$OUT/step_host_heads.json"
+} 2>&1 | tee "$OUT/heads.md"
 # E: the command line from the tree: doctor, and generate on the GPU
 has E && { timeout 30 python3 bench/edgemtp_tree.py doctor
   timeout 30 python3 bench/edgemtp_tree.py generate --model $S --backend torch --device cuda \
