@@ -104,6 +104,25 @@ def test_a_failed_build_is_an_error_the_loader_turns_into_none(monkeypatch, tmp_
     assert native._build().parent == tmp_path  # (and a compiler that works builds there)
 
 
+def test_a_build_prunes_old_versions_from_the_cache(monkeypatch, tmp_path):
+    """Each source version (and CPU) builds a library of its own; a new build keeps the
+    newest few of its kind and leaves other files alone."""
+    import os
+
+    monkeypatch.setenv("EDGEMTP_CACHE", str(tmp_path))
+    for i in range(6):  # older builds of this source, oldest first
+        f = tmp_path / f"heads-{i:016x}.so"
+        f.write_bytes(b"old")
+        os.utime(f, (1000 + i, 1000 + i))
+    other = tmp_path / "ngram-0000000000000000.so"
+    other.write_bytes(b"other kind")
+    new = native._build(native.HEADS_SOURCE, (("-O3",),))
+    left = sorted(f.name for f in tmp_path.glob("heads-*.so"))
+    assert new.name in left and len(left) == native.KEEP
+    assert {f"heads-{i:016x}.so" for i in (3, 4, 5)} <= set(left)  # the newest old ones
+    assert other.exists()
+
+
 def test_the_heads_kernel_falls_back_to_the_portable_build(monkeypatch, tmp_path):
     """heads.c: this machine's vector units first, then plain -O3 where the compiler refuses
     an option; one library per option set (and per CPU for -march=native)."""

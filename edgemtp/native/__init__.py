@@ -57,6 +57,22 @@ def _cpu() -> bytes:
         return platform.processor().encode()
 
 
+KEEP = 4  # libraries kept per source file in the cache (other versions, other CPUs)
+
+
+def _prune(new: Path) -> None:
+    """Drop all but the newest :data:`KEEP` builds of ``new``'s source from the cache (one is
+    made per source version and, for ``-march=native``, per CPU; nothing else removes them).
+    A process that still runs an older one keeps its mapping."""
+    old = sorted((f for f in new.parent.glob(f"{new.name.split('-')[0]}-*.so") if f != new),
+                 key=lambda f: f.stat().st_mtime, reverse=True)
+    for f in old[KEEP - 1:]:
+        try:
+            f.unlink()
+        except OSError:
+            pass
+
+
 def _build(source: Path = SOURCE, options: tuple[tuple[str, ...], ...] = (("-O2",),)) -> Path:
     """``source`` compiled into the cache with the first of ``options`` the compiler takes."""
     src = source.read_bytes()
@@ -82,6 +98,7 @@ def _build(source: Path = SOURCE, options: tuple[tuple[str, ...], ...] = (("-O2"
                                 str(source)], capture_output=True, text=True, timeout=120)
             if not r.returncode:
                 os.replace(tmp, out)
+                _prune(out)
                 return out
             errors.append(f"{cc} failed: {(r.stderr or r.stdout).strip().splitlines()[:1]}")
         finally:
