@@ -285,6 +285,85 @@ def native_heads(path: Path, stamp: tuple, info: HeadsInfo, lm_head: np.ndarray,
     return _NATIVE[key]
 
 
+class TorchHeads:
+    """:class:`NativeHeads`' math in PyTorch on a device (a torch backend on a GPU): the
+    weights and LM-head rows moved there once; a run copies the hidden state in and the
+    ``[H, k]`` ids and log-probs out, with the residual chain's argmax kept on the device.
+    The same ``bind`` / ``run`` interface, so :class:`HeadsRunner` runs either."""
+
+    def __init__(self, nh: NativeHeads, device) -> None:
+        import torch
+
+        self.torch, self.device = torch, torch.device(device)
+        self.kind, self.heads, self.chain, self.by_id = nh.kind, nh.heads, nh.chain, nh.by_id
+        self.lm_head = nh.lm_head
+        self.w = {k: torch.tensor(a, device=self.device) for k, a in nh.arrays.items()
+                  if k != "panels"}  # (copies: the graph's arrays are read-only)
+        self.lm = torch.tensor(nh.lm_head, device=self.device)
+
+    def _unit(self, x):
+        return x / self.torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+
+    def compute(self, h, root: int, e, k: int):
+        """ids, log-probs ``[H, k]`` (device tensors) for hidden ``h [d]``."""
+        torch, w, f = self.torch, self.w, self.torch.nn.functional
+        if self.kind == "medusa":
+            d = h.shape[0]
+            z = (w["w1"] @ self._unit(h) + w["b1"]).view(self.heads, d)
+            logits = (h + w["scale"] * f.silu(z)) @ self.lm.T
+        else:
+            u = (w["table"][root] if self.by_id
+                 else w["bu"] + w["we"] @ self._unit(e))
+            states, chain = [], self.lm[:self.chain]
+            for j in range(self.heads):
+                y = f.silu(u + w["wh"] @ self._unit(h))
+                h = h + w["wd"] @ y + (w["bd"] if "bd" in w else 0.0)
+                states.append(h)
+                if j + 1 < self.heads:
+                    u = w["table"][torch.argmax(chain @ h)]
+            logits = torch.stack(states) @ self.lm.T
+        lp, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        return ids, lp
+
+    def bind(self, hidden: np.ndarray, root_embed: np.ndarray, ids: np.ndarray,
+             lp: np.ndarray, k: int):
+        torch, dev = self.torch, self.device
+
+        def call(root: int) -> int:
+            with torch.no_grad():
+                h = torch.from_numpy(hidden).to(dev)
+                e = None if self.by_id or self.kind == "medusa" else \
+                    torch.from_numpy(root_embed).to(dev)
+                i, p = self.compute(h, root, e, k)
+                ids[...] = i.cpu().numpy()
+                lp[...] = p.float().cpu().numpy()
+            return 0
+        return call
+
+    def run(self, hidden: np.ndarray, root: int, root_embed, k: int, ids: np.ndarray,
+            lp: np.ndarray) -> None:
+        h = np.ascontiguousarray(hidden, dtype=np.float32)
+        e = np.ascontiguousarray(h if root_embed is None else root_embed, dtype=np.float32)
+        self.bind(h, e, ids, lp, k)(int(root))
+
+
+def torch_heads(path: Path, stamp: tuple, info: HeadsInfo, lm_head: np.ndarray, session,
+                device) -> TorchHeads | None:
+    """The heads in PyTorch on ``device``, checked against the onnxruntime ``session`` once
+    per process (None where torch is missing or the graph is not reproduced)."""
+    key = (str(path), stamp, id(lm_head), str(device))
+    if key not in _NATIVE:
+        inputs = tuple(x.name for x in session.get_inputs())
+        try:
+            import torch  # noqa: F401  (the torch backend's own dependency)
+
+            th = TorchHeads(NativeHeads.from_graph(path, info, lm_head, inputs), device)
+            _NATIVE[key] = th if agrees(th, session, inputs, info.topk) else None
+        except (ImportError, KeyError, ValueError, RuntimeError, AssertionError):
+            _NATIVE[key] = None  # (a torch without that device raises the last two)
+    return _NATIVE[key]
+
+
 _FASTER: dict[tuple, bool] = {}
 
 
@@ -353,7 +432,7 @@ class HeadsRunner:
     lm_head: np.ndarray          # [M, d] float32
     vocab: np.ndarray | None     # [M] ids of the rows (None: the rows are the vocabulary)
     k: int | None = None
-    native: NativeHeads | None = None  # the C kernel (None: onnxruntime runs the graph)
+    native: "NativeHeads | TorchHeads | None" = None  # None: onnxruntime runs the graph
     inputs: tuple[str, ...] = field(init=False)
     _run: object = field(init=False, repr=False)
     _call: object = field(init=False, repr=False)
@@ -400,14 +479,20 @@ class HeadsRunner:
 
     @property
     def engine(self) -> str:
-        """What runs the heads: ``"C"`` (:class:`NativeHeads`) or ``"onnxruntime"``."""
-        return "onnxruntime" if self.native is None else "C"
+        """What runs the heads: ``"C"`` (:class:`NativeHeads`), ``"torch"``
+        (:class:`TorchHeads`, on the torch backend's GPU) or ``"onnxruntime"``."""
+        if self.native is None:
+            return "onnxruntime"
+        return "torch" if isinstance(self.native, TorchHeads) else "C"
 
     @classmethod
     def load(cls, package, kind: str | None = None, threads: int = 1,
-             k: int | None = None, native: bool | str = True) -> "HeadsRunner":
+             k: int | None = None, native: bool | str = True,
+             device=None) -> "HeadsRunner":
         """``native``: True runs the C kernel where it reproduces the graph and is the faster
-        here; ``"always"`` wherever it reproduces the graph; False never."""
+        here; ``"always"`` wherever it reproduces the graph; False never. ``device``: a torch
+        device other than the CPU (a torch backend on a GPU) also tries the heads in PyTorch
+        there, and keeps them where they are the faster; ``native="torch"`` forces that."""
         info = pick(package.meta.heads, kind, f"the package {str(package.root)!r}")
         path = package.root / info.file
         st = path.stat()
@@ -415,6 +500,17 @@ class HeadsRunner:
         supplied = {k_: v for k_, v in cls.rows(info, lm_head).items() if k_ in info.supplied}
         stamp = (st.st_size, st.st_mtime_ns)
         session = _graph(path, stamp, threads, supplied)
+        if native == "torch" or (native and device is not None and str(device) != "cpu"):
+            th = torch_heads(path, stamp, info, lm_head, session, device or "cpu")
+            best = cls.load(package, kind, threads, k, native is True)
+            if th is None:
+                return best
+            if native == "torch":
+                return cls(info, session, lm_head, vocab, k, th)
+            key = (str(path), stamp, id(lm_head), threads, k, str(device))
+            if key not in _FASTER:  # the device where it is the faster (a large model)
+                _FASTER[key] = faster(cls(info, session, lm_head, vocab, k, th), best)
+            return cls(info, session, lm_head, vocab, k, th) if _FASTER[key] else best
         nh = native_heads(path, stamp, info, lm_head, session) if native else None
         if nh is None:
             return cls(info, session, lm_head, vocab, k)

@@ -166,6 +166,13 @@ def test_heads_graph_agrees_with_pytorch(kind, chain, by_id, tmp_path):
         assert len({tuple(ids[0, j, :3]) for j in range(3)}) > 1
 
 
+def _torch_load(load):
+    # the runner as a torch backend on a GPU loads it, the device here the CPU's
+    def on_device(package, kind=None, threads=1, k=None, native=True, device=None):
+        return load(package, kind, threads, k, "torch" if native else native, device)
+    return staticmethod(on_device)
+
+
 def _variant(kind, chain, by_id, d, tmp_path):
     """A heads graph with random weights (away from the zero start) over a 96-row table."""
     from edgemtp.export.heads import export_heads
@@ -223,6 +230,22 @@ def test_native_heads_compute_the_graph(kind, chain, by_id, d, tmp_path):
     nh.run(x[0], int(roots[0]), e[0], 3, few_ids, few_lp)  # k = 3: a prefix
     nh.run(x[0], int(roots[0]), e[0], 8, ids, lp)
     assert (few_ids == ids[:, :3]).all()
+
+
+@pytest.mark.parametrize("kind,chain,by_id", [("medusa", None, False),
+                                              ("residual", None, True),
+                                              ("residual", 37, False)])
+def test_torch_heads_compute_the_graph(kind, chain, by_id, tmp_path):
+    """The heads in PyTorch (what a torch backend on a GPU may run; here on the CPU)
+    against the exported graph: log-probs within 1e-4, the same top-1 where it is clear."""
+    from edgemtp.runtimes.heads import NativeHeads, TorchHeads, agrees
+
+    path, info, lm, sess = _variant(kind, chain, by_id, 20, tmp_path)
+    inputs = tuple(i.name for i in sess.get_inputs())
+    th = TorchHeads(NativeHeads.from_graph(path, info, lm, inputs), "cpu")
+    assert agrees(th, sess, inputs, 8) and agrees(th, sess, inputs, 3, seed=4)
+    th.w["wh" if kind == "residual" else "w1"][2, 3] += 1.0  # one weight off: refused
+    assert not agrees(th, sess, inputs, 8)
 
 
 def test_native_heads_run_in_parallel_threads(tmp_path):
@@ -327,7 +350,7 @@ def test_residual_graph_feeds_its_own_argmax_like_teacher_forcing():
 # -- the drafter: lossless, and better than probing -----------------------------------------
 
 
-@pytest.mark.parametrize("engine", ["C", "onnxruntime"])
+@pytest.mark.parametrize("engine", ["C", "onnxruntime", "torch"])
 @pytest.mark.parametrize("bc", [10, 30, pytest.param(60, marks=pytest.mark.slow)])
 def test_heads_equal_transformers_greedy(trained, stories_refs, bc, engine, monkeypatch):
     import edgemtp.runtimes.heads as rh
@@ -335,9 +358,12 @@ def test_heads_equal_transformers_greedy(trained, stories_refs, bc, engine, monk
 
     if engine == "C" and native.heads_lib() is None:
         pytest.skip(f"no C heads kernel here: {native.heads_why_not()}")
-    # the runner keeps whichever engine is faster here; each is held to greedy
-    monkeypatch.setattr(rh, "faster", lambda a, b: engine == "C")
+    # the runner keeps whichever engine is faster here; each is held to greedy (torch: as
+    # on a torch backend's GPU, here on the CPU device)
+    monkeypatch.setattr(rh, "faster", lambda a, b: engine in ("C", "torch"))
     monkeypatch.setattr(rh, "_FASTER", {})
+    if engine == "torch":
+        monkeypatch.setattr(rh.HeadsRunner, "load", _torch_load(rh.HeadsRunner.load))
     hf, prompts, refs = stories_refs
     pkg, _ = trained
     assert rh.HeadsRunner.load(load_package(pkg), "residual", k=bc).engine == engine

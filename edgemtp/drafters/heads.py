@@ -84,7 +84,8 @@ class HeadsDrafter:
         # token is pruned): the graph is asked for no more (``candidates``: the caller's own)
         n = heads_budget(config)
         self.runner = HeadsRunner.load(package, config.heads,
-                                       k=n if candidates is None else candidates)
+                                       k=n if candidates is None else candidates,
+                                       device=getattr(backend, "device", None))
         if not backend.supports_hidden:
             raise ConfigError(f"the package {str(package.root)!r} has heads but its graph "
                               f"does not output hidden states; re-export with --hidden-states")
