@@ -202,52 +202,48 @@ class ExportTreeDecoder(TreeDecoder):
         scale, or None where q already carries it. Returns the output and the block's V as
         the cache keeps it (on the exact sums' grid, float64, in an int4/int8 export)."""
         hd, g = self.head_dim, self.n_heads // self.n_kv
-        if self.head_major:
-            return self._attend_heads(attn, q, k_t, v, mask, past_k, past_v, scale)
-        # the past is never copied: its sequence-major [P, H_kv, D] is read in place by
-        # MatMuls onnxruntime fuses with the permutes (FusedMatMul, transBatchB); only the
-        # block's own K/V and the [H_kv, g*T, P + T] scores are new tensors
-        past = past_k.shape[1]
-        scores = torch.cat([torch.matmul(q, past_k.squeeze(0).permute(1, 2, 0)),   # [H_kv, g*T, P]
+        past = past_k.shape[self.cache_axis]
+        scores = torch.cat([self._past_scores(q, past_k),                  # [H_kv, g*T, P]
                             torch.matmul(q, k_t)], dim=-1).float()
         # a finite mask value: -inf makes a fully masked row NaN, and -65504 (fp16's lowest)
         # stays finite in fp16 too; exp() of it underflows to exactly 0 in the softmax
         bias = torch.where(mask, 0.0, MASKED).repeat(1, 1, g, 1)[0]       # [1, g*T, P+T]
         logits = (scores if scale is None else scores * scale) + bias
-        v_past = past_v.squeeze(0).permute(1, 0, 2)
-        if self.exact_attention:
+        if self.exact_attention:  # (sequence-major only: ExportOptions refuses the other)
             # what the cache keeps (see exact_sums), in float64: p @ V is summed in float64,
             # and a float64 cache spares a cast of the whole past every layer and step
             v = (torch.round(v * V_GRID) / V_GRID).double()
-            out = exact_sums(logits, v_past, v[0].transpose(0, 1), past).to(q.dtype)
+            out = exact_sums(logits, past_v.squeeze(0).permute(1, 0, 2),
+                             v[0].transpose(0, 1), past).to(q.dtype)
         else:
-            probs = torch.softmax(logits, dim=-1).to(v_past.dtype)
-            out = (torch.matmul(probs[..., :past], v_past)
+            probs = torch.softmax(logits, dim=-1).to(past_v.dtype)
+            out = (self._past_values(probs[..., :past], past_v)
                    + torch.matmul(probs[..., past:], v[0].transpose(0, 1))).to(v.dtype)
         out = attn.o_proj(out.reshape(1, self.n_heads, -1, hd).transpose(1, 2)
                           .reshape(1, -1, self.n_heads * hd))
         return out, v
 
-    def _attend_heads(self, attn, q, k_t, v, mask, past_k, past_v, scale):
-        """:meth:`_attend` over a head-major past ``[1, H_kv, P, D]``: the queries as
-        ``[1, H_kv, g, T, D]`` against the past broadcast over the group (``[1, H_kv, 1, P,
-        D]``), so each query head of a one-row step is an M = 1 product over its KV head's
-        contiguous rows; the block's own keys as in :meth:`_attend`."""
-        hd, g = self.head_dim, self.n_heads // self.n_kv
-        past = past_k.shape[2]
-        q5 = q.reshape(1, self.n_kv, g, -1, hd)                           # [1, H_kv, g, T, D]
-        s_past = torch.matmul(q5, past_k.unsqueeze(2).transpose(-1, -2))  # [1, H_kv, g, T, P]
-        scores = torch.cat([s_past.reshape(self.n_kv, -1, past),
-                            torch.matmul(q, k_t)], dim=-1).float()        # [H_kv, g*T, P+T]
-        bias = torch.where(mask, 0.0, MASKED).repeat(1, 1, g, 1)[0]
-        logits = (scores if scale is None else scores * scale) + bias
-        probs = torch.softmax(logits, dim=-1).to(past_v.dtype)
-        p_past = probs[..., :past].reshape(1, self.n_kv, g, -1, past)
-        out = (torch.matmul(p_past, past_v.unsqueeze(2)).reshape(self.n_kv, -1, hd)
-               + torch.matmul(probs[..., past:], v[0].transpose(0, 1))).to(v.dtype)
-        out = attn.o_proj(out.reshape(1, self.n_heads, -1, hd).transpose(1, 2)
-                          .reshape(1, -1, self.n_heads * hd))
-        return out, v
+    # The past is never copied. Sequence-major ([1, P, H_kv, D]): read in place by MatMuls
+    # onnxruntime fuses with the permutes (FusedMatMul, transBatchB). Head-major ([1, H_kv,
+    # P, D]): the queries as [1, H_kv, g, T, D] against the past broadcast over the group
+    # ([1, H_kv, 1, P, D]), so each query head of a one-row step is an M = 1 product over its
+    # KV head's contiguous rows, which MLAS streams unpacked.
+
+    def _past_scores(self, q, past_k):
+        # q [H_kv, g*T, D] -> [H_kv, g*T, P]
+        if not self.head_major:
+            return torch.matmul(q, past_k.squeeze(0).permute(1, 2, 0))
+        g, hd = self.n_heads // self.n_kv, self.head_dim
+        s = torch.matmul(q.reshape(1, self.n_kv, g, -1, hd), past_k.unsqueeze(2).transpose(-1, -2))
+        return s.reshape(self.n_kv, -1, past_k.shape[2])
+
+    def _past_values(self, p, past_v):
+        # p [H_kv, g*T, P] -> [H_kv, g*T, D]
+        if not self.head_major:
+            return torch.matmul(p, past_v.squeeze(0).permute(1, 0, 2))
+        g, hd = self.n_heads // self.n_kv, self.head_dim
+        out = torch.matmul(p.reshape(1, self.n_kv, g, -1, p.shape[-1]), past_v.unsqueeze(2))
+        return out.reshape(self.n_kv, -1, hd)
 
     def _mlp(self, layer, x):
         return self._gated_mlp(layer.mlp, layer.post_attention_layernorm(x))

@@ -134,8 +134,13 @@ def test_the_heads_kernel_falls_back_to_the_portable_build(monkeypatch, tmp_path
     assert native._build(native.HEADS_SOURCE, bogus) == out     # built once
     best = native._build(native.HEADS_SOURCE, native.HEADS_OPTIONS)
     assert best != out
-    lib = native._declare_heads(__import__("ctypes").CDLL(str(best)))
-    assert lib.heads_medusa(0, 1, 8, 1, *[None] * 8) == -1  # shapes it refuses: -1, no crash
+    import ctypes
+
+    lib = native._declare_heads(ctypes.CDLL(str(best)))
+    bad = native.HeadsCall(kind=0, d=0, heads=1, m=8, k=1)  # shapes it refuses: -1, no crash
+    assert lib.heads_run(ctypes.addressof(bad), 0) == -1
+    root = native.HeadsCall(kind=1, d=4, w=4, heads=1, c=8, m=8, k=1, by_id=1)
+    assert lib.heads_run(ctypes.addressof(root), 8) == -1  # a root past the chain's rows
 
 
 @pytest.mark.parametrize("drafter", ["stand", "auto"])

@@ -159,14 +159,8 @@ def why_not() -> str | None:
 
 
 def _declare_heads(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.heads_medusa.restype = i32
-    lib.heads_medusa.argtypes = [i32] * 4 + [p] * 8
-    lib.heads_residual.restype = i32
-    lib.heads_residual.argtypes = [i32] * 6 + [p] * 10
-    lib.heads_root_row.restype = None
-    lib.heads_root_row.argtypes = [i32] * 2 + [p] * 5
-    lib.heads_run.restype, lib.heads_run.argtypes = i32, [p, ctypes.c_int64]
+    lib.heads_run.restype = ctypes.c_int
+    lib.heads_run.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     return lib
 
 

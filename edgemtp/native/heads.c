@@ -41,7 +41,8 @@ static inline v8 max8(v8 a, v8 b) {  /* lanes of b where b > a, else a */
     return (v8)(((vi8)b & m) | ((vi8)a & ~m));
 }
 
-/* fexp below, 8 lanes at once */
+/* e^x to ~2e-7 relative, 8 lanes at once, branch-free: 2^(x log2 e) split into an integer
+   and a fraction in [-0.5, 0.5], the fraction by its Taylor polynomial */
 static inline v8 vexp(v8 x) {
     v8 lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
     x = max8(lo, x);
@@ -89,15 +90,6 @@ static inline void dots4(const float *a, const float *b, int n, float *o) {
     o[3] = t3;
 }
 
-static inline float dot(const float *a, const float *b, int n);
-
-/* o[r] = a . b[r] for rows r < m of b (stride n) */
-static inline void matvec(const float *a, const float *b, int m, int n, float *o) {
-    int r = 0;
-    for (; r + 4 <= m; r += 4) dots4(a, b + (int64_t)r * n, n, o + r);
-    for (; r < m; r++) o[r] = dot(a, b + (int64_t)r * n, n);
-}
-
 static inline float dot(const float *a, const float *b, int n) {
     v8 acc = {0};
     int i = 0;
@@ -107,26 +99,16 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* e^x to ~2e-7 relative, branch-free (vectorizable): 2^(x log2 e) split into an integer and
-   a fraction in [-0.5, 0.5], the fraction by its Taylor polynomial */
-static inline float fexp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float t = x * 1.44269504088896341f;
-    float r = (t + 12582912.0f) - 12582912.0f;  /* round to an integer */
-    float f = t - r;
-    float p = 1.5403530393381606e-4f;
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
-    int32_t n = (int32_t)r;
-    uint32_t bits;
-    memcpy(&bits, &p, 4);
-    bits += (uint32_t)n << 23;
-    memcpy(&p, &bits, 4);
-    return p;
+/* o[r] = a . b[r] for rows r < m of b (stride n) */
+static inline void matvec(const float *a, const float *b, int m, int n, float *o) {
+    int r = 0;
+    for (; r + 4 <= m; r += 4) dots4(a, b + (int64_t)r * n, n, o + r);
+    for (; r < m; r++) o[r] = dot(a, b + (int64_t)r * n, n);
+}
+
+static inline float fexp(float x) {  /* vexp on one lane (tails and silu's scalars) */
+    v8 r = vexp((v8){0} + x);
+    return r[0];
 }
 
 static inline void unit(const float *x, float *out, int d) {
@@ -208,7 +190,7 @@ static inline void topk_logsoftmax(const float *s, int m, int k, int64_t *ids, f
     int nb = m / 8, n = 0;
     float t = -INFINITY;
     if (nb >= 2 * k && k <= 64) {
-        float heap[64];  /* a min-heap of the k largest block maxima so far */
+        float heap[64] = {-INFINITY};  /* a min-heap of the k largest block maxima so far */
         for (int b = 0; b < nb; b++) {
             v8 q = load8(s + 8 * b);
             float bm = q[0];
@@ -337,11 +319,11 @@ int heads_medusa(int d, int heads, int m, int k, const float *h, const float *w1
     float *uh = work, *st = work + d, *sc = st + (int64_t)heads * d;
     unit(h, uh, d);
     matvec(uh, w1, heads * d, d, st);
-    for (int j = 0; j < heads; j++)
-        for (int i = 0; i < d; i++) {
-            int64_t r = (int64_t)j * d + i;
-            st[r] = h[i] + scale[i] * silu(st[r] + b1[r]);
-        }
+    silu_add(st, b1, heads * d);  /* silu(z + b1), 8 lanes at a time */
+    for (int j = 0; j < heads; j++) {
+        float *sj = st + (int64_t)j * d;
+        for (int i = 0; i < d; i++) sj[i] = h[i] + scale[i] * sj[i];
+    }
     panel_scores_multi(st, heads, lm, PANELS(m), d, sc, mp);
     for (int j = 0; j < heads; j++)
         topk_logsoftmax(sc + j * mp, m, k, ids + (int64_t)j * k, lp + (int64_t)j * k);
