@@ -75,6 +75,21 @@ def env_threads() -> int | None:
     return int(raw)
 
 
+def auto_backend(path, device: str = "cpu") -> str:
+    """The backend ``--backend auto`` picks: ``native`` for an int4 Llama-style package on the
+    CPU where the C decoder builds (``EDGEMTP_NATIVE=0``: never), ``onnxruntime`` for any
+    other package, ``torch`` for a Hugging Face folder."""
+    from .runtimes.package import is_package  # numpy only
+
+    if not is_package(path):
+        return "torch"
+    if device == "cpu":
+        from .runtimes.native_backend import runs_natively
+        if runs_natively(path):
+            return "native"
+    return "onnxruntime"
+
+
 class Model:
     """A loaded model (a backend: the weights, once) and its tokenizer.
 
@@ -104,8 +119,9 @@ class Model:
     def load(cls, path: str, backend: str = "auto", device: str = "cpu", dtype: str | None = None,
              max_context: int | None = None, trust_remote_code: bool = False,
              threads: int | None = None, batch_invariant: bool = False) -> "Model":
-        """``backend="auto"``: onnxruntime for a package written by ``edgemtp export`` (a
-        folder with ``edgemtp.json``), torch for a Hugging Face folder. A package carries its
+        """``backend="auto"``: for a package written by ``edgemtp export`` (a folder with
+        ``edgemtp.json``) native on the CPU where it is int4 and the C decoder builds, else
+        onnxruntime; torch for a Hugging Face folder (see :func:`auto_backend`). A package carries its
         own tokenizer files (a package exported without one loads with no tokenizer).
         ``dtype=None``: the model's own (fp32 for a Hugging Face folder). ``threads=None``:
         ``$EDGEMTP_THREADS`` if set, else the runtime's default (every physical core).
@@ -115,9 +131,7 @@ class Model:
         check_model_path(path)
         threads = threads if threads is not None else env_threads()
         if backend == "auto":
-            from .runtimes.package import is_package  # numpy only
-
-            backend = "onnxruntime" if is_package(path) else "torch"
+            backend = auto_backend(path, device)
         extra = {}
         if batch_invariant:
             if backend != "torch":

@@ -123,6 +123,7 @@ BACKENDS: dict[str, str] = {
     "torch": "edgemtp.runtimes.torch_backend:TorchBackend",
     "onnxruntime": "edgemtp.runtimes.onnxrt_backend:OrtBackend",
     "tensorrt": "edgemtp.runtimes.trt_backend:TrtBackend",  # imports tensorrt when loading
+    "native": "edgemtp.runtimes.native_backend:NativeBackend",  # int4 packages, C on the CPU
 }
 
 

@@ -46,9 +46,10 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True,
         p.add_argument("--model", required=model_required,
                        help="Hugging Face model folder, exported package, or hub id (online)")
     p.add_argument("--backend", default="auto",
-                   help="torch, onnxruntime or tensorrt (a package's built engine; default: "
-                        "auto, onnxruntime for an exported package, torch for a Hugging Face "
-                        "folder)")
+                   help="torch, onnxruntime, native (an int4 package on edgemtp's own C "
+                        "decoder, CPU) or tensorrt (a package's built engine); default: auto: "
+                        "native for an int4 package on the CPU, onnxruntime for another "
+                        "package, torch for a Hugging Face folder")
     p.add_argument("--device", default="cpu",
                    help="cpu or cuda; onnxruntime also tensorrt (default: cpu)")
     p.add_argument("--dtype", default=None, choices=("fp32", "fp16", "bf16"),

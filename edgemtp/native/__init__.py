@@ -31,12 +31,19 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("ngram.c")
 HEADS_SOURCE = Path(__file__).with_name("heads.c")
+DECODER_SOURCE = Path(__file__).with_name("decoder.c")
 _LIB: list = []  # [ctypes.CDLL or None] once tried
 _WHY: list[str] = []
 _HEADS: list = []
 # this machine's vector units where the compiler knows them, else the portable build
 HEADS_OPTIONS = (("-O3", "-march=native", "-ffp-contract=fast"), ("-O3",))
 _HEADS_WHY: list[str] = []
+# the native backend's decoder: OpenMP threads where the compiler has them; no contraction of
+# multiply-adds (a vector lane and a scalar tail must compute the same, see decoder.c)
+DECODER_OPTIONS = (("-O3", "-march=native", "-fopenmp", "-ffp-contract=off"),
+                   ("-O3", "-fopenmp", "-ffp-contract=off"), ("-O3", "-ffp-contract=off"))
+_DECODER: list = []
+_DECODER_WHY: list[str] = []
 
 
 def _compiler() -> str | None:
@@ -185,3 +192,26 @@ def heads_lib() -> ctypes.CDLL | None:
 def heads_why_not() -> str | None:
     """Why :func:`heads_lib` is None (None where it loaded or was not tried)."""
     return _why(_HEADS_WHY)
+
+
+def _declare_decoder(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.decoder_scratch.restype, lib.decoder_scratch.argtypes = ctypes.c_size_t, [p, i32, i32]
+    lib.decoder_forward.restype, lib.decoder_forward.argtypes = i32, [p, p, p, p]
+    lib.decoder_commit.restype, lib.decoder_commit.argtypes = None, [p, p, p, i32]
+    lib.decoder_threads.restype, lib.decoder_threads.argtypes = i32, []
+    return lib
+
+
+def decoder_lib() -> ctypes.CDLL | None:
+    """The native backend's decoder (``decoder.c``), or None (no compiler, a failed build, or
+    ``EDGEMTP_NATIVE=0``); :func:`decoder_why_not` says why."""
+    if os.environ.get("EDGEMTP_NATIVE", "1") == "0":
+        return None
+    return _load(_DECODER, _DECODER_WHY, lambda: _declare_decoder(
+        ctypes.CDLL(str(_build(DECODER_SOURCE, DECODER_OPTIONS)))))
+
+
+def decoder_why_not() -> str | None:
+    """Why :func:`decoder_lib` is None (None where it loaded or was not tried)."""
+    return _why(_DECODER_WHY)

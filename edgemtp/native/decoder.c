@@ -1,0 +1,494 @@
+/* A whole decoder step of an int4 package on the host CPU: the native backend
+   (runtimes/native_backend.py).
+
+   Why: onnxruntime's CPU kernels make a row's logits depend on the block it sits in (MLAS runs
+   a one-row MatMulNBits through its own kernel), so the onnxruntime int4 package pays for an
+   extra throwaway row every plain step and for exact attention sums spelled out in ~1400
+   small nodes. Here every row is computed by the same instructions in the same order
+   whatever block it sits in and whatever its place in it, so a row's logits are bitwise those
+   of plain decoding of the same tokens, by construction:
+   - the int4 matrix products quantize each activation row on its own (int8, blocks of 32, as
+     onnxruntime's accuracy level 4) and sum integer dot products per block of 32 exactly,
+     then the blocks' float terms in block order, one output column per lane;
+   - attention: a row's keys are listed as the cache's rows then its ancestors in the block, in
+     order, which is exactly the list plain decoding has once those ancestors are committed;
+     every score is the same sequence of multiply-adds over the head dimension, softmax and
+     p @ V run over the list in list order;
+   - norms, rotary embedding, SiLU are per row.
+   Built with -ffp-contract=off: the compiler fuses nothing, so a lane and a scalar tail
+   compute the same; the only fused multiply-adds are the explicit ones in the int4 kernel.
+
+   Weights (packed by runtimes/native_backend.py from the package's MatMulNBits initializers):
+   a matrix [N, K] as groups of 16 output columns, blocks of 32 inputs: w [G][nb][4][64] bytes,
+   in chunk c byte r*4+e holds input 8c+e of column 16g+r in its low nibble and 8c+4+e in its
+   high one; scales [G][nb][16] float; zero points [G][nb][16] bytes. A column's value is
+   sum over blocks of scale * a_scale * (sum_j q_j a_j - zp * sum_j a_j).
+
+   Cache (per session): keys transposed, [L][H_kv][D][cap] (a row's scores against 8 cached
+   keys are one vector of 8 lanes), values [L][H_kv][cap][D]; a block's rows are written after
+   the committed ones and commit() moves the accepted ones down. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define Q4_VNNI 1
+#endif
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+static inline v8 max8(v8 a, v8 b) { vi8 m = b > a; return (v8)(((vi8)b & m) | ((vi8)a & ~m)); }
+
+/* e^x to ~2e-7 relative (heads.c's), 8 lanes */
+static inline v8 vexp(v8 x) {
+    v8 lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
+    x = max8(lo, x);
+    x = -max8(-hi, -x);
+    v8 t = x * 1.44269504088896341f;
+    v8 r = (t + 12582912.0f) - 12582912.0f;
+    v8 f = t - r;
+    v8 p = f * 1.5403530393381606e-4f + 1.3333558146428443e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    p = p * f + 1.0f;
+    vi8 n = __builtin_convertvector(r, vi8);
+    return (v8)((vi8)p + n * (1 << 23));
+}
+static inline float fexp(float x) { v8 r = vexp((v8){0} + x); return r[0]; }
+static inline float sum8(v8 q) {
+    return ((q[0] + q[4]) + (q[1] + q[5])) + ((q[2] + q[6]) + (q[3] + q[7]));
+}
+
+typedef struct { int G, nb; const uint8_t *w; const float *sc; const uint8_t *zp; } Q4W;
+
+typedef struct {
+    int L, d, H, Hkv, D, F, V, rope_rows, threads;
+    float eps, scale;
+    const float *cos, *sin;                 /* [rope_rows][D/2] */
+    const float *norm_in, *norm_post;       /* [L][d] */
+    const float *norm_final;                /* [d] */
+    const Q4W *qkv, *o, *gu, *down;         /* [L] each */
+    const Q4W *lm;
+    const uint8_t *emb_q;                   /* [V][ceil(d/32)*16], onnxruntime's int4 layout */
+    const float *emb_sc;                    /* [V][ceil(d/32)] */
+    const uint8_t *emb_zp;                  /* [V][ceil(ceil(d/32)/2)] or NULL (8) */
+} Model;
+
+typedef struct { float *k, *v; int cap; int len; } Cache;
+
+typedef struct {
+    int T, topk, want_logits, want_hidden;
+    const int64_t *ids, *pos;
+    const uint8_t *mask;                    /* [T][T] */
+    const float *mask_embeds; int n_mask;   /* [n_mask][d] */
+    int64_t *argmax, *topk_ids;             /* [T], [T][topk] */
+    float *topk_lp, *logits, *hidden;       /* [T][topk], [T][V] or NULL, [T][d] or NULL */
+} Call;
+
+#define LM_ROWS 16  /* rows of logits computed at once (bounds the scratch for a prefill) */
+
+static int pad32(int k) { return (k + 31) / 32 * 32; }
+
+/* ---- int8 activations, per row and block of 32 ---- */
+static void quant_row(const float *x, int K, int8_t *aq, float *as, int32_t *asum) {
+    int nb = (K + 31) / 32;
+    for (int b = 0; b < nb; b++) {
+        int n = K - 32 * b < 32 ? K - 32 * b : 32;
+        const float *xb = x + 32 * b;
+        float amax = 0.f;
+        for (int j = 0; j < n; j++) { float a = fabsf(xb[j]); amax = a > amax ? a : amax; }
+        float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t *q = aq + 32 * b;
+        int s = 0;
+        for (int j = 0; j < 32; j++) {
+            int v = j < n ? (int)rintf(xb[j] * inv) : 0;
+            q[j] = (int8_t)v;
+            s += v;
+        }
+        as[b] = amax / 127.f;
+        asum[b] = s;
+    }
+}
+
+/* y[t][n] for t < T of the int4 matrix m, columns split among the team's threads */
+static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, const int32_t *asum,
+                    float *y, int ldy) {
+    const int nb = m->nb, Kp = nb * 32;
+#pragma omp for schedule(static)
+    for (int g = 0; g < m->G; g++) {
+        for (int t0 = 0; t0 < T; t0 += 4) {
+            int tn = T - t0 < 4 ? T - t0 : 4;
+#ifdef Q4_VNNI
+            __m512 f[4];
+            for (int i = 0; i < 4; i++) f[i] = _mm512_setzero_ps();
+            const __m512i m4 = _mm512_set1_epi8(0x0F);
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 256;
+                __m512i u[8];
+                for (int c = 0; c < 4; c++) {
+                    __m512i v = _mm512_loadu_si512(wb + 64 * c);
+                    u[2 * c] = _mm512_and_si512(v, m4);
+                    u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                }
+                __m512 s = _mm512_loadu_ps(m->sc + ((size_t)g * nb + b) * 16);
+                __m512i z = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(m->zp + ((size_t)g * nb + b) * 16)));
+                for (int i = 0; i < tn; i++) {
+                    int t = t0 + i;
+                    const int32_t *a = (const int32_t *)(aq + (size_t)t * Kp + b * 32);
+                    __m512i acc = _mm512_setzero_si512();
+                    for (int k = 0; k < 8; k++)
+                        acc = _mm512_dpbusd_epi32(acc, u[k], _mm512_set1_epi32(a[k]));
+                    acc = _mm512_sub_epi32(acc, _mm512_mullo_epi32(z, _mm512_set1_epi32(asum[t * nb + b])));
+                    f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
+                                           _mm512_mul_ps(s, _mm512_set1_ps(as[t * nb + b])), f[i]);
+                }
+            }
+            for (int i = 0; i < tn; i++) _mm512_storeu_ps(y + (size_t)(t0 + i) * ldy + 16 * g, f[i]);
+#else
+            float f[4][16];
+            memset(f, 0, sizeof f);
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 256;
+                const float *s = m->sc + ((size_t)g * nb + b) * 16;
+                const uint8_t *z = m->zp + ((size_t)g * nb + b) * 16;
+                for (int i = 0; i < tn; i++) {
+                    int t = t0 + i;
+                    const int8_t *a = aq + (size_t)t * Kp + b * 32;
+                    int32_t acc[16] = {0};
+                    for (int c = 0; c < 4; c++)
+                        for (int r = 0; r < 16; r++)
+                            for (int e = 0; e < 4; e++) {
+                                uint8_t v = wb[64 * c + r * 4 + e];
+                                acc[r] += (v & 15) * a[8 * c + e] + (v >> 4) * a[8 * c + 4 + e];
+                            }
+                    float sa = as[t * nb + b];
+                    int32_t sm = asum[t * nb + b];
+                    for (int r = 0; r < 16; r++)
+                        f[i][r] = fmaf((float)(acc[r] - z[r] * sm), s[r] * sa, f[i][r]);
+                }
+            }
+            for (int i = 0; i < tn; i++) memcpy(y + (size_t)(t0 + i) * ldy + 16 * g, f[i], 64);
+#endif
+        }
+    }
+}
+
+/* ---- per-row pieces ---- */
+static float sumsq(const float *x, int n) {
+    v8 s = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8) { v8 v = load8(x + i); s += v * v; }
+    float r = sum8(s);
+    for (; i < n; i++) r += x[i] * x[i];
+    return r;
+}
+
+static void rms_norm(const float *x, const float *w, int d, float eps, float *out) {
+    float inv = 1.0f / sqrtf(sumsq(x, d) / (float)d + eps);
+    for (int i = 0; i < d; i++) out[i] = (x[i] * inv) * w[i];
+}
+
+static void rotate(float *x, int heads, int D, const float *cos, const float *sin) {
+    int half = D / 2;
+    for (int h = 0; h < heads; h++) {
+        float *v = x + h * D;
+        for (int i = 0; i < half; i++) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+static void embed_row(const Model *M, int64_t id, const float *mask_embeds, int n_mask,
+                      float *out) {
+    int d = M->d;
+    if (id >= M->V) {
+        int64_t slot = id - M->V;
+        if (slot >= n_mask) slot = n_mask - 1;
+        memcpy(out, mask_embeds + slot * d, sizeof(float) * d);
+        return;
+    }
+    int nb = (d + 31) / 32, zb = (nb + 1) / 2;
+    const uint8_t *q = M->emb_q + (size_t)id * nb * 16;
+    for (int i = 0; i < d; i++) {
+        int b = i / 32;
+        int z = 8;
+        if (M->emb_zp) {
+            uint8_t zz = M->emb_zp[(size_t)id * zb + b / 2];
+            z = (b & 1) ? zz >> 4 : zz & 15;
+        }
+        uint8_t v = q[i / 2];
+        int qi = (i & 1) ? v >> 4 : v & 15;
+        out[i] = (float)(qi - z) * M->emb_sc[(size_t)id * nb + b];
+    }
+}
+
+/* attention of one query head of one row: keys = cache rows [0, n0) then the block rows
+   listed in anc (cache rows base + anc[i]); sc: scratch of at least n0 + n_anc + 8 floats */
+static void attend(const float *q, const float *kt, const float *vv, int cap, int D, int n0,
+                   const int *anc, int n_anc, int base, float scale, float *sc, float *out) {
+    int n = n0 + n_anc, i = 0;
+    for (; i + 8 <= n0; i += 8) {
+        v8 acc = {0};
+        for (int e = 0; e < D; e++) acc += q[e] * load8(kt + (size_t)e * cap + i);
+        store8(sc + i, acc * scale);
+    }
+    for (; i < n0; i++) {
+        float acc = 0.f;
+        for (int e = 0; e < D; e++) acc += q[e] * kt[(size_t)e * cap + i];
+        sc[i] = acc * scale;
+    }
+    for (int a = 0; a < n_anc; a++) {
+        int c = base + anc[a];
+        float acc = 0.f;
+        for (int e = 0; e < D; e++) acc += q[e] * kt[(size_t)e * cap + c];
+        sc[n0 + a] = acc * scale;
+    }
+    int n8 = (n + 7) / 8 * 8;
+    for (i = n; i < n8; i++) sc[i] = -INFINITY;
+    v8 mx = load8(sc);
+    for (i = 8; i < n8; i += 8) mx = max8(mx, load8(sc + i));
+    float m = mx[0];
+    for (int l = 1; l < 8; l++) m = mx[l] > m ? mx[l] : m;
+    v8 s = {0};
+    for (i = 0; i < n8; i += 8) {
+        v8 e = vexp(load8(sc + i) - m);
+        vi8 live = load8(sc + i) > -INFINITY;  /* padding lanes add exactly 0 */
+        e = (v8)((vi8)e & live);
+        store8(sc + i, e);
+        s += e;
+    }
+    float inv = 1.0f / sum8(s);
+    for (int e = 0; e < D; e++) out[e] = 0.f;
+    for (i = 0; i < n; i++) {
+        const float *v = vv + (size_t)(i < n0 ? i : base + anc[i - n0]) * D;
+        float p = sc[i];
+        for (int e = 0; e < D; e++) out[e] += p * v[e];
+    }
+    for (int e = 0; e < D; e++) out[e] *= inv;
+}
+
+/* top-k (value desc, then index asc) of one row of logits, its argmax and log-softmax */
+static void row_out(const float *lg, int V, int k, int64_t *argmax, int64_t *ids, float *lp) {
+    float m = lg[0];
+    int64_t am = 0;
+    for (int i = 1; i < V; i++) if (lg[i] > m) { m = lg[i]; am = i; }
+    *argmax = am;
+    if (k <= 0) return;
+    v8 s = {0};
+    int i = 0;
+    for (; i + 8 <= V; i += 8) s += vexp(load8(lg + i) - m);
+    float tot = sum8(s);
+    for (; i < V; i++) tot += fexp(lg[i] - m);
+    float lse = m + logf(tot);
+    int n = 0;
+    float vals[64];
+    int idx[64];
+    if (k > 64) k = 64;
+    for (i = 0; i < V; i++) {
+        float x = lg[i];
+        if (n == k && x <= vals[k - 1]) continue;
+        int j = n < k ? n++ : k - 1;
+        while (j > 0 && vals[j - 1] < x) { vals[j] = vals[j - 1]; idx[j] = idx[j - 1]; j--; }
+        vals[j] = x;
+        idx[j] = i;
+    }
+    for (i = 0; i < n; i++) { ids[i] = idx[i]; lp[i] = vals[i] - lse; }
+}
+
+/* scratch floats a call of T rows needs (see decoder_forward) */
+size_t decoder_scratch(const Model *M, int T, int cap) {
+    int d = M->d, D = M->D;
+    int Nqkv = M->qkv[0].G * 16, Ngu = M->gu[0].G * 16, Kmax = pad32(d > M->F ? d : M->F);
+    int Kattn = pad32(M->H * D);
+    if (Kattn > Kmax) Kmax = Kattn;
+    int Vp = M->lm->G * 16;
+    int rows = T < LM_ROWS ? T : LM_ROWS;
+    size_t per_row = (size_t)2 * d + Nqkv + pad32(M->H * D) + Ngu + pad32(M->F) + d
+                     + Kmax / 4 + 2 * (Kmax / 32);
+    int threads = 1;
+#ifdef _OPENMP
+    threads = M->threads > 0 ? M->threads : omp_get_max_threads();
+#endif
+    return per_row * T + (size_t)rows * Vp + (size_t)threads * (cap + 16 + T) + 64;
+}
+
+/* one block of T rows after the cache's len committed rows; its K/V land in the cache at rows
+   len .. len + T - 1 (cap must hold them). Returns 0, or -1 when the block does not fit. */
+int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
+    const int T = X->T, d = M->d, D = M->D, H = M->H, Hkv = M->Hkv, F = M->F;
+    const int P = C->len, cap = C->cap, grp = H / Hkv, half = D / 2;
+    if (P + T > cap) return -1;
+    const int Nqkv = M->qkv[0].G * 16, Ngu = M->gu[0].G * 16, Vp = M->lm->G * 16;
+    int Kmax = pad32(d > F ? d : F);
+    if (pad32(H * D) > Kmax) Kmax = pad32(H * D);
+    int threads = 1;
+#ifdef _OPENMP
+    threads = M->threads > 0 ? M->threads : omp_get_max_threads();
+#endif
+    /* carve the scratch */
+    float *x = work;                               /* [T][d] residual stream */
+    float *h = x + (size_t)T * d;                  /* [T][d] normed */
+    float *qkv = h + (size_t)T * d;                /* [T][Nqkv] */
+    float *att = qkv + (size_t)T * Nqkv;           /* [T][pad32(H*D)] */
+    float *gu = att + (size_t)T * pad32(H * D);    /* [T][Ngu] */
+    float *mm = gu + (size_t)T * Ngu;              /* [T][pad32(F)] */
+    float *y = mm + (size_t)T * pad32(F);          /* [T][d] */
+    int8_t *aq = (int8_t *)(y + (size_t)T * d);    /* [T][Kmax] */
+    float *as = (float *)(aq + (size_t)T * Kmax);  /* [T][Kmax/32] */
+    int32_t *asum = (int32_t *)(as + (size_t)T * (Kmax / 32));
+    float *lg = (float *)(asum + (size_t)T * (Kmax / 32));   /* [LM_ROWS][Vp] */
+    int rows = T < LM_ROWS ? T : LM_ROWS;
+    float *sc_all = lg + (size_t)rows * Vp;        /* per thread [cap + 16 + T] */
+    /* each row's block ancestors beyond the leading run of ones (which sits contiguous after
+       the cache): lead[t], then anc list */
+    int *lead = (int *)malloc(sizeof(int) * T * (T + 2));
+    if (!lead) return -2;
+    int *nanc = lead + T, *anc = lead + 2 * T;
+    for (int t = 0; t < T; t++) {
+        const uint8_t *r = X->mask + (size_t)t * T;
+        int a = 0;
+        while (a < T && r[a]) a++;
+        lead[t] = a;
+        int n = 0;
+        for (int j = a; j < T; j++) if (r[j]) anc[t * T + n++] = j;
+        nanc[t] = n;
+    }
+    const int nbd = pad32(d) / 32;
+
+#pragma omp parallel num_threads(threads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *sc = sc_all + (size_t)tid * (cap + 16 + T);
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            embed_row(M, X->ids[t], X->mask_embeds, X->n_mask, x + (size_t)t * d);
+            rms_norm(x + (size_t)t * d, M->norm_in, d, M->eps, h + (size_t)t * d);
+            quant_row(h + (size_t)t * d, d, aq + (size_t)t * pad32(d), as + t * nbd, asum + t * nbd);
+        }
+        for (int l = 0; l < M->L; l++) {
+            q4_gemm(&M->qkv[l], T, aq, as, asum, qkv, Nqkv);
+            float *kt = C->k + (size_t)l * Hkv * D * cap, *vc = C->v + (size_t)l * Hkv * cap * D;
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                int64_t p = X->pos[t];
+                if (p >= M->rope_rows) p = M->rope_rows - 1;
+                if (p < 0) p = 0;
+                float *r = qkv + (size_t)t * Nqkv;
+                rotate(r, H + Hkv, D, M->cos + p * half, M->sin + p * half);
+                for (int g = 0; g < Hkv; g++) {
+                    const float *k = r + (H + g) * D, *v = r + (H + Hkv + g) * D;
+                    for (int e = 0; e < D; e++) kt[((size_t)g * D + e) * cap + P + t] = k[e];
+                    memcpy(vc + ((size_t)g * cap + P + t) * D, v, sizeof(float) * D);
+                }
+            }
+#pragma omp for schedule(static)
+            for (int job = 0; job < T * H; job++) {
+                int t = job / H, hh = job % H, g = hh / grp;
+                attend(qkv + (size_t)t * Nqkv + hh * D, kt + (size_t)g * D * cap,
+                       vc + (size_t)g * cap * D, cap, D, P + lead[t], anc + t * T, nanc[t], P,
+                       M->scale, sc, att + (size_t)t * pad32(H * D) + hh * D);
+            }
+            const int ka = pad32(H * D), nba = ka / 32;
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++)
+                quant_row(att + (size_t)t * ka, H * D, aq + (size_t)t * ka, as + t * nba, asum + t * nba);
+            q4_gemm(&M->o[l], T, aq, as, asum, y, d);
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                float *xr = x + (size_t)t * d, *yr = y + (size_t)t * d;
+                for (int i = 0; i < d; i++) xr[i] += yr[i];
+                rms_norm(xr, M->norm_post + (size_t)l * d, d, M->eps, h + (size_t)t * d);
+                quant_row(h + (size_t)t * d, d, aq + (size_t)t * pad32(d), as + t * nbd, asum + t * nbd);
+            }
+            q4_gemm(&M->gu[l], T, aq, as, asum, gu, Ngu);
+            const int kf = pad32(F), nbf = kf / 32;
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                const float *gr = gu + (size_t)t * Ngu;
+                float *mr = mm + (size_t)t * kf;
+                int i = 0;
+                for (; i + 8 <= F; i += 8) {
+                    v8 z = load8(gr + i);
+                    store8(mr + i, z / (1.0f + vexp(-z)) * load8(gr + F + i));
+                }
+                for (; i < F; i++) {
+                    float z = gr[i];
+                    mr[i] = z / (1.0f + fexp(-z)) * gr[F + i];
+                }
+                quant_row(mr, F, aq + (size_t)t * kf, as + t * nbf, asum + t * nbf);
+            }
+            q4_gemm(&M->down[l], T, aq, as, asum, y, d);
+            const float *wn = l + 1 < M->L ? M->norm_in + (size_t)(l + 1) * d : M->norm_final;
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                float *xr = x + (size_t)t * d, *yr = y + (size_t)t * d;
+                for (int i = 0; i < d; i++) xr[i] += yr[i];
+                rms_norm(xr, wn, d, M->eps, h + (size_t)t * d);
+                quant_row(h + (size_t)t * d, d, aq + (size_t)t * pad32(d), as + t * nbd, asum + t * nbd);
+                if (l + 1 == M->L && X->hidden)
+                    memcpy(X->hidden + (size_t)t * d, h + (size_t)t * d, sizeof(float) * d);
+            }
+        }
+        /* LM head, LM_ROWS rows at a time */
+        for (int t0 = 0; t0 < T; t0 += LM_ROWS) {
+            int tn = T - t0 < LM_ROWS ? T - t0 : LM_ROWS;
+            float *out = X->logits ? X->logits + (size_t)t0 * M->V : lg;
+            int ld = X->logits ? M->V : Vp;
+            if (X->logits && ld % 16) { out = lg; ld = Vp; }
+            q4_gemm(M->lm, tn, aq + (size_t)t0 * pad32(d), as + t0 * nbd, asum + t0 * nbd, out, ld);
+#pragma omp for schedule(static)
+            for (int i = 0; i < tn; i++) {
+                const float *row = out + (size_t)i * ld;
+                if (X->logits && out == lg)
+                    memcpy(X->logits + (size_t)(t0 + i) * M->V, row, sizeof(float) * M->V);
+                row_out(row, M->V, X->topk, X->argmax + t0 + i,
+                        X->topk_ids + (size_t)(t0 + i) * X->topk,
+                        X->topk_lp + (size_t)(t0 + i) * X->topk);
+            }
+        }
+    }
+    free(lead);
+    return 0;
+}
+
+/* move the block rows `rows` (ascending, from the last forward) to follow the cache */
+void decoder_commit(const Model *M, Cache *C, const int64_t *rows, int n) {
+    const int D = M->D, cap = C->cap, P = C->len;
+    for (int l = 0; l < M->L; l++)
+        for (int g = 0; g < M->Hkv; g++) {
+            float *kt = C->k + ((size_t)l * M->Hkv + g) * D * cap;
+            float *vc = C->v + ((size_t)l * M->Hkv + g) * cap * D;
+            for (int i = 0; i < n; i++) {
+                int src = P + (int)rows[i], dst = P + i;
+                if (src == dst) continue;
+                for (int e = 0; e < D; e++) kt[(size_t)e * cap + dst] = kt[(size_t)e * cap + src];
+                memmove(vc + (size_t)dst * D, vc + (size_t)src * D, sizeof(float) * D);
+            }
+        }
+    C->len = P + n;
+}
+
+/* how many threads a forward runs on (OpenMP's team size; 1 in a build without OpenMP) */
+int decoder_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}

@@ -1,0 +1,403 @@
+"""The native backend: an int4 package's decoder run by edgemtp's own C code on the CPU
+(``edgemtp/native/decoder.c``), from the weights in the package's graph.
+
+Why it exists: on onnxruntime's CPU kernels a row's logits depend on the block it sits in, so
+the onnxruntime int4 package pays, every plain step, for a throwaway second row and, in every
+attention, for exact sums spelled out in ~1400 small nodes (``bench/results/peers_cpu.md``).
+``decoder.c`` computes each row with the same instructions in the same order whatever block it
+sits in, so verification is exact by construction, with no padding row and no float64 sums;
+and it runs the whole step in one call, its int4 products on the CPU's integer dot-product
+instructions where it has them (AVX-512 VNNI), on two threads with OpenMP.
+
+Its numerics are its own: int8 activations per block of 32 (as onnxruntime's accuracy level 4),
+float32 attention. Its greedy output is lossless against its own plain decoding (tested), and
+at load it is checked against the package's onnxruntime graph on a probe block, once per
+package and library (the result is cached): logits within the self-check's tolerance and the
+same argmax. Packages it cannot run (not int4, another architecture) are refused in one line
+naming the backend that can.
+
+The package keeps its graph: ``model.onnx`` stays the portable artifact (onnxruntime on any
+device); this backend is the fast path for int4 packages on x86-64 and ARM CPUs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+from pathlib import Path
+from time import perf_counter
+
+import numpy as np
+
+from edgemtp import native
+from edgemtp.backend import StepOut, check_options
+from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
+from edgemtp.runtimes.host_table import _unpack
+from edgemtp.runtimes.package import check_step, load_package
+
+_P = ctypes.c_void_p
+BLOCK = 32
+MAX_DIFF, MIN_SAME = 0.1, 0.5  # the load check's bounds against the onnxruntime graph
+MARGIN = 256  # cache rows past the max context: a block near the end may hold draft rows past it
+
+
+def runs_natively(path) -> bool:
+    """Whether ``--backend auto`` takes this package to the native backend: int4 weights in
+    blocks of 32, a Llama-style family, and a C decoder that builds here."""
+    try:
+        m = json.loads((Path(path) / "edgemtp.json").read_text())
+        w = m.get("weights") or {}
+        if (w.get("format") != "int4" or w.get("block_size", BLOCK) != BLOCK
+                or m.get("family") != "llama"):
+            return False
+    except (OSError, ValueError, AttributeError):
+        return False
+    return native.decoder_lib() is not None
+
+
+class Q4W(ctypes.Structure):
+    _fields_ = [("G", ctypes.c_int), ("nb", ctypes.c_int), ("w", _P), ("sc", _P), ("zp", _P)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int) for n in ("L", "d", "H", "Hkv", "D", "F", "V", "rope_rows",
+                                             "threads")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(n, _P) for n in ("cos", "sin", "norm_in", "norm_post", "norm_final", "qkv",
+                                     "o", "gu", "down", "lm", "emb_q", "emb_sc", "emb_zp")])
+
+
+class _Cache(ctypes.Structure):
+    _fields_ = [("k", _P), ("v", _P), ("cap", ctypes.c_int), ("len", ctypes.c_int)]
+
+
+class _Call(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int) for n in ("T", "topk", "want_logits", "want_hidden")]
+                + [(n, _P) for n in ("ids", "pos", "mask", "mask_embeds")]
+                + [("n_mask", ctypes.c_int)]
+                + [(n, _P) for n in ("argmax", "topk_ids", "topk_lp", "logits", "hidden")])
+
+
+def pack_q4(q: np.ndarray, scales: np.ndarray, zp: np.ndarray):
+    """Columns ``q [N, K]`` (values 0..15), ``scales``/``zp [N, K / 32]`` -> decoder.c's
+    layout: groups of 16 columns, blocks of 32 inputs, chunk c byte r*4+e holding input 8c+e
+    (low nibble) and 8c+4+e (high nibble) of column 16g+r."""
+    n, k = q.shape
+    nb, g = k // BLOCK, -(-n // 16)
+    qp = np.zeros((g * 16, k), np.uint8)
+    qp[:n] = q
+    x = qp.reshape(g, 16, nb, 4, 2, 4).transpose(0, 2, 3, 1, 5, 4)  # g b c r e half
+    w = np.ascontiguousarray(x[..., 0] | (x[..., 1] << 4))
+    sp = np.zeros((g * 16, nb), np.float32)
+    sp[:n] = scales
+    zpp = np.full((g * 16, nb), 8, np.uint8)
+    zpp[:n] = zp
+    sc = np.ascontiguousarray(sp.reshape(g, 16, nb).transpose(0, 2, 1))
+    z = np.ascontiguousarray(zpp.reshape(g, 16, nb).transpose(0, 2, 1))
+    return g, nb, w, sc, z
+
+
+class _Graph:
+    """The tensors of a package graph by name: initializers (external ones memory-mapped) and
+    Constant nodes' values."""
+
+    def __init__(self, path: Path) -> None:
+        import onnx
+        from onnx import numpy_helper
+        self.model = onnx.load(str(path), load_external_data=False)
+        self.root, self._np = path.parent, numpy_helper
+        self.inits = {t.name: t for t in self.model.graph.initializer}
+        self.consts = {n.output[0]: n for n in self.model.graph.node if n.op_type == "Constant"}
+
+    def array(self, name: str) -> np.ndarray:
+        t = self.inits.get(name)
+        if t is None:
+            node = self.consts.get(name)
+            if node is None:
+                raise KeyError(name)
+            return self._np.to_array(node.attribute[0].t)
+        if t.data_location != 1:  # onnx.TensorProto.EXTERNAL
+            return self._np.to_array(t)
+        info = {e.key: e.value for e in t.external_data}
+        dtype = self._np.helper.tensor_dtype_to_np_dtype(t.data_type)
+        return np.asarray(np.memmap(self.root / info["location"], dtype=dtype, mode="r",
+                                    offset=int(info.get("offset", 0)), shape=tuple(t.dims)))
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+class NativeBackend:
+    """An int4 package on edgemtp's own C decoder (CPU only). ``threads``: OpenMP threads
+    (default: OpenMP's, all cores). Same interface as the other backends."""
+
+    name = "native"
+
+    def __init__(self, package_dir, device: str = "cpu", threads: int | None = None,
+                 max_context: int | None = None, dtype: str | None = None,
+                 trust_remote_code: bool = False, check: bool = True) -> None:
+        check_options(device, dtype, max_context, threads)
+        if device != "cpu":
+            raise ConfigError(f"the native backend runs on the CPU; for --device {device} use "
+                              f"--backend onnxruntime or torch")
+        lib = native.decoder_lib()
+        if lib is None:
+            raise BackendUnavailableError(f"the native backend needs its C decoder, which "
+                                          f"could not be built: {native.decoder_why_not()}")
+        self.lib = lib
+        self.package = pkg = load_package(package_dir)
+        m, where = pkg.manifest, f"the package {str(pkg.root)!r}"
+        w = pkg.weights
+        if w.format != "int4" or (w.block_size or BLOCK) != BLOCK:
+            raise ConfigError(f"the native backend runs int4 packages (block size 32); {where} "
+                              f"holds {w.name} weights: use --backend onnxruntime, or export "
+                              f"with --dtype int4")
+        if dtype is not None and dtype != m["dtype"]:
+            raise ConfigError(f"{where} holds {m['dtype']} weights and a package's dtype is "
+                              f"fixed at export; drop --dtype {dtype}")
+        self.vocab_size, self.hidden_size = m["vocab_size"], m["hidden_size"]
+        self.eos_token_ids = tuple(int(e) for e in m["eos_token_ids"])
+        self.topk = min(int(m["topk"]), 64)
+        self.has_tokenizer = bool(m.get("tokenizer", True))
+        source = m.get("source")
+        self.source = source if source and (Path(source) / "config.json").is_file() else None
+        limit = int(m["max_context"])
+        self.max_context = limit if max_context is None else min(limit, int(max_context))
+        self.device, self.threads = device, threads
+        self.supports_hidden = True
+        self._table = pkg.embedding_table()
+        self._stats = (np.asarray(m["embeddings"]["mu"], dtype=np.float32),
+                       np.asarray(m["embeddings"]["sigma"], dtype=np.float32))
+        self._keep: list = []  # every array the C structs point into
+        self._load_weights(m, where)
+        if check:
+            self._check_against_graph()
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def _load_weights(self, m: dict, where: str) -> None:
+        g = _Graph(self.package.graph_path)
+        L, d, H, Hkv, D = (m["num_layers"], m["hidden_size"], m["num_heads"],
+                           m["num_kv_heads"], m["head_dim"])
+        nodes = [n for n in g.model.graph.node if n.op_type == "MatMulNBits"]
+        rot = [n for n in g.model.graph.node if n.op_type == "RotaryEmbedding"]
+        gather = [n for n in g.model.graph.node if n.op_type == "GatherBlockQuantized"]
+        skip = [n for n in g.model.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"]
+        ops = {n.op_type for n in g.model.graph.node}
+        unknown = ops & {"SimplifiedLayerNormalization", "LayerNormalization", "Gelu",
+                         "FastGelu", "Tanh"}
+        if (m.get("family") != "llama" or len(nodes) != 4 * L + 1 or len(rot) != 2 * L
+                or len(gather) != 1 or len(skip) != 2 * L or unknown or H % Hkv or d % 16
+                or D % 2):
+            raise ConfigError(f"the native backend runs Llama-style int4 packages (fused q/k/v "
+                              f"and gate/up, rotate-half rotary, RMSNorm); {where} is a "
+                              f"{m.get('family')} graph it does not know: use --backend "
+                              f"onnxruntime")
+
+        def mat(node, n_out: int, k_in: int) -> Q4W:
+            a = _attrs(node)
+            if (a.get("bits") != 4 or a.get("block_size") != BLOCK or a.get("N") != n_out
+                    or a.get("K") != k_in or len(node.input) < 3):
+                raise ConfigError(f"{where}: {node.name} is not a {k_in} -> {n_out} int4 product "
+                                  f"in blocks of 32 (the native backend reads the graph in "
+                                  f"layer order); use --backend onnxruntime")
+            b = g.array(node.input[1])
+            nb = b.shape[1]
+            q = _unpack(b.reshape(n_out, -1), 4)[:, :nb * BLOCK]
+            scales = g.array(node.input[2]).reshape(n_out, nb)
+            if len(node.input) > 3 and node.input[3]:
+                zp = _unpack(g.array(node.input[3]).reshape(n_out, -1), 4)[:, :nb]
+            else:
+                zp = np.full((n_out, nb), 8, np.uint8)
+            G, nb, w, sc, z = pack_q4(q, scales, zp)
+            self._keep += [w, sc, z]
+            return Q4W(G, nb, w.ctypes.data, sc.ctypes.data, z.ctypes.data)
+
+        F = _attrs(nodes[2]).get("N", 0) // 2
+        qkv, o, gu, down = (Q4W * L)(), (Q4W * L)(), (Q4W * L)(), (Q4W * L)()
+        for i in range(L):
+            qkv[i] = mat(nodes[4 * i], (H + 2 * Hkv) * D, d)
+            o[i] = mat(nodes[4 * i + 1], d, H * D)
+            gu[i] = mat(nodes[4 * i + 2], 2 * F, d)
+            down[i] = mat(nodes[4 * i + 3], d, F)
+        lm = Q4W(0, 0, None, None, None)
+        lm = mat(nodes[-1], self.vocab_size, d)
+
+        def f32(a) -> np.ndarray:
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            self._keep.append(a)
+            return a
+
+        names = [f"decoder.model.layers.{i}.{k}.weight" for i in range(L)
+                 for k in ("input_layernorm", "post_attention_layernorm")]
+        try:
+            norms = [g.array(n) for n in names] + [g.array("decoder.model.norm.weight")]
+        except KeyError as e:
+            raise ConfigError(f"{where}: the graph has no norm weight {e.args[0]!r}; use "
+                              f"--backend onnxruntime") from None
+        norm_in, norm_post = f32(np.stack(norms[0:2 * L:2])), f32(np.stack(norms[1:2 * L:2]))
+        norm_final = f32(norms[-1])
+        qa, ka = _attrs(rot[0]), _attrs(rot[1])
+        if qa.get("interleaved", 0) or ka.get("num_heads") != Hkv or qa.get("num_heads") != H:
+            raise ConfigError(f"{where}: the rotary embedding is not rotate-half over q then "
+                              f"k; use --backend onnxruntime")
+        cos, sin = f32(g.array(rot[1].input[2])), f32(g.array(rot[1].input[3]))
+        qcos = g.array(rot[0].input[2])
+        # q's tables may carry the softmax scale (a power of two, exact): cos(0) = 1
+        scale = float(qcos[0, 0]) if not np.array_equal(qcos, cos) else D ** -0.5
+        eps = float(_attrs(skip[0]).get("epsilon", 1e-5))
+        t = self._table  # the manifest's block-quantized table (the graph gathers from it)
+        if getattr(t, "_bits", None) != 4 or t._bs != BLOCK:
+            raise ConfigError(f"{where}: the embedding table is not int4 in blocks of 32; use "
+                              f"--backend onnxruntime")
+        emb_q, emb_sc = np.ascontiguousarray(t._data), f32(t._scales)
+        emb_zp = None if t._zp is None else np.ascontiguousarray(t._zp)
+        self._keep += [emb_q, emb_zp, qkv, o, gu, down, lm]
+        self.model = _Model(L=L, d=d, H=H, Hkv=Hkv, D=D, F=F, V=self.vocab_size,
+                            rope_rows=cos.shape[0], threads=self.threads or 0, eps=eps,
+                            scale=scale, cos=cos.ctypes.data, sin=sin.ctypes.data,
+                            norm_in=norm_in.ctypes.data, norm_post=norm_post.ctypes.data,
+                            norm_final=norm_final.ctypes.data,
+                            qkv=ctypes.addressof(qkv), o=ctypes.addressof(o),
+                            gu=ctypes.addressof(gu), down=ctypes.addressof(down),
+                            lm=ctypes.addressof(lm), emb_q=emb_q.ctypes.data,
+                            emb_sc=emb_sc.ctypes.data,
+                            emb_zp=None if emb_zp is None else emb_zp.ctypes.data)
+        self.dims = (L, Hkv, D)
+
+    def _check_against_graph(self) -> None:
+        """Once per package and library: the decoder's logits on a probe block against the
+        package's onnxruntime graph (the self-check's tolerance, scaled to the int8
+        activations both round to), and the same greedy tokens."""
+        from edgemtp.latency import cache_dir
+        st = self.package.graph_path.stat()
+        lib_path = getattr(self.lib, "_name", "")
+        key = hashlib.sha256(f"{self.package.graph_path.resolve()}|{st.st_size}|"
+                             f"{st.st_mtime_ns}|{lib_path}".encode()).hexdigest()[:20]
+        mark = cache_dir() / "native_checked" / f"{key}.json"
+        if mark.is_file():
+            return
+        from edgemtp.runtimes.onnxrt_backend import OrtBackend
+        ort = OrtBackend(self.package.root, threads=self.threads)
+        v, n = self.vocab_size, 16
+        rng = np.random.default_rng(0)
+        ids = rng.integers(0, v, n).astype(np.int64)
+        ids[-2:] = [v, v + 1]  # two mask rows
+        pos = np.arange(n, dtype=np.int64)
+        pos[-2:] = [n - 2, n - 1]
+        mask = np.tril(np.ones((n, n), dtype=np.bool_))
+        embeds = self.embed(ids[:2]) * 0.5
+        outs = []
+        for b in (self, ort):
+            s = b.session()
+            outs.append(s.forward(ids, pos, mask, embeds, topk=0, full_logits=True))
+        a, r = outs[0].logits, outs[1].logits
+        rows = np.abs(a - r).max(1) / np.maximum(1.0, np.abs(r).max(1))
+        diff = float(np.median(rows))
+        same = float(np.mean(outs[0].argmax == outs[1].argmax))
+        # both round activations to int8 per block of 32, at different points and so
+        # differently: the rows differ by ~1-5 % of their logit scale (a graph read wrong: by
+        # the whole scale, its greedy tokens by chance)
+        if not np.isfinite(diff) or diff > MAX_DIFF or same < MIN_SAME:
+            raise ModelLoadError(
+                f"the native decoder disagrees with the package's graph on a probe block "
+                f"(median row logit difference {diff:.3g} of the logit scale, greedy tokens "
+                f"{same:.0%} the same): the graph is not one it reads right; use --backend "
+                f"onnxruntime")
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text(json.dumps({"max_diff": diff, "argmax_same": same,
+                                    "package": str(self.package.root)}))
+        self.probe = {"max_diff": diff, "argmax_same": same}
+
+    # -- interface --------------------------------------------------------------------------
+
+    def check_step(self, topk: int, hidden: bool) -> None:
+        check_step(self, topk, hidden)
+
+    def identity(self) -> str:
+        st = self.package.graph_path.stat()
+        return (f"native|threads={self.threads}|ctx={self.max_context}|"
+                f"{self.package.graph_path.resolve()}|{st.st_size}|{st.st_mtime_ns}")
+
+    def session(self, rows: int | None = None) -> "NativeSession":
+        return NativeSession(self, rows)
+
+    def embed(self, token_ids) -> np.ndarray:
+        return self._table.rows(np.asarray(token_ids, dtype=np.int64))
+
+    def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._stats
+
+
+class NativeSession:
+    """One generation on a :class:`NativeBackend`: its K/V cache (keys transposed, see
+    decoder.c) as numpy arrays the C code writes in place."""
+
+    def __init__(self, backend: NativeBackend, rows: int | None = None) -> None:
+        self.backend = b = backend
+        L, Hkv, D = b.dims
+        self.rows = b.max_context if rows is None else max(1, min(int(rows), b.max_context))
+        cap = self.rows + MARGIN
+        # np.zeros: pages are mapped on first write, so a short generation costs little
+        self.k = np.zeros((L, Hkv, D, cap), np.float32)
+        self.v = np.zeros((L, Hkv, cap, D), np.float32)
+        self.cache = _Cache(self.k.ctypes.data, self.v.ctypes.data, cap, 0)
+        self._work = np.zeros(0, np.float32)
+        self._work_t = 0
+        self._no_masks = np.zeros((1, b.hidden_size), np.float32)
+        self.last_run_s = 0.0
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.len
+
+    def forward(self, input_ids, position_ids, tree_mask, mask_embeds, topk: int = 0,
+                full_logits: bool = False, hidden: bool = False) -> StepOut:
+        b = self.backend
+        b.check_step(topk, hidden)
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        pos = np.ascontiguousarray(position_ids, dtype=np.int64)
+        t = len(ids)
+        mask = np.ascontiguousarray(tree_mask, dtype=np.bool_).reshape(t, t)
+        if self.cache.len + t > self.cache.cap:
+            raise ConfigError(f"a block of {t} rows after {self.cache.len} cached ones overruns "
+                              f"the KV cache ({self.rows} rows)")
+        if t > self._work_t:
+            n = b.lib.decoder_scratch(ctypes.byref(b.model), t, self.cache.cap)
+            self._work, self._work_t = np.zeros(n, np.float32), t
+        embeds = self._no_masks if mask_embeds is None else np.ascontiguousarray(
+            mask_embeds, dtype=np.float32)
+        argmax = np.empty(t, np.int64)
+        top_ids = np.empty((t, topk), np.int64)
+        top_lp = np.empty((t, topk), np.float32)
+        logits = np.empty((t, b.vocab_size), np.float32) if full_logits else None
+        hid = np.empty((t, b.hidden_size), np.float32) if hidden else None
+        call = _Call(T=t, topk=topk, want_logits=int(full_logits), want_hidden=int(hidden),
+                     ids=ids.ctypes.data, pos=pos.ctypes.data, mask=mask.ctypes.data,
+                     mask_embeds=embeds.ctypes.data, n_mask=len(embeds),
+                     argmax=argmax.ctypes.data, topk_ids=top_ids.ctypes.data,
+                     topk_lp=top_lp.ctypes.data,
+                     logits=None if logits is None else logits.ctypes.data,
+                     hidden=None if hid is None else hid.ctypes.data)
+        t0 = perf_counter()
+        rc = b.lib.decoder_forward(ctypes.byref(b.model), ctypes.byref(self.cache),
+                                   ctypes.byref(call), self._work.ctypes.data)
+        self.last_run_s = perf_counter() - t0
+        if rc:
+            raise ConfigError(f"the native decoder refused a block of {t} rows (code {rc})")
+        return StepOut(argmax=argmax, topk_ids=top_ids, topk_logprobs=top_lp, logits=logits,
+                       hidden=hid)
+
+    def commit(self, rows) -> None:
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if self.cache.len + len(rows) > self.rows:
+            raise ConfigError(f"committing {len(rows)} rows overruns the KV cache "
+                              f"({self.cache.len} of {self.rows} rows used)")
+        self.backend.lib.decoder_commit(ctypes.byref(self.backend.model),
+                                        ctypes.byref(self.cache), rows.ctypes.data, len(rows))
+
+    def reset(self) -> None:
+        self.cache.len = 0
