@@ -119,6 +119,9 @@ class Facts:
     #                                       else why the Python code runs instead
     native_heads: str | None = None       # the learned heads' C kernel: likewise (else
     #                                       onnxruntime runs the heads graphs)
+    native_decoder: str | None = "not probed"  # the native backend's C decoder: None where
+    #                                       it loads, else why not
+    native_kernel: str | None = None      # its int4 kernel and threads, where it loads
     problems: tuple[str, ...] = ()        # probes that failed in an unexpected way
 
     @property
@@ -169,7 +172,10 @@ def _native(_) -> dict:
     from . import native
     return {"native": None if native.lib() is not None else native.why_not() or "not built",
             "native_heads": (None if native.heads_lib() is not None
-                             else native.heads_why_not() or "not built")}
+                             else native.heads_why_not() or "not built"),
+            "native_decoder": (None if native.decoder_lib() is not None
+                               else native.decoder_why_not() or "not built"),
+            "native_kernel": native.decoder_kernel()}
 
 
 def _line(e: BaseException) -> str:
@@ -429,6 +435,16 @@ def _ort_cpu(f: Facts) -> Verdict:
                     needs_gpu=False)
 
 
+def _native_cpu(f: Facts) -> Verdict:
+    why = f.native_decoder or ""
+    return _verdict(f, "native", "cpu", "int4 packages on edgemtp's C decoder"
+                    + (f" ({f.native_kernel})" if f.native_kernel else ""),
+                    [(f.native_decoder is not None, f"the C decoder does not load: {why}",
+                      "EDGEMTP_NATIVE=1 (unset 0)" if "EDGEMTP_NATIVE" in why
+                      else "a C compiler with OpenMP: sudo apt install gcc (or set CC)")],
+                    needs_gpu=False)
+
+
 def _ort_provider(device: str, provider: str, needs_trt: bool):
     def check(f: Facts) -> Verdict:
         have = (f"onnxruntime {f.onnxruntime} has no {provider}" if f.onnxruntime
@@ -459,6 +475,7 @@ CHECKS = {
     ("torch", "cpu"): _torch_cpu,
     ("torch", "cuda"): _torch_cuda,
     ("onnxruntime", "cpu"): _ort_cpu,
+    ("native", "cpu"): _native_cpu,
     ("onnxruntime", "cuda"): _ort_provider("cuda", "CUDAExecutionProvider", needs_trt=False),
     ("onnxruntime", "tensorrt"): _ort_provider("tensorrt", "TensorrtExecutionProvider",
                                                needs_trt=True),
@@ -700,6 +717,11 @@ def fastest(vs: list[Verdict]) -> str | None:
     if ("onnxruntime", "cuda") in ok:
         return ("onnxruntime cuda (a package, --device cuda): uncaptured steps, launch-bound; "
                 "torch with CUDA would replay CUDA graphs, ~3x the tokens/s on an H200")
+    if ("native", "cpu") in ok:
+        return ("native cpu (an int4 package, edgemtp export --dtype int4; --backend auto "
+                "picks it): edgemtp's C decoder, about 2x onnxruntime's int4 tokens/s on a "
+                "2-core x86 CPU (bench/results/peers_cpu.md), lossless against its own plain "
+                "decoding")
     if ("onnxruntime", "cpu") in ok:
         return ("onnxruntime cpu (a package; --dtype int4 for speed, lossless against its "
                 "own plain decoding)")

@@ -168,6 +168,7 @@ class NativeBackend:
         self.max_context = limit if max_context is None else min(limit, int(max_context))
         self.device, self.threads = device, threads
         self.supports_hidden = True
+        self.probe: dict | None = None  # the load check's figures (see _check_against_graph)
         self._table = pkg.embedding_table()
         self._stats = (np.asarray(m["embeddings"]["mu"], dtype=np.float32),
                        np.asarray(m["embeddings"]["sigma"], dtype=np.float32))
@@ -279,7 +280,11 @@ class NativeBackend:
                              f"{st.st_mtime_ns}|{lib_path}".encode()).hexdigest()[:20]
         mark = cache_dir() / "native_checked" / f"{key}.json"
         if mark.is_file():
-            return
+            try:
+                self.probe = json.loads(mark.read_text())
+                return
+            except ValueError:
+                pass
         from edgemtp.runtimes.onnxrt_backend import OrtBackend
         ort = OrtBackend(self.package.root, threads=self.threads)
         v, n = self.vocab_size, 16
@@ -308,9 +313,8 @@ class NativeBackend:
                 f"{same:.0%} the same): the graph is not one it reads right; use --backend "
                 f"onnxruntime")
         mark.parent.mkdir(parents=True, exist_ok=True)
-        mark.write_text(json.dumps({"max_diff": diff, "argmax_same": same,
-                                    "package": str(self.package.root)}))
         self.probe = {"max_diff": diff, "argmax_same": same}
+        mark.write_text(json.dumps({**self.probe, "package": str(self.package.root)}))
 
     # -- interface --------------------------------------------------------------------------
 

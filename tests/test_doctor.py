@@ -189,7 +189,7 @@ def test_jetson_orin_on_jetpack_6_gets_the_jetpack_install_steps():
 def test_jetson_with_onnxruntime_gpu_and_tensorrt_installed_is_all_ok():
     done = replace(ORIN, ort_providers=("TensorrtExecutionProvider", "CUDAExecutionProvider",
                                         "CPUExecutionProvider"), tensorrt="10.3.0",
-                   torch="2.8.0", torch_cuda="12.6", torch_cuda_ok=True)
+                   torch="2.8.0", torch_cuda="12.6", torch_cuda_ok=True, native_decoder=None)
     assert all(v.ok and v.install is None for v in doctor.verdicts(done))
 
 
@@ -230,8 +230,14 @@ def test_fastest_pair_follows_what_was_measured():
     assert doctor.fastest(doctor.verdicts(gpu)).startswith("torch cuda")
     ort_only = replace(gpu, torch="2.13.0+cpu", torch_cuda=None, torch_cuda_ok=False)
     assert doctor.fastest(doctor.verdicts(ort_only)).startswith("onnxruntime cuda")
+    # a CPU-only run: the native decoder where it loads, else onnxruntime
     assert doctor.fastest(doctor.verdicts(DESKTOP)).startswith("onnxruntime cpu")
     assert "fastest   onnxruntime cpu" in doctor.report(DESKTOP)
+    built = replace(DESKTOP, native_decoder=None, native_kernel="portable C int4 kernel")
+    assert by_pair(built)["native", "cpu"].ok
+    assert doctor.fastest(doctor.verdicts(built)).startswith("native cpu")
+    no_cc = by_pair(replace(DESKTOP, native_decoder="no C compiler (cc, gcc or clang) on PATH"))
+    assert not no_cc["native", "cpu"].ok and "apt install gcc" in no_cc["native", "cpu"].install
     assert doctor.to_dict(gpu)["fastest"].startswith("torch cuda")
 
 
@@ -246,7 +252,8 @@ def test_desktop_verdicts_and_install_steps():
     ready = replace(DESKTOP, cudnn="9.1.0", nvinfer=True, tensorrt="10.9.0", cuda_python=True,
                     ort_providers=("TensorrtExecutionProvider", "CUDAExecutionProvider",
                                    "CPUExecutionProvider"))
-    assert [x.ok for x in doctor.verdicts(ready)] == [True, False, True, True, True, True]
+    assert [x.ok for x in doctor.verdicts(ready)] == [True, False, True, False, True, True,
+                                                      True]  # native: not probed
 
 
 def _total(pkg, dtype: str, rows: int, host: bool) -> float:

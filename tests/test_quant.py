@@ -84,7 +84,7 @@ def test_blocks_reaching_past_the_context_end_run_on_the_fused_graph(tmp_path):
     context with plain decoding's tokens."""
     out = tmp_path / "int4-64"
     export_package(str(STORIES), out, dtype="int4", max_context=64, progress=False)
-    model = Model.load(str(out), threads=1)
+    model = Model.load(str(out), backend="onnxruntime", threads=1)
     prompt = model.encode("Once upon a time, there was a little girl named Lily. She loved to")
     plain = model.generate(prompt, drafter="none", max_new_tokens=200)
     assert plain.stop_reason == "max_context"
@@ -174,7 +174,7 @@ def test_int4_package_keeps_its_values_in_float64_and_binds_them_as_such(int4_pk
 
 
 def test_every_drafter_equals_plain_decoding_of_the_int4_package(int4_pkg):
-    model, prompt = Model.load(str(int4_pkg), threads=1), "Once upon a time"
+    model, prompt = Model.load(str(int4_pkg), backend="onnxruntime", threads=1), "Once upon a time"
     plain = model.generate(prompt, drafter="none", max_new_tokens=48).token_ids
     for drafter in DRAFTERS:
         got = model.generate(prompt, drafter=drafter, bc=30, max_new_tokens=48).token_ids
@@ -192,7 +192,7 @@ def test_symmetric_int4_has_no_zero_points_and_stays_lossless(tmp_path):
     proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
     nbits = [n for n in proto.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")]
     assert nbits and all(len([i for i in n.input if i]) == 3 for n in nbits)
-    model, prompt = Model.load(str(out), threads=1), "Once upon a time"
+    model, prompt = Model.load(str(out), backend="onnxruntime", threads=1), "Once upon a time"
     plain = model.generate(prompt, drafter="none", max_new_tokens=32).token_ids
     for drafter in ("probe", "hybrid", "auto"):
         assert model.generate(prompt, drafter=drafter, bc=10,
@@ -265,7 +265,7 @@ def test_self_check_catches_one_corrupted_block_of_scales(fmt, tmp_path):
 def test_one_row_computes_what_the_same_row_computes_inside_a_block(int4_pkg):
     """Batch invariance, bitwise: a block of rows that each see the cache and themselves,
     against each row alone (plain decoding's step; run as two rows, min_rows 2)."""
-    model = Model.load(str(int4_pkg), threads=1)
+    model = Model.load(str(int4_pkg), backend="onnxruntime", threads=1)
     session = model.backend.session()
     prompt = model.encode("Once upon a time, there was a")
     session.forward(prompt, np.arange(len(prompt)), np.tril(np.ones((len(prompt),) * 2, bool)),
@@ -307,21 +307,22 @@ def test_smollm2_gguf_int4_package_is_small_and_chats_losslessly(tmp_path):
     export_package(str(SMOLLM), out, dtype="int4", max_context=1024, progress=False)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     assert size <= 120e6, size
-    model = Model.load(str(out), threads=2)
-    for question in ("What is the capital of France? Explain in two sentences.",
-                     "Write a haiku about a KV cache."):
-        ids = model.encode_chat([{"role": "user", "content": question}])
-        plain = model.generate(ids, drafter="none", max_new_tokens=48).token_ids
-        for drafter in ("hybrid", "pld", "probe", "auto"):
-            got = model.generate(ids, drafter=drafter, bc=10, max_new_tokens=48).token_ids
-            assert got == plain, (question, drafter)
+    for backend in ("onnxruntime", "native"):  # each lossless against its own plain decoding
+        model = Model.load(str(out), backend=backend, threads=2)
+        for question in ("What is the capital of France? Explain in two sentences.",
+                         "Write a haiku about a KV cache."):
+            ids = model.encode_chat([{"role": "user", "content": question}])
+            plain = model.generate(ids, drafter="none", max_new_tokens=48).token_ids
+            for drafter in ("hybrid", "pld", "probe", "auto"):
+                got = model.generate(ids, drafter=drafter, bc=10, max_new_tokens=48).token_ids
+                assert got == plain, (backend, question, drafter)
 
 
 def test_a_chain_inside_one_block_gives_plain_decodings_bits_at_a_long_context(int4_pkg):
     """The chain test at 200 tokens of context: plain decoding's steps (each token alone, its
     ancestors in the cache) against one causal block of the same tokens (its ancestors in the
     block, at other columns), logits compared bitwise."""
-    model = Model.load(str(int4_pkg), threads=1)
+    model = Model.load(str(int4_pkg), backend="onnxruntime", threads=1)
     prompt = np.random.default_rng(3).integers(3, 512, 200)
     chain = np.random.default_rng(4).integers(3, 512, 12)
 
@@ -399,7 +400,7 @@ def test_a_block_of_128j_plus_1_rows_gives_the_rows_of_a_longer_block(int4_pkg):
 
     assert [run_rows(t, 2) for t in (1, 2, 128, 129, 257, 769)] == [2, 2, 128, 130, 258, 770]
     assert [run_rows(t, 1) for t in (1, 129)] == [1, 129]
-    model = Model.load(str(int4_pkg), threads=2)
+    model = Model.load(str(int4_pkg), backend="onnxruntime", threads=2)
     ids = np.random.default_rng(5).integers(3, 512, 130)
 
     def rows(t):

@@ -200,6 +200,7 @@ def _declare_decoder(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decoder_forward.restype, lib.decoder_forward.argtypes = i32, [p, p, p, p]
     lib.decoder_commit.restype, lib.decoder_commit.argtypes = None, [p, p, p, i32]
     lib.decoder_threads.restype, lib.decoder_threads.argtypes = i32, []
+    lib.decoder_kernel.restype, lib.decoder_kernel.argtypes = i32, []
     return lib
 
 
@@ -210,6 +211,15 @@ def decoder_lib() -> ctypes.CDLL | None:
         return None
     return _load(_DECODER, _DECODER_WHY, lambda: _declare_decoder(
         ctypes.CDLL(str(_build(DECODER_SOURCE, DECODER_OPTIONS)))))
+
+
+def decoder_kernel() -> str | None:
+    """The native decoder's int4 kernel in words, None where it does not load."""
+    lib = decoder_lib()
+    if lib is None:
+        return None
+    return (f"{'AVX-512 VNNI' if lib.decoder_kernel() else 'portable C'} int4 kernel, "
+            f"{lib.decoder_threads()} OpenMP thread(s)")
 
 
 def decoder_why_not() -> str | None:

@@ -492,3 +492,13 @@ int decoder_threads(void) {
     return 1;
 #endif
 }
+
+/* which int4 kernel this build runs: 1 the AVX-512 VNNI one, 0 the portable C one (the same
+   bits, see tests/test_native_backend.py) */
+int decoder_kernel(void) {
+#ifdef Q4_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,230 @@
+"""The native backend (``--backend native``): an int4 package's decoder in edgemtp's own C.
+
+What must hold: it computes the package's int4 model (its weights, int8 activations per block
+of 32) to float32 rounding; a row's logits are bitwise the same in any block as in plain
+decoding, so every drafter's greedy output equals its plain decoding; threads and the
+portable build change no bit; what it cannot run is one line naming the backend that can; a
+graph it would read wrong is refused at load. stories260K, one int4 export per module.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+from edgemtp import Model, native  # noqa: E402
+from edgemtp.api import auto_backend  # noqa: E402
+from edgemtp.errors import ConfigError, ModelLoadError  # noqa: E402
+from edgemtp.export.onnx_export import export_package  # noqa: E402
+from edgemtp.runtimes.host_table import _unpack  # noqa: E402
+from edgemtp.runtimes.native_backend import NativeBackend, _attrs, _Graph  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
+STORIES = SHARED / "models" / "stories260K"
+DRAFTERS = ("probe", "pld", "hybrid", "lade", "stand", "auto")
+
+if native.decoder_lib() is None:
+    pytest.skip(f"no C decoder here: {native.decoder_why_not()}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def int4_pkg(tmp_path_factory):
+    out = tmp_path_factory.mktemp("native") / "stories-int4"
+    export_package(str(STORIES), out, dtype="int4", max_context=256, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def backend(int4_pkg):
+    return NativeBackend(str(int4_pkg), threads=1)
+
+
+def _dequant(g: _Graph, node) -> np.ndarray:
+    a = _attrs(node)
+    n, k = a["N"], a["K"]
+    b = g.array(node.input[1])
+    nb = b.shape[1]
+    q = _unpack(b.reshape(n, -1), 4)[:, :nb * 32].astype(np.float32)
+    sc = g.array(node.input[2]).reshape(n, nb)
+    zp = _unpack(g.array(node.input[3]).reshape(n, -1), 4)[:, :nb].astype(np.float32)
+    return ((q.reshape(n, nb, 32) - zp[:, :, None]) * sc[:, :, None]).reshape(n, -1)[:, :k]
+
+
+def reference_logits(backend, ids: np.ndarray) -> np.ndarray:
+    """The package's int4 model in numpy, causal, with decoder.c's activation rounding (int8
+    per block of 32, round half to even) and float64 products: what the decoder computes, up
+    to float32 rounding."""
+    m = backend.package.manifest
+    g = _Graph(backend.package.graph_path)
+    L, H, Hkv, D = m["num_layers"], m["num_heads"], m["num_kv_heads"], m["head_dim"]
+    nodes = [n for n in g.model.graph.node if n.op_type == "MatMulNBits"]
+    rot = [n for n in g.model.graph.node if n.op_type == "RotaryEmbedding"]
+    cos, sin = g.array(rot[1].input[2]), g.array(rot[1].input[3])
+    t = len(ids)
+
+    def lin(x, node):
+        k = x.shape[1]
+        nb = -(-k // 32)
+        xp = np.zeros((t, nb * 32), np.float32)
+        xp[:, :k] = x
+        xb = xp.reshape(t, nb, 32)
+        amax = np.abs(xb).max(-1, keepdims=True)
+        q = np.rint(xb * np.where(amax > 0, 127 / np.where(amax > 0, amax, 1), 0))
+        x = (q * (amax / 127)).reshape(t, -1)[:, :k]
+        return (x.astype(np.float64) @ _dequant(g, node).T.astype(np.float64)).astype(np.float32)
+
+    def rms(x, name):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * g.array(name)
+
+    def rope(z):
+        c, s, h = cos[:t, None], sin[:t, None], D // 2
+        a, b = z[..., :h], z[..., h:]
+        return np.concatenate([a * c - b * s, b * c + a * s], -1)
+
+    x = backend.embed(ids)
+    causal = np.tril(np.ones((t, t), bool))
+    for i in range(L):
+        qkv = lin(rms(x, f"decoder.model.layers.{i}.input_layernorm.weight"), nodes[4 * i])
+        q = rope(qkv[:, :H * D].reshape(t, H, D))
+        k = rope(qkv[:, H * D:(H + Hkv) * D].reshape(t, Hkv, D))
+        v = qkv[:, (H + Hkv) * D:].reshape(t, Hkv, D)
+        out = np.zeros((t, H, D), np.float32)
+        for h in range(H):
+            kv = h // (H // Hkv)
+            s = np.where(causal, q[:, h] @ k[:, kv].T * D ** -0.5, -np.inf)
+            p = np.exp(s - s.max(1, keepdims=True))
+            out[:, h] = (p / p.sum(1, keepdims=True)) @ v[:, kv]
+        x = x + lin(out.reshape(t, -1), nodes[4 * i + 1])
+        gu = lin(rms(x, f"decoder.model.layers.{i}.post_attention_layernorm.weight"),
+                 nodes[4 * i + 2])
+        f = gu.shape[1] // 2
+        x = x + lin(gu[:, :f] / (1 + np.exp(-gu[:, :f])) * gu[:, f:], nodes[4 * i + 3])
+    return lin(rms(x, "decoder.model.norm.weight"), nodes[-1])
+
+
+def _prefill(backend, ids, lib=None):
+    s = backend.session()
+    out = s.forward(ids, np.arange(len(ids)), np.tril(np.ones((len(ids),) * 2, bool)), None,
+                    full_logits=True)
+    s.commit(np.arange(len(ids)))
+    return s, out
+
+
+def test_decoder_computes_the_packages_int4_model(backend):
+    ids = np.random.default_rng(0).integers(0, backend.vocab_size, 24)
+    got = _prefill(backend, ids)[1].logits
+    want = reference_logits(backend, ids)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert backend.probe["argmax_same"] >= 0.9  # the load check against onnxruntime ran
+
+
+def _random_tree(rng, n: int, vocab: int, masks: int):
+    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    mask = np.eye(n, dtype=bool)
+    depth = np.zeros(n, np.int64)
+    for i in range(1, n):
+        mask[i] |= mask[parent[i]]
+        depth[i] = depth[parent[i]] + 1
+    ids = rng.integers(0, vocab, n)
+    ids[rng.random(n) < 0.3] = vocab + rng.integers(0, masks)  # some mask rows
+    ids[0] = rng.integers(0, vocab)
+    return parent, mask, depth, ids
+
+
+@pytest.mark.parametrize("size", [10, 30, 60])
+def test_a_row_is_bitwise_the_same_in_any_block_as_alone(backend, size):
+    rng = np.random.default_rng(size)
+    prompt = rng.integers(0, backend.vocab_size, 17)
+    embeds = rng.standard_normal((3, backend.hidden_size)).astype(np.float32) * 0.1
+    parent, mask, depth, ids = _random_tree(rng, size, backend.vocab_size, 3)
+    s, _ = _prefill(backend, prompt)
+    block = s.forward(ids, 17 + depth, mask, embeds, topk=8, full_logits=True)
+    for row in rng.choice(size, 6, replace=False):
+        path = np.flatnonzero(mask[row])  # its ancestors and itself, in block order
+        alone, _ = _prefill(backend, prompt)
+        for j in path:  # plain decoding of the path, one row a step
+            out = alone.forward(ids[j:j + 1], np.array([17 + depth[j]]), np.ones((1, 1), bool),
+                                embeds, topk=8, full_logits=True)
+            alone.commit([0])
+        assert np.array_equal(out.logits[0], block.logits[row])
+        assert np.array_equal(out.topk_ids[0], block.topk_ids[row])
+        assert np.array_equal(out.topk_logprobs[0], block.topk_logprobs[row])
+
+
+def test_every_drafter_equals_native_plain_decoding(int4_pkg):
+    model = Model.load(str(int4_pkg), backend="native", threads=1)
+    for prompt in ("Once upon a time", "Lily and Tom went to the park. They saw"):
+        want = model.generate(prompt, max_new_tokens=64, drafter="none").token_ids
+        for drafter in DRAFTERS:
+            for bc in (10, 30, 60):
+                got = model.generate(prompt, max_new_tokens=64, drafter=drafter, bc=bc)
+                assert got.token_ids == want, (prompt, drafter, bc)
+
+
+def test_threads_change_no_bit(int4_pkg, backend):
+    ids = np.random.default_rng(3).integers(0, backend.vocab_size, 40)
+    two = NativeBackend(str(int4_pkg), threads=2)
+    assert np.array_equal(_prefill(backend, ids)[1].logits, _prefill(two, ids)[1].logits)
+
+
+def test_the_portable_build_computes_the_same_bits(int4_pkg, backend):
+    # the build for machines without -march=native (and the ARM one): no AVX-512 kernel
+    path = native._build(native.DECODER_SOURCE, (("-O3", "-ffp-contract=off"),))
+    portable = NativeBackend(str(int4_pkg), threads=1, check=False)
+    import ctypes
+    portable.lib = native._declare_decoder(ctypes.CDLL(str(path)))
+    ids = np.random.default_rng(4).integers(0, backend.vocab_size, 20)
+    assert np.array_equal(_prefill(backend, ids)[1].logits, _prefill(portable, ids)[1].logits)
+
+
+def test_auto_picks_native_for_an_int4_package_only(int4_pkg, stories_pkg, monkeypatch):
+    assert auto_backend(str(int4_pkg)) == "native"
+    assert auto_backend(str(int4_pkg), "cuda") == "onnxruntime"
+    assert auto_backend(str(stories_pkg)) == "onnxruntime"  # fp32
+    assert auto_backend(str(STORIES)) == "torch"
+    monkeypatch.setenv("EDGEMTP_NATIVE", "0")
+    assert auto_backend(str(int4_pkg)) == "onnxruntime"
+
+
+def test_what_it_cannot_run_is_one_line(int4_pkg, stories_pkg):
+    with pytest.raises(ConfigError, match="runs int4 packages.*--backend onnxruntime"):
+        NativeBackend(str(stories_pkg))
+    with pytest.raises(ConfigError, match="runs on the CPU"):
+        NativeBackend(str(int4_pkg), device="cuda")
+    r = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model",
+                        str(stories_pkg), "--backend", "native", "--prompt", "Once",
+                        "--max-new-tokens", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "int4" in r.stderr
+
+
+def test_a_graph_it_would_read_wrong_is_refused_at_load(int4_pkg, tmp_path):
+    # an op the decoder does not model (here: o_proj's output of layer 2 scaled by 3):
+    # onnxruntime runs it, the decoder cannot know; the load check sees them disagree
+    pkg = tmp_path / "edited"
+    shutil.copytree(int4_pkg, pkg)
+    proto = onnx.load(str(pkg / "model.onnx"), load_external_data=False)
+    o_proj = [n for n in proto.graph.node if n.op_type == "MatMulNBits"][4 * 2 + 1]
+    out = o_proj.output[0]
+    o_proj.output[0] = out + "_unscaled"
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(np.array(3.0, np.float32),
+                                                                 "edit_scale"))
+    proto.graph.node.append(onnx.helper.make_node("Mul", [out + "_unscaled", "edit_scale"],
+                                                  [out]))
+    onnx.save(proto, str(pkg / "model.onnx"))
+    size = (pkg / "model.onnx").stat().st_size
+    import json
+    manifest = json.loads((pkg / "edgemtp.json").read_text())
+    manifest["files"]["model.onnx"].update(bytes=size, sha256=None)
+    (pkg / "edgemtp.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelLoadError, match="disagrees with the package's graph"):
+        NativeBackend(str(pkg), threads=1)
