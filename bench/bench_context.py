@@ -7,6 +7,8 @@ it grow faster.
     python bench/bench_context.py --package old=out/pkg/a --package new=out/pkg/b \\
         [--contexts 64,512,2000] [--sizes 1,10] [--rounds 5] [--threads 2]
 
+A path may name its backend: ``--package c=native:out/pkg/int4`` (default onnxruntime).
+
 Writes bench/results/context_<model>_cpu.{md,json} (``--out`` to change).
 """
 
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgemtp.runtimes.onnxrt_backend import OrtBackend
+from edgemtp.backend import backend_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +61,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
     packages = dict(p.split("=", 1) for p in a.package)
-    backends = {n: OrtBackend(p, threads=a.threads) for n, p in packages.items()}
+    backends = {}
+    for n, spec in list(packages.items()):
+        kind, path = ("onnxruntime", spec)
+        if spec.split(":", 1)[0] in ("native", "onnxruntime"):
+            kind, path = spec.split(":", 1)
+        packages[n] = path
+        backends[n] = backend_class(kind)(path, threads=a.threads)
     contexts = [int(c) for c in a.contexts.split(",")]
     sizes = [int(t) for t in a.sizes.split(",")]
     sessions = {(n, p): fill(b, p) for n, b in backends.items() for p in contexts
@@ -83,7 +91,8 @@ def main(argv=None) -> int:
         ratios = [f"{med[f'{n}@P={contexts[-1]}'][t] / med[f'{n}@P={contexts[0]}'][t]:.2f}"
                   if f"{n}@P={contexts[-1]}" in med else "–" for t in sizes]
         rows.append(f"| {n} | " + " | ".join(cells + ratios) + " |")
-    text = (f"# Step latency against the cache length, {model}, onnxruntime CPU\n\n"
+    kinds = ", ".join(sorted({b.name for b in backends.values()}))
+    text = (f"# Step latency against the cache length, {model}, {kinds} on the CPU\n\n"
             f"{a.threads} threads; medians over {a.rounds} interleaved rounds of "
             f"{a.repeats} steps each.\n\n" + "\n".join(rows) + "\n")
     out = Path(a.out)

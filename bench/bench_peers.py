@@ -15,7 +15,9 @@ dependencies: ``pip install -e ".[peers]"``):
   transformers and saved as a Hugging Face folder), fp32 and int4, greedy;
 - transformers ``generate`` (fp32): greedy and ``prompt_lookup_num_tokens=10``;
 - edgemtp, fp32 and int4 packages exported from the GGUF: greedy, ``auto``, and fixed
-  drafters (``--drafters``), every output checked against the same package's greedy.
+  drafters (``--drafters``), every output checked against the same package's greedy. The
+  int4 package runs on the backend ``--backend auto`` picks (the native C decoder on a CPU),
+  and on onnxruntime as its own group (``edgemtp int4 onnxruntime``).
 
 Timing: every method runs every prompt once per repeat, the methods in a rotating order per
 prompt (interleaved, so drift and load spread over all of them), after one warm-up
@@ -232,11 +234,13 @@ def transformers_methods(hf: Path, threads: int, new_tokens: int) -> list[Method
 
 
 def edgemtp_methods(pkg: Path, dtype: str, threads: int, new_tokens: int,
-                    drafters: list[str]) -> list[Method]:
+                    drafters: list[str], backend: str = "auto") -> list[Method]:
+    """``backend="auto"``: what a user gets (the native decoder for int4 on the CPU), named
+    ``edgemtp DTYPE``; another backend is its own group, ``edgemtp DTYPE BACKEND``."""
     from edgemtp.api import Model
 
-    model = Model.load(str(pkg), threads=threads)
-    group = f"edgemtp {dtype}"
+    model = Model.load(str(pkg), backend=backend, threads=threads)
+    group = f"edgemtp {dtype}" + ("" if backend == "auto" else f" {backend}")
 
     def runner(config: GenerationConfig, stats: list):
         def run(ids):
@@ -279,8 +283,12 @@ def prepare(a) -> tuple[list[Method], dict[str, str]]:
     hf = hf_folder(gguf, work) if needs_hf else None
     if "edgemtp" in peers:
         for dtype in a.dtypes.split(","):
-            methods += edgemtp_methods(edgemtp_package(gguf, work, dtype), dtype, a.threads,
-                                       a.new_tokens, a.drafters.split(","))
+            pkg = edgemtp_package(gguf, work, dtype)
+            methods += edgemtp_methods(pkg, dtype, a.threads, a.new_tokens,
+                                       a.drafters.split(","))
+            if dtype == "int4" and a.int4_onnxruntime:  # the portable path, for comparison
+                methods += edgemtp_methods(pkg, dtype, a.threads, a.new_tokens,
+                                           a.drafters.split(","), backend="onnxruntime")
     if "llama.cpp" in peers:
         why = missing("llama_cpp", "llama-cpp-python")
         if why:
@@ -412,7 +420,9 @@ def peer_ratios(rows: list[dict]) -> list[tuple[str, str, float, float | None]]:
     categories of the per-category tok/s ratios, and the ratio of decode tok/s."""
     by = {r["method"]: r for r in rows}
     pairs = [("edgemtp int4 greedy", "genai int4 greedy"), ("edgemtp int4 greedy",
-             "llama.cpp greedy"), ("edgemtp fp32 greedy", "genai fp32 greedy"),
+             "llama.cpp greedy"), ("edgemtp int4 greedy", "edgemtp int4 onnxruntime greedy"),
+             ("edgemtp int4 onnxruntime greedy", "genai int4 greedy"),
+             ("edgemtp fp32 greedy", "genai fp32 greedy"),
              ("edgemtp fp32 greedy", "transformers greedy")]
     out = []
     for a, b in pairs:
@@ -503,6 +513,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="fp32,int4", help="edgemtp package dtypes")
     p.add_argument("--drafters", default=",".join(EDGEMTP_DRAFTERS),
                    help="edgemtp drafters besides greedy, as drafter@BC")
+    p.add_argument("--no-int4-onnxruntime", dest="int4_onnxruntime", action="store_false",
+                   help="leave out the int4 package on onnxruntime (by default it runs beside "
+                        "the native backend, which --backend auto picks for int4)")
     p.add_argument("--per-category", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)

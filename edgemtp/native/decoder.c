@@ -237,47 +237,122 @@ static void embed_row(const Model *M, int64_t id, const float *mask_embeds, int 
 
 /* attention of one query head of one row: keys = cache rows [0, n0) then the block rows
    listed in anc (cache rows base + anc[i]); sc: scratch of at least n0 + n_anc + 8 floats */
-static void attend(const float *q, const float *kt, const float *vv, int cap, int D, int n0,
-                   const int *anc, int n_anc, int base, float scale, float *sc, float *out) {
-    int n = n0 + n_anc, i = 0;
-    for (; i + 8 <= n0; i += 8) {
-        v8 acc = {0};
-        for (int e = 0; e < D; e++) acc += q[e] * load8(kt + (size_t)e * cap + i);
-        store8(sc + i, acc * scale);
+#define RT 4  /* block rows whose attention over the cache one task computes together */
+
+/* scores of keys [k0, k1) of the transposed cache for one query, in order over the head
+   dimension (0 + q0 k0 + q1 k1 + ...), one key per lane, then times the scale */
+static void scores_range(const float *q, const float *kt, int cap, int D, int k0, int k1,
+                         float scale, float *sc) {
+    int i;
+    for (i = k0; i < k1; i++) sc[i - k0] = 0.f;
+    for (int e = 0; e < D; e++) {
+        const float qe = q[e], *row = kt + (size_t)e * cap;
+        for (i = k0; i + 8 <= k1; i += 8)
+            store8(sc + i - k0, load8(sc + i - k0) + qe * load8(row + i));
+        for (; i < k1; i++) sc[i - k0] += qe * row[i];
     }
-    for (; i < n0; i++) {
-        float acc = 0.f;
-        for (int e = 0; e < D; e++) acc += q[e] * kt[(size_t)e * cap + i];
-        sc[i] = acc * scale;
+    for (i = k0; i < k1; i++) sc[i - k0] *= scale;
+}
+
+/* o[0..D) += p * v for one key, 64 lanes a pass in registers (the caller's order of keys is
+   the only order of the sums) */
+static inline void pv_add(float *o, const float *v, float p, int D) {
+    int e = 0;
+    for (; e + 8 <= D; e += 8) store8(o + e, load8(o + e) + p * load8(v + e));
+    for (; e < D; e++) o[e] += p * v[e];
+}
+
+/* attention of query head hh for block rows t0 .. t0 + rt - 1. Row t's keys, in order: the
+   cache's P rows, the block's rows 0 .. lead[t] - 1 (contiguous after the cache), then the
+   block rows in anc[t]: exactly the list plain decoding has once those rows are committed.
+   The cache part is computed for the rt rows together (each cache row read once per task),
+   every score and sum with the same operations in the same order as for a row alone.
+   sc: scratch of rt * (P + T + 8) floats. */
+static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int P, int T,
+                        const int *lead, const int *nanc, const int *anc, const float *kt,
+                        const float *vv, int cap, int D, float scale, float *sc, float *att,
+                        int ldatt) {
+    const int stride = P + T + 8;
+    for (int r = 0; r < rt; r++) {
+        int t = t0 + r;
+        const float *q = qkv + (size_t)t * Nqkv + hh * D;
+        float *s = sc + (size_t)r * stride;
+        if (r == 0) {
+            /* the cache part of every row of the task, a row of K at a time */
+            for (int rr = 0; rr < rt; rr++) {
+                float *ss = sc + (size_t)rr * stride;
+                for (int i = 0; i < P; i++) ss[i] = 0.f;
+            }
+            for (int e = 0; e < D; e++) {
+                const float *row = kt + (size_t)e * cap;
+                for (int rr = 0; rr < rt; rr++) {
+                    const float qe = qkv[(size_t)(t0 + rr) * Nqkv + hh * D + e];
+                    float *ss = sc + (size_t)rr * stride;
+                    int i = 0;
+                    for (; i + 8 <= P; i += 8) store8(ss + i, load8(ss + i) + qe * load8(row + i));
+                    for (; i < P; i++) ss[i] += qe * row[i];
+                }
+            }
+            for (int rr = 0; rr < rt; rr++) {
+                float *ss = sc + (size_t)rr * stride;
+                for (int i = 0; i < P; i++) ss[i] *= scale;
+            }
+        }
+        int n0 = P + lead[t], na = nanc[t], n = n0 + na;
+        scores_range(q, kt, cap, D, P, n0, scale, s + P);
+        for (int a = 0; a < na; a++) {
+            int c = P + anc[(size_t)t * T + a];
+            float acc = 0.f;
+            for (int e = 0; e < D; e++) acc += q[e] * kt[(size_t)e * cap + c];
+            s[n0 + a] = acc * scale;
+        }
+        int n8 = (n + 7) / 8 * 8, i;
+        for (i = n; i < n8; i++) s[i] = -INFINITY;
+        v8 mx = load8(s);
+        for (i = 8; i < n8; i += 8) mx = max8(mx, load8(s + i));
+        float m = mx[0];
+        for (int l = 1; l < 8; l++) m = mx[l] > m ? mx[l] : m;
+        v8 sum = {0};
+        for (i = 0; i < n8; i += 8) {
+            v8 x = load8(s + i);
+            v8 e = vexp(x - m);
+            vi8 live = x > -INFINITY;  /* padding lanes add exactly 0 */
+            e = (v8)((vi8)e & live);
+            store8(s + i, e);
+            sum += e;
+        }
+        s[n8] = 1.0f / sum8(sum);  /* (a slot past the row's list) */
     }
-    for (int a = 0; a < n_anc; a++) {
-        int c = base + anc[a];
-        float acc = 0.f;
-        for (int e = 0; e < D; e++) acc += q[e] * kt[(size_t)e * cap + c];
-        sc[n0 + a] = acc * scale;
+    /* p @ V, a row at a time, its keys in list order, 64 value lanes a pass in registers */
+    for (int r = 0; r < rt; r++) {
+        int t = t0 + r, n0 = P + lead[t], n = n0 + nanc[t];
+        const float *s = sc + (size_t)r * stride;
+        const int *an = anc + (size_t)t * T;
+        float *o = att + (size_t)t * ldatt + hh * D;
+        float inv = s[(n + 7) / 8 * 8];
+        int e0 = 0;
+        for (; e0 + 64 <= D; e0 += 64) {
+            v8 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0}, o4 = {0}, o5 = {0}, o6 = {0}, o7 = {0};
+            for (int i = 0; i < n; i++) {
+                const float *v = vv + (size_t)(i < n0 ? i : P + an[i - n0]) * D + e0;
+                float p = s[i];
+                o0 += p * load8(v);      o1 += p * load8(v + 8);
+                o2 += p * load8(v + 16); o3 += p * load8(v + 24);
+                o4 += p * load8(v + 32); o5 += p * load8(v + 40);
+                o6 += p * load8(v + 48); o7 += p * load8(v + 56);
+            }
+            store8(o + e0, o0 * inv);      store8(o + e0 + 8, o1 * inv);
+            store8(o + e0 + 16, o2 * inv); store8(o + e0 + 24, o3 * inv);
+            store8(o + e0 + 32, o4 * inv); store8(o + e0 + 40, o5 * inv);
+            store8(o + e0 + 48, o6 * inv); store8(o + e0 + 56, o7 * inv);
+        }
+        if (e0 < D) {
+            for (int e = e0; e < D; e++) o[e] = 0.f;
+            for (int i = 0; i < n; i++)
+                pv_add(o + e0, vv + (size_t)(i < n0 ? i : P + an[i - n0]) * D + e0, s[i], D - e0);
+            for (int e = e0; e < D; e++) o[e] *= inv;
+        }
     }
-    int n8 = (n + 7) / 8 * 8;
-    for (i = n; i < n8; i++) sc[i] = -INFINITY;
-    v8 mx = load8(sc);
-    for (i = 8; i < n8; i += 8) mx = max8(mx, load8(sc + i));
-    float m = mx[0];
-    for (int l = 1; l < 8; l++) m = mx[l] > m ? mx[l] : m;
-    v8 s = {0};
-    for (i = 0; i < n8; i += 8) {
-        v8 e = vexp(load8(sc + i) - m);
-        vi8 live = load8(sc + i) > -INFINITY;  /* padding lanes add exactly 0 */
-        e = (v8)((vi8)e & live);
-        store8(sc + i, e);
-        s += e;
-    }
-    float inv = 1.0f / sum8(s);
-    for (int e = 0; e < D; e++) out[e] = 0.f;
-    for (i = 0; i < n; i++) {
-        const float *v = vv + (size_t)(i < n0 ? i : base + anc[i - n0]) * D;
-        float p = sc[i];
-        for (int e = 0; e < D; e++) out[e] += p * v[e];
-    }
-    for (int e = 0; e < D; e++) out[e] *= inv;
 }
 
 /* top-k (value desc, then index asc) of one row of logits, its argmax and log-softmax */
@@ -322,7 +397,7 @@ size_t decoder_scratch(const Model *M, int T, int cap) {
 #ifdef _OPENMP
     threads = M->threads > 0 ? M->threads : omp_get_max_threads();
 #endif
-    return per_row * T + (size_t)rows * Vp + (size_t)threads * (cap + 16 + T) + 64;
+    return per_row * T + (size_t)rows * Vp + (size_t)threads * RT * (cap + T + 16) + 64;
 }
 
 /* one block of T rows after the cache's len committed rows; its K/V land in the cache at rows
@@ -351,7 +426,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
     int32_t *asum = (int32_t *)(as + (size_t)T * (Kmax / 32));
     float *lg = (float *)(asum + (size_t)T * (Kmax / 32));   /* [LM_ROWS][Vp] */
     int rows = T < LM_ROWS ? T : LM_ROWS;
-    float *sc_all = lg + (size_t)rows * Vp;        /* per thread [cap + 16 + T] */
+    float *sc_all = lg + (size_t)rows * Vp;        /* per thread [RT][cap + T + 16] */
     /* each row's block ancestors beyond the leading run of ones (which sits contiguous after
        the cache): lead[t], then anc list */
     int *lead = (int *)malloc(sizeof(int) * T * (T + 2));
@@ -374,7 +449,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        float *sc = sc_all + (size_t)tid * (cap + 16 + T);
+        float *sc = sc_all + (size_t)tid * RT * (cap + T + 16);
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
             embed_row(M, X->ids[t], X->mask_embeds, X->n_mask, x + (size_t)t * d);
@@ -397,12 +472,13 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                     memcpy(vc + ((size_t)g * cap + P + t) * D, v, sizeof(float) * D);
                 }
             }
+            const int tiles = (T + RT - 1) / RT;
 #pragma omp for schedule(static)
-            for (int job = 0; job < T * H; job++) {
-                int t = job / H, hh = job % H, g = hh / grp;
-                attend(qkv + (size_t)t * Nqkv + hh * D, kt + (size_t)g * D * cap,
-                       vc + (size_t)g * cap * D, cap, D, P + lead[t], anc + t * T, nanc[t], P,
-                       M->scale, sc, att + (size_t)t * pad32(H * D) + hh * D);
+            for (int job = 0; job < tiles * H; job++) {
+                int t0 = job / H * RT, hh = job % H, g = hh / grp;
+                attend_rows(qkv, Nqkv, hh, t0, T - t0 < RT ? T - t0 : RT, P, T, lead, nanc, anc,
+                            kt + (size_t)g * D * cap, vc + (size_t)g * cap * D, cap, D,
+                            M->scale, sc, att, pad32(H * D));
             }
             const int ka = pad32(H * D), nba = ka / 32;
 #pragma omp for schedule(static)
