@@ -192,7 +192,7 @@ class NativeBackend:
                          "FastGelu", "Tanh"}
         if (m.get("family") != "llama" or len(nodes) != 4 * L + 1 or len(rot) != 2 * L
                 or len(gather) != 1 or len(skip) != 2 * L or unknown or H % Hkv or d % 16
-                or D % 2):
+                or D % 8):
             raise ConfigError(f"the native backend runs Llama-style int4 packages (fused q/k/v "
                               f"and gate/up, rotate-half rotary, RMSNorm); {where} is a "
                               f"{m.get('family')} graph it does not know: use --backend "
@@ -337,16 +337,17 @@ class NativeBackend:
 
 
 class NativeSession:
-    """One generation on a :class:`NativeBackend`: its K/V cache (keys transposed, see
-    decoder.c) as numpy arrays the C code writes in place."""
+    """One generation on a :class:`NativeBackend`: its K/V cache (keys in transposed blocks of
+    16 positions, see decoder.c) as numpy arrays the C code writes in place."""
 
     def __init__(self, backend: NativeBackend, rows: int | None = None) -> None:
         self.backend = b = backend
         L, Hkv, D = b.dims
         self.rows = b.max_context if rows is None else max(1, min(int(rows), b.max_context))
-        cap = self.rows + MARGIN
-        # np.zeros: pages are mapped on first write, so a short generation costs little
-        self.k = np.zeros((L, Hkv, D, cap), np.float32)
+        cap = -(-(self.rows + MARGIN) // 16) * 16
+        # np.zeros: pages are mapped on first write, so a short generation costs little.
+        # Keys in blocks of 16 positions, each block transposed (see decoder.c)
+        self.k = np.zeros((L, Hkv, cap // 16, D, 16), np.float32)
         self.v = np.zeros((L, Hkv, cap, D), np.float32)
         self.cache = _Cache(self.k.ctypes.data, self.v.ctypes.data, cap, 0)
         self._work = np.zeros(0, np.float32)

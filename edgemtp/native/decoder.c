@@ -24,9 +24,12 @@
    high one; scales [G][nb][16] float; zero points [G][nb][16] bytes. A column's value is
    sum over blocks of scale * a_scale * (sum_j q_j a_j - zp * sum_j a_j).
 
-   Cache (per session): keys transposed, [L][H_kv][D][cap] (a row's scores against 8 cached
-   keys are one vector of 8 lanes), values [L][H_kv][cap][D]; a block's rows are written after
-   the committed ones and commit() moves the accepted ones down. */
+   Cache (per session): keys in blocks of 16 positions, each block transposed,
+   [L][H_kv][cap / 16][D][16] (a query's scores against 16 cached keys are two vectors of 8
+   lanes, each summed over the head dimension in order), values [L][H_kv][cap][D]; a block's
+   rows are written after the committed ones and commit() moves the accepted ones down.
+   Attention multiply-adds are fused (fma) in every path, vector or scalar, so a key's score
+   and a value lane's sum are the same operations wherever they are computed. */
 
 #include <math.h>
 #include <stdint.h>
@@ -36,8 +39,10 @@
 #include <omp.h>
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define Q4_VNNI 1
+#endif
+#if defined(Q4_VNNI) || defined(__FMA__)
+#include <immintrin.h>
 #endif
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -64,6 +69,22 @@ static inline v8 vexp(v8 x) {
     vi8 n = __builtin_convertvector(r, vi8);
     return (v8)((vi8)p + n * (1 << 23));
 }
+/* a * b + c rounded once, lane by lane (as fmaf) */
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+#ifdef __FMA__
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    v8 r;
+    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
+    return r;
+#endif
+}
+
+/* where key position p's dimension e sits in a head's block-transposed key cache */
+static inline size_t kidx(int p, int e, int D) {
+    return ((size_t)(p >> 4) * D + e) * 16 + (p & 15);
+}
+
 static inline float fexp(float x) { v8 r = vexp((v8){0} + x); return r[0]; }
 static inline float sum8(v8 q) {
     return ((q[0] + q[4]) + (q[1] + q[5])) + ((q[2] + q[6]) + (q[3] + q[7]));
@@ -239,118 +260,119 @@ static void embed_row(const Model *M, int64_t id, const float *mask_embeds, int 
    listed in anc (cache rows base + anc[i]); sc: scratch of at least n0 + n_anc + 8 floats */
 #define RT 4  /* block rows whose attention over the cache one task computes together */
 
-/* scores of keys [k0, k1) of the transposed cache for one query, in order over the head
-   dimension (0 + q0 k0 + q1 k1 + ...), one key per lane, then times the scale */
-static void scores_range(const float *q, const float *kt, int cap, int D, int k0, int k1,
-                         float scale, float *sc) {
-    int i;
-    for (i = k0; i < k1; i++) sc[i - k0] = 0.f;
-    for (int e = 0; e < D; e++) {
-        const float qe = q[e], *row = kt + (size_t)e * cap;
-        for (i = k0; i + 8 <= k1; i += 8)
-            store8(sc + i - k0, load8(sc + i - k0) + qe * load8(row + i));
-        for (; i < k1; i++) sc[i - k0] += qe * row[i];
+/* scores of key positions [k0, k1) for n query rows q[r] (n <= RT, a constant where inlined):
+   out[r][p - k0] = scale * (fma chain over e of q[r][e] * K[p][e], from 0). Whole blocks of
+   16 are computed (lanes past k1 are read, never written): each lane is its own chain. */
+static inline __attribute__((always_inline)) void qk_tile(
+        const int n, const float *const *q, const float *kh, int D, int k0, int k1,
+        float scale, float *const *out) {
+    for (int b = k0 >> 4; b <= (k1 - 1) >> 4; b++) {
+        const float *blk = kh + (size_t)b * D * 16;
+        v8 a[RT][2];
+        for (int r = 0; r < n; r++) a[r][0] = a[r][1] = (v8){0};
+        for (int e = 0; e < D; e++) {
+            v8 lo = load8(blk + e * 16), hi = load8(blk + e * 16 + 8);
+            for (int r = 0; r < n; r++) {
+                v8 qe = (v8){0} + q[r][e];
+                a[r][0] = fma8(qe, lo, a[r][0]);
+                a[r][1] = fma8(qe, hi, a[r][1]);
+            }
+        }
+        int p0 = b * 16, lo_p = p0 < k0 ? k0 : p0, hi_p = p0 + 16 > k1 ? k1 : p0 + 16;
+        for (int r = 0; r < n; r++)
+            for (int p = lo_p; p < hi_p; p++) {
+                int j = p - p0;
+                out[r][p - k0] = a[r][j >> 3][j & 7] * scale;
+            }
     }
-    for (i = k0; i < k1; i++) sc[i - k0] *= scale;
 }
 
-/* o[0..D) += p * v for one key, 64 lanes a pass in registers (the caller's order of keys is
-   the only order of the sums) */
-static inline void pv_add(float *o, const float *v, float p, int D) {
-    int e = 0;
-    for (; e + 8 <= D; e += 8) store8(o + e, load8(o + e) + p * load8(v + e));
-    for (; e < D; e++) o[e] += p * v[e];
+static void qk_rows(int n, const float *const *q, const float *kh, int D, int k0, int k1,
+                    float scale, float *const *out) {
+    if (k1 <= k0) return;
+    switch (n) {  /* constant row counts, so the accumulators stay in registers */
+    case 1: qk_tile(1, q, kh, D, k0, k1, scale, out); break;
+    case 2: qk_tile(2, q, kh, D, k0, k1, scale, out); break;
+    case 3: qk_tile(3, q, kh, D, k0, k1, scale, out); break;
+    default: qk_tile(RT, q, kh, D, k0, k1, scale, out); break;
+    }
 }
 
 /* attention of query head hh for block rows t0 .. t0 + rt - 1. Row t's keys, in order: the
    cache's P rows, the block's rows 0 .. lead[t] - 1 (contiguous after the cache), then the
    block rows in anc[t]: exactly the list plain decoding has once those rows are committed.
-   The cache part is computed for the rt rows together (each cache row read once per task),
+   The cache part is computed for the rt rows together (each key block read once per task),
    every score and sum with the same operations in the same order as for a row alone.
-   sc: scratch of rt * (P + T + 8) floats. */
+   sc: scratch of rt * (P + T + 24) floats. */
 static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int P, int T,
-                        const int *lead, const int *nanc, const int *anc, const float *kt,
-                        const float *vv, int cap, int D, float scale, float *sc, float *att,
-                        int ldatt) {
-    const int stride = P + T + 8;
+                        const int *lead, const int *nanc, const int *anc, const float *kh,
+                        const float *vv, int D, float scale, float *sc, float *att, int ldatt) {
+    const int stride = P + T + 24;
+    const float *q[RT];
+    float *s[RT];
     for (int r = 0; r < rt; r++) {
-        int t = t0 + r;
-        const float *q = qkv + (size_t)t * Nqkv + hh * D;
-        float *s = sc + (size_t)r * stride;
-        if (r == 0) {
-            /* the cache part of every row of the task, a row of K at a time */
-            for (int rr = 0; rr < rt; rr++) {
-                float *ss = sc + (size_t)rr * stride;
-                for (int i = 0; i < P; i++) ss[i] = 0.f;
-            }
-            for (int e = 0; e < D; e++) {
-                const float *row = kt + (size_t)e * cap;
-                for (int rr = 0; rr < rt; rr++) {
-                    const float qe = qkv[(size_t)(t0 + rr) * Nqkv + hh * D + e];
-                    float *ss = sc + (size_t)rr * stride;
-                    int i = 0;
-                    for (; i + 8 <= P; i += 8) store8(ss + i, load8(ss + i) + qe * load8(row + i));
-                    for (; i < P; i++) ss[i] += qe * row[i];
-                }
-            }
-            for (int rr = 0; rr < rt; rr++) {
-                float *ss = sc + (size_t)rr * stride;
-                for (int i = 0; i < P; i++) ss[i] *= scale;
-            }
-        }
-        int n0 = P + lead[t], na = nanc[t], n = n0 + na;
-        scores_range(q, kt, cap, D, P, n0, scale, s + P);
-        for (int a = 0; a < na; a++) {
+        q[r] = qkv + (size_t)(t0 + r) * Nqkv + hh * D;
+        s[r] = sc + (size_t)r * stride;
+    }
+    qk_rows(rt, q, kh, D, 0, P, scale, s);
+    for (int r = 0; r < rt; r++) {
+        int t = t0 + r, n0 = P + lead[t], na = nanc[t], n = n0 + na;
+        float *sr = s[r] + P;
+        qk_rows(1, &q[r], kh, D, P, n0, scale, &sr);
+        for (int a = 0; a < na; a++) {  /* the block's other ancestors: the same chains */
             int c = P + anc[(size_t)t * T + a];
             float acc = 0.f;
-            for (int e = 0; e < D; e++) acc += q[e] * kt[(size_t)e * cap + c];
-            s[n0 + a] = acc * scale;
+            for (int e = 0; e < D; e++) acc = fmaf(q[r][e], kh[kidx(c, e, D)], acc);
+            s[r][n0 + a] = acc * scale;
         }
+        float *x = s[r];
         int n8 = (n + 7) / 8 * 8, i;
-        for (i = n; i < n8; i++) s[i] = -INFINITY;
-        v8 mx = load8(s);
-        for (i = 8; i < n8; i += 8) mx = max8(mx, load8(s + i));
+        for (i = n; i < n8; i++) x[i] = -INFINITY;
+        v8 mx = load8(x);
+        for (i = 8; i < n8; i += 8) mx = max8(mx, load8(x + i));
         float m = mx[0];
         for (int l = 1; l < 8; l++) m = mx[l] > m ? mx[l] : m;
         v8 sum = {0};
         for (i = 0; i < n8; i += 8) {
-            v8 x = load8(s + i);
-            v8 e = vexp(x - m);
-            vi8 live = x > -INFINITY;  /* padding lanes add exactly 0 */
+            v8 v = load8(x + i);
+            v8 e = vexp(v - m);
+            vi8 live = v > -INFINITY;  /* padding lanes add exactly 0 */
             e = (v8)((vi8)e & live);
-            store8(s + i, e);
+            store8(x + i, e);
             sum += e;
         }
-        s[n8] = 1.0f / sum8(sum);  /* (a slot past the row's list) */
+        x[n8] = 1.0f / sum8(sum);  /* (a slot past the row's list) */
     }
     /* p @ V, a row at a time, its keys in list order, 64 value lanes a pass in registers */
     for (int r = 0; r < rt; r++) {
         int t = t0 + r, n0 = P + lead[t], n = n0 + nanc[t];
-        const float *s = sc + (size_t)r * stride;
+        const float *x = s[r];
         const int *an = anc + (size_t)t * T;
         float *o = att + (size_t)t * ldatt + hh * D;
-        float inv = s[(n + 7) / 8 * 8];
+        float inv = x[(n + 7) / 8 * 8];
         int e0 = 0;
         for (; e0 + 64 <= D; e0 += 64) {
             v8 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0}, o4 = {0}, o5 = {0}, o6 = {0}, o7 = {0};
             for (int i = 0; i < n; i++) {
                 const float *v = vv + (size_t)(i < n0 ? i : P + an[i - n0]) * D + e0;
-                float p = s[i];
-                o0 += p * load8(v);      o1 += p * load8(v + 8);
-                o2 += p * load8(v + 16); o3 += p * load8(v + 24);
-                o4 += p * load8(v + 32); o5 += p * load8(v + 40);
-                o6 += p * load8(v + 48); o7 += p * load8(v + 56);
+                v8 p = (v8){0} + x[i];
+                o0 = fma8(p, load8(v), o0);      o1 = fma8(p, load8(v + 8), o1);
+                o2 = fma8(p, load8(v + 16), o2); o3 = fma8(p, load8(v + 24), o3);
+                o4 = fma8(p, load8(v + 32), o4); o5 = fma8(p, load8(v + 40), o5);
+                o6 = fma8(p, load8(v + 48), o6); o7 = fma8(p, load8(v + 56), o7);
             }
             store8(o + e0, o0 * inv);      store8(o + e0 + 8, o1 * inv);
             store8(o + e0 + 16, o2 * inv); store8(o + e0 + 24, o3 * inv);
             store8(o + e0 + 32, o4 * inv); store8(o + e0 + 40, o5 * inv);
             store8(o + e0 + 48, o6 * inv); store8(o + e0 + 56, o7 * inv);
         }
-        if (e0 < D) {
-            for (int e = e0; e < D; e++) o[e] = 0.f;
-            for (int i = 0; i < n; i++)
-                pv_add(o + e0, vv + (size_t)(i < n0 ? i : P + an[i - n0]) * D + e0, s[i], D - e0);
-            for (int e = e0; e < D; e++) o[e] *= inv;
+        for (; e0 < D; e0 += 8) {  /* (D is a multiple of 8) */
+            v8 acc = {0};
+            for (int i = 0; i < n; i++) {
+                const float *v = vv + (size_t)(i < n0 ? i : P + an[i - n0]) * D + e0;
+                acc = fma8((v8){0} + x[i], load8(v), acc);
+            }
+            store8(o + e0, acc * inv);
         }
     }
 }
@@ -397,7 +419,7 @@ size_t decoder_scratch(const Model *M, int T, int cap) {
 #ifdef _OPENMP
     threads = M->threads > 0 ? M->threads : omp_get_max_threads();
 #endif
-    return per_row * T + (size_t)rows * Vp + (size_t)threads * RT * (cap + T + 16) + 64;
+    return per_row * T + (size_t)rows * Vp + (size_t)threads * RT * (cap + T + 24) + 64;
 }
 
 /* one block of T rows after the cache's len committed rows; its K/V land in the cache at rows
@@ -449,7 +471,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        float *sc = sc_all + (size_t)tid * RT * (cap + T + 16);
+        float *sc = sc_all + (size_t)tid * RT * (cap + T + 24);
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
             embed_row(M, X->ids[t], X->mask_embeds, X->n_mask, x + (size_t)t * d);
@@ -468,7 +490,8 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                 rotate(r, H + Hkv, D, M->cos + p * half, M->sin + p * half);
                 for (int g = 0; g < Hkv; g++) {
                     const float *k = r + (H + g) * D, *v = r + (H + Hkv + g) * D;
-                    for (int e = 0; e < D; e++) kt[((size_t)g * D + e) * cap + P + t] = k[e];
+                    float *kh = kt + (size_t)g * D * cap;
+                    for (int e = 0; e < D; e++) kh[kidx(P + t, e, D)] = k[e];
                     memcpy(vc + ((size_t)g * cap + P + t) * D, v, sizeof(float) * D);
                 }
             }
@@ -477,8 +500,8 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
             for (int job = 0; job < tiles * H; job++) {
                 int t0 = job / H * RT, hh = job % H, g = hh / grp;
                 attend_rows(qkv, Nqkv, hh, t0, T - t0 < RT ? T - t0 : RT, P, T, lead, nanc, anc,
-                            kt + (size_t)g * D * cap, vc + (size_t)g * cap * D, cap, D,
-                            M->scale, sc, att, pad32(H * D));
+                            kt + (size_t)g * D * cap, vc + (size_t)g * cap * D, D, M->scale, sc,
+                            att, pad32(H * D));
             }
             const int ka = pad32(H * D), nba = ka / 32;
 #pragma omp for schedule(static)
@@ -553,7 +576,7 @@ void decoder_commit(const Model *M, Cache *C, const int64_t *rows, int n) {
             for (int i = 0; i < n; i++) {
                 int src = P + (int)rows[i], dst = P + i;
                 if (src == dst) continue;
-                for (int e = 0; e < D; e++) kt[(size_t)e * cap + dst] = kt[(size_t)e * cap + src];
+                for (int e = 0; e < D; e++) kt[kidx(dst, e, D)] = kt[kidx(src, e, D)];
                 memmove(vc + (size_t)dst * D, vc + (size_t)src * D, sizeof(float) * D);
             }
         }
