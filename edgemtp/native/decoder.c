@@ -496,12 +496,25 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                 }
             }
             const int tiles = (T + RT - 1) / RT;
+            /* one tile (plain steps, small trees): the heads in order, each thread a run of
+               them, so a KV head's rows stay in its cache for its query heads; more: dynamic,
+               as a causal block's later rows have more keys. Which thread computes a task
+               changes no bit of it. */
+            if (tiles == 1) {
 #pragma omp for schedule(static)
-            for (int job = 0; job < tiles * H; job++) {
-                int t0 = job / H * RT, hh = job % H, g = hh / grp;
-                attend_rows(qkv, Nqkv, hh, t0, T - t0 < RT ? T - t0 : RT, P, T, lead, nanc, anc,
-                            kt + (size_t)g * D * cap, vc + (size_t)g * cap * D, D, M->scale, sc,
-                            att, pad32(H * D));
+                for (int hh = 0; hh < H; hh++)
+                    attend_rows(qkv, Nqkv, hh, 0, T, P, T, lead, nanc, anc,
+                                kt + (size_t)(hh / grp) * D * cap,
+                                vc + (size_t)(hh / grp) * cap * D, D, M->scale, sc, att,
+                                pad32(H * D));
+            } else {
+#pragma omp for schedule(dynamic, 1)
+                for (int job = 0; job < tiles * H; job++) {
+                    int t0 = job / H * RT, hh = job % H, g = hh / grp;
+                    attend_rows(qkv, Nqkv, hh, t0, T - t0 < RT ? T - t0 : RT, P, T, lead, nanc,
+                                anc, kt + (size_t)g * D * cap, vc + (size_t)g * cap * D, D,
+                                M->scale, sc, att, pad32(H * D));
+                }
             }
             const int ka = pad32(H * D), nba = ka / 32;
 #pragma omp for schedule(static)
