@@ -377,30 +377,45 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
     }
 }
 
-/* top-k (value desc, then index asc) of one row of logits, its argmax and log-softmax */
+/* top-k (value desc, then index asc) of one row of logits, its argmax and log-softmax; the
+   scans go 8 logits at a time, a lane only looked at when it beats the k-th value so far */
 static void row_out(const float *lg, int V, int k, int64_t *argmax, int64_t *ids, float *lp) {
-    float m = lg[0];
+    int i = 0;
+    v8 mx = (v8){0} - INFINITY;
+    for (; i + 8 <= V; i += 8) mx = max8(mx, load8(lg + i));
+    float m = mx[0];
+    for (int l = 1; l < 8; l++) m = mx[l] > m ? mx[l] : m;
+    for (; i < V; i++) m = lg[i] > m ? lg[i] : m;
     int64_t am = 0;
-    for (int i = 1; i < V; i++) if (lg[i] > m) { m = lg[i]; am = i; }
+    while (lg[am] != m && am + 1 < V) am++;  /* the first maximal index */
     *argmax = am;
     if (k <= 0) return;
+    if (k > 64) k = 64;
     v8 s = {0};
-    int i = 0;
-    for (; i + 8 <= V; i += 8) s += vexp(load8(lg + i) - m);
+    for (i = 0; i + 8 <= V; i += 8) s += vexp(load8(lg + i) - m);
     float tot = sum8(s);
     for (; i < V; i++) tot += fexp(lg[i] - m);
     float lse = m + logf(tot);
     int n = 0;
     float vals[64];
     int idx[64];
-    if (k > 64) k = 64;
-    for (i = 0; i < V; i++) {
-        float x = lg[i];
-        if (n == k && x <= vals[k - 1]) continue;
-        int j = n < k ? n++ : k - 1;
-        while (j > 0 && vals[j - 1] < x) { vals[j] = vals[j - 1]; idx[j] = idx[j - 1]; j--; }
-        vals[j] = x;
-        idx[j] = i;
+    float thr = -INFINITY;  /* lanes at or below it cannot enter a full list */
+    for (i = 0; i < V; i += 8) {
+        int w = V - i < 8 ? V - i : 8;
+        if (w == 8 && n == k) {
+            vi8 hit = load8(lg + i) > ((v8){0} + thr);
+            if (!(hit[0] | hit[1] | hit[2] | hit[3] | hit[4] | hit[5] | hit[6] | hit[7]))
+                continue;
+        }
+        for (int l = 0; l < w; l++) {
+            float x = lg[i + l];
+            if (n == k && x <= vals[k - 1]) continue;
+            int j = n < k ? n++ : k - 1;
+            while (j > 0 && vals[j - 1] < x) { vals[j] = vals[j - 1]; idx[j] = idx[j - 1]; j--; }
+            vals[j] = x;
+            idx[j] = i + l;
+            if (n == k) thr = vals[k - 1];
+        }
     }
     for (i = 0; i < n; i++) { ids[i] = idx[i]; lp[i] = vals[i] - lse; }
 }
