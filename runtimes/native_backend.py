@@ -347,8 +347,9 @@ class NativeSession:
         cap = -(-(self.rows + MARGIN) // 16) * 16
         # np.zeros: pages are mapped on first write, so a short generation costs little.
         # Keys in blocks of 16 positions, each block transposed (see decoder.c)
-        self.k = np.zeros((L, Hkv, cap // 16, D, 16), np.float32)
-        self.v = np.zeros((L, Hkv, cap, D), np.float32)
+        # in half precision (as llama.cpp's default cache), rounded once when written
+        self.k = np.zeros((L, Hkv, cap // 16, D, 16), np.float16)
+        self.v = np.zeros((L, Hkv, cap, D), np.float16)
         self.cache = _Cache(self.k.ctypes.data, self.v.ctypes.data, cap, 0)
         self._work = np.zeros(0, np.float32)
         self._work_t = 0

@@ -27,7 +27,9 @@
    Cache (per session): keys in blocks of 16 positions, each block transposed,
    [L][H_kv][cap / 16][D][16] (a query's scores against 16 cached keys are two vectors of 8
    lanes, each summed over the head dimension in order), values [L][H_kv][cap][D]; a block's
-   rows are written after the committed ones and commit() moves the accepted ones down.
+   rows are written after the committed ones and commit() moves the accepted ones down. Keys
+   and values are cached in half precision (IEEE binary16, F16C where the CPU has it), rounded
+   to nearest even when their row is written.
    Attention multiply-adds are fused (fma) in every path, vector or scalar, so a key's score
    and a value lane's sum are the same operations wherever they are computed. */
 
@@ -41,7 +43,7 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define Q4_VNNI 1
 #endif
-#if defined(Q4_VNNI) || defined(__FMA__)
+#if defined(Q4_VNNI) || defined(__FMA__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -105,7 +107,26 @@ typedef struct {
     const uint8_t *emb_zp;                  /* [V][ceil(ceil(d/32)/2)] or NULL (8) */
 } Model;
 
-typedef struct { float *k, *v; int cap; int len; } Cache;
+/* the K/V cache holds half-precision values (as llama.cpp's default cache): half the bytes
+   a long context's attention reads; a value is rounded once, when its row is written */
+typedef uint16_t kv_t;  /* IEEE binary16 bits */
+#ifdef __F16C__
+static inline v8 loadh8(const kv_t *p) {
+    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline float h2f(kv_t h) { return _cvtsh_ss(h); }
+static inline kv_t f2h(float f) { return _cvtss_sh(f, 0); }  /* round to nearest even */
+#else
+static inline float h2f(kv_t h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
+static inline kv_t f2h(float f) { _Float16 x = (_Float16)f; kv_t h; memcpy(&h, &x, 2); return h; }
+static inline v8 loadh8(const kv_t *p) {
+    v8 r;
+    for (int l = 0; l < 8; l++) r[l] = h2f(p[l]);
+    return r;
+}
+#endif
+
+typedef struct { kv_t *k, *v; int cap; int len; } Cache;
 
 typedef struct {
     int T, topk, want_logits, want_hidden;
@@ -264,14 +285,14 @@ static void embed_row(const Model *M, int64_t id, const float *mask_embeds, int 
    out[r][p - k0] = scale * (fma chain over e of q[r][e] * K[p][e], from 0). Whole blocks of
    16 are computed (lanes past k1 are read, never written): each lane is its own chain. */
 static inline __attribute__((always_inline)) void qk_tile(
-        const int n, const float *const *q, const float *kh, int D, int k0, int k1,
+        const int n, const float *const *q, const kv_t *kh, int D, int k0, int k1,
         float scale, float *const *out) {
     for (int b = k0 >> 4; b <= (k1 - 1) >> 4; b++) {
-        const float *blk = kh + (size_t)b * D * 16;
+        const kv_t *blk = kh + (size_t)b * D * 16;
         v8 a[RT][2];
         for (int r = 0; r < n; r++) a[r][0] = a[r][1] = (v8){0};
         for (int e = 0; e < D; e++) {
-            v8 lo = load8(blk + e * 16), hi = load8(blk + e * 16 + 8);
+            v8 lo = loadh8(blk + e * 16), hi = loadh8(blk + e * 16 + 8);
             for (int r = 0; r < n; r++) {
                 v8 qe = (v8){0} + q[r][e];
                 a[r][0] = fma8(qe, lo, a[r][0]);
@@ -287,7 +308,7 @@ static inline __attribute__((always_inline)) void qk_tile(
     }
 }
 
-static void qk_rows(int n, const float *const *q, const float *kh, int D, int k0, int k1,
+static void qk_rows(int n, const float *const *q, const kv_t *kh, int D, int k0, int k1,
                     float scale, float *const *out) {
     if (k1 <= k0) return;
     switch (n) {  /* constant row counts, so the accumulators stay in registers */
@@ -305,8 +326,8 @@ static void qk_rows(int n, const float *const *q, const float *kh, int D, int k0
    every score and sum with the same operations in the same order as for a row alone.
    sc: scratch of rt * (P + T + 24) floats. */
 static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int P, int T,
-                        const int *lead, const int *nanc, const int *anc, const float *kh,
-                        const float *vv, int D, float scale, float *sc, float *att, int ldatt) {
+                        const int *lead, const int *nanc, const int *anc, const kv_t *kh,
+                        const kv_t *vv, int D, float scale, float *sc, float *att, int ldatt) {
     const int stride = P + T + 24;
     const float *q[RT];
     float *s[RT];
@@ -322,7 +343,7 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
         for (int a = 0; a < na; a++) {  /* the block's other ancestors: the same chains */
             int c = P + anc[(size_t)t * T + a];
             float acc = 0.f;
-            for (int e = 0; e < D; e++) acc = fmaf(q[r][e], kh[kidx(c, e, D)], acc);
+            for (int e = 0; e < D; e++) acc = fmaf(q[r][e], h2f(kh[kidx(c, e, D)]), acc);
             s[r][n0 + a] = acc * scale;
         }
         float *x = s[r];
@@ -354,12 +375,12 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
         for (; e0 + 64 <= D; e0 += 64) {
             v8 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0}, o4 = {0}, o5 = {0}, o6 = {0}, o7 = {0};
             for (int i = 0; i < n; i++) {
-                const float *v = vv + (size_t)(i < n0 ? i : P + an[i - n0]) * D + e0;
+                const kv_t *v = vv + (size_t)(i < n0 ? i : P + an[i - n0]) * D + e0;
                 v8 p = (v8){0} + x[i];
-                o0 = fma8(p, load8(v), o0);      o1 = fma8(p, load8(v + 8), o1);
-                o2 = fma8(p, load8(v + 16), o2); o3 = fma8(p, load8(v + 24), o3);
-                o4 = fma8(p, load8(v + 32), o4); o5 = fma8(p, load8(v + 40), o5);
-                o6 = fma8(p, load8(v + 48), o6); o7 = fma8(p, load8(v + 56), o7);
+                o0 = fma8(p, loadh8(v), o0);      o1 = fma8(p, loadh8(v + 8), o1);
+                o2 = fma8(p, loadh8(v + 16), o2); o3 = fma8(p, loadh8(v + 24), o3);
+                o4 = fma8(p, loadh8(v + 32), o4); o5 = fma8(p, loadh8(v + 40), o5);
+                o6 = fma8(p, loadh8(v + 48), o6); o7 = fma8(p, loadh8(v + 56), o7);
             }
             store8(o + e0, o0 * inv);      store8(o + e0 + 8, o1 * inv);
             store8(o + e0 + 16, o2 * inv); store8(o + e0 + 24, o3 * inv);
@@ -369,8 +390,8 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
         for (; e0 < D; e0 += 8) {  /* (D is a multiple of 8) */
             v8 acc = {0};
             for (int i = 0; i < n; i++) {
-                const float *v = vv + (size_t)(i < n0 ? i : P + an[i - n0]) * D + e0;
-                acc = fma8((v8){0} + x[i], load8(v), acc);
+                const kv_t *v = vv + (size_t)(i < n0 ? i : P + an[i - n0]) * D + e0;
+                acc = fma8((v8){0} + x[i], loadh8(v), acc);
             }
             store8(o + e0, acc * inv);
         }
@@ -495,7 +516,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
         }
         for (int l = 0; l < M->L; l++) {
             q4_gemm(&M->qkv[l], T, aq, as, asum, qkv, Nqkv);
-            float *kt = C->k + (size_t)l * Hkv * D * cap, *vc = C->v + (size_t)l * Hkv * cap * D;
+            kv_t *kt = C->k + (size_t)l * Hkv * D * cap, *vc = C->v + (size_t)l * Hkv * cap * D;
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 int64_t p = X->pos[t];
@@ -505,9 +526,9 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                 rotate(r, H + Hkv, D, M->cos + p * half, M->sin + p * half);
                 for (int g = 0; g < Hkv; g++) {
                     const float *k = r + (H + g) * D, *v = r + (H + Hkv + g) * D;
-                    float *kh = kt + (size_t)g * D * cap;
-                    for (int e = 0; e < D; e++) kh[kidx(P + t, e, D)] = k[e];
-                    memcpy(vc + ((size_t)g * cap + P + t) * D, v, sizeof(float) * D);
+                    kv_t *kh = kt + (size_t)g * D * cap, *vr = vc + ((size_t)g * cap + P + t) * D;
+                    for (int e = 0; e < D; e++) kh[kidx(P + t, e, D)] = f2h(k[e]);
+                    for (int e = 0; e < D; e++) vr[e] = f2h(v[e]);
                 }
             }
             const int tiles = (T + RT - 1) / RT;
@@ -599,13 +620,13 @@ void decoder_commit(const Model *M, Cache *C, const int64_t *rows, int n) {
     const int D = M->D, cap = C->cap, P = C->len;
     for (int l = 0; l < M->L; l++)
         for (int g = 0; g < M->Hkv; g++) {
-            float *kt = C->k + ((size_t)l * M->Hkv + g) * D * cap;
-            float *vc = C->v + ((size_t)l * M->Hkv + g) * cap * D;
+            kv_t *kt = C->k + ((size_t)l * M->Hkv + g) * D * cap;
+            kv_t *vc = C->v + ((size_t)l * M->Hkv + g) * cap * D;
             for (int i = 0; i < n; i++) {
                 int src = P + (int)rows[i], dst = P + i;
                 if (src == dst) continue;
                 for (int e = 0; e < D; e++) kt[kidx(dst, e, D)] = kt[kidx(src, e, D)];
-                memmove(vc + (size_t)dst * D, vc + (size_t)src * D, sizeof(float) * D);
+                memmove(vc + (size_t)dst * D, vc + (size_t)src * D, sizeof(kv_t) * D);
             }
         }
     C->len = P + n;
