@@ -4,6 +4,7 @@ No timing: equality only, so it means the same on a loaded machine.
 
     python bench/check_lossless.py out/peers/edgemtp-int4 [--tokens 128] [--bc 10]
         [--drafters probe,pld,hybrid,lade,stand,auto] [--categories summarization,rag]
+        [--backend onnxruntime|native]
 
 Prints one line per prompt and drafter (the first differing token, if any) and writes
 ``--out`` (JSON) with the counts; exit 1 if any output differs.
@@ -31,13 +32,15 @@ def main(argv=None) -> int:
     ap.add_argument("--drafters", default="probe,pld,hybrid,lade,stand,auto")
     ap.add_argument("--categories", default="", help="comma-separated; default all 13")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backend", default="onnxruntime",
+                    help="onnxruntime (default), native (int4), or auto")
     ap.add_argument("--gguf", default=None, help="the GGUF whose tokenizer makes the prompts")
     ap.add_argument("--out", default=None, help="JSON path")
     a = ap.parse_args(argv)
     only = set(filter(None, a.categories.split(",")))
     tasks = {c: p[0] for c, p in prompts_by_category(gguf_path(a.gguf), 1, False).items()
              if not only or c in only}
-    model = Model.load(a.package, backend="onnxruntime", threads=a.threads)
+    model = Model.load(a.package, backend=a.backend, threads=a.threads)
     rows, same = [], {}
     for cat, ids in tasks.items():
         plain = model.generate(ids, drafter="none", max_new_tokens=a.tokens).token_ids

@@ -232,3 +232,16 @@ def test_a_graph_it_would_read_wrong_is_refused_at_load(int4_pkg, tmp_path):
     (pkg / "edgemtp.json").write_text(json.dumps(manifest))
     with pytest.raises(ModelLoadError, match="disagrees with the package's graph"):
         NativeBackend(str(pkg), threads=1)
+
+
+def test_a_prefill_can_leave_the_prompt_rows_top_k_out(backend):
+    # auto reads only its mask rows' candidates (no hybrid sharing stored distributions): the
+    # engine asks the rows before them for no top-K, which costs a log-softmax over the vocab
+    ids = np.random.default_rng(6).integers(0, backend.vocab_size, 30)
+    mask = np.tril(np.ones((30, 30), bool))
+    full = backend.session().forward(ids, np.arange(30), mask, None, topk=8)
+    part = backend.session().forward(ids, np.arange(30), mask, None, topk=8, topk_from=25)
+    assert np.array_equal(full.argmax, part.argmax)
+    assert np.array_equal(full.topk_ids[25:], part.topk_ids[25:])
+    assert np.array_equal(full.topk_logprobs[25:], part.topk_logprobs[25:])
+    assert (part.topk_ids[:25] == 0).all() and np.isneginf(part.topk_logprobs[:25]).all()

@@ -313,6 +313,12 @@ class AutoDrafter:
                 out.append(w)
         return out
 
+    @property
+    def prompt_topk(self) -> bool:
+        """Whether the prefill's prompt rows' top-K is read (the stored distributions a hybrid
+        shares); without, only the mask rows' candidates are (see Engine._prefill)."""
+        return self._dists
+
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)
         self.context = ContextModel(self.context.dists.k, MAX_NGRAM, native=True)

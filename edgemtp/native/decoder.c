@@ -129,7 +129,7 @@ static inline v8 loadh8(const kv_t *p) {
 typedef struct { kv_t *k, *v; int cap; int len; } Cache;
 
 typedef struct {
-    int T, topk, want_logits, want_hidden;
+    int T, topk, want_logits, want_hidden, topk_from;  /* rows < topk_from: no top-K */
     const int64_t *ids, *pos;
     const uint8_t *mask;                    /* [T][T] */
     const float *mask_embeds; int n_mask;   /* [n_mask][d] */
@@ -605,7 +605,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                 const float *row = out + (size_t)i * ld;
                 if (X->logits && out == lg)
                     memcpy(X->logits + (size_t)(t0 + i) * M->V, row, sizeof(float) * M->V);
-                row_out(row, M->V, X->topk, X->argmax + t0 + i,
+                row_out(row, M->V, t0 + i < X->topk_from ? 0 : X->topk, X->argmax + t0 + i,
                         X->topk_ids + (size_t)(t0 + i) * X->topk,
                         X->topk_lp + (size_t)(t0 + i) * X->topk);
             }
