@@ -178,18 +178,19 @@ class Generation:
         self.drafter.start(self.prompt)
         k = self.drafter.mask_tokens  # (after start: auto sets it per generation)
         c0, seen = 0, []  # seen: the earlier chunks' outputs, which drafters observe too
-        # a drafter that reads no prompt row's top-K (drafter.prompt_topk False) gets it for
-        # its mask rows only, where the session can leave rows out (the native backend's: a
-        # top-K costs a log-softmax over the vocabulary, ~4 % of a prefill there)
-        skip = (not getattr(self.drafter, "prompt_topk", True)
-                and getattr(b, "topk_from", False) is True)
+        # a drafter that reads no prompt row's outputs (drafter.prompt_rows False) gets the
+        # last prompt row's and its mask rows' only, where the session can leave rows out (the
+        # native backend's: the LM head is a fifth of a row's weights, and a top-K adds a
+        # log-softmax over the vocabulary)
+        skip = (not getattr(self.drafter, "prompt_rows", True)
+                and getattr(b, "rows_from", False) is True)
         if t > PREFILL_CHUNK:
             chunk_mask = np.tril(np.ones((PREFILL_CHUNK, PREFILL_CHUNK), dtype=bool))
         while t - c0 > PREFILL_CHUNK:
             chunk = self.prompt[c0:c0 + PREFILL_CHUNK]
             part = b.forward(chunk, c0 + np.arange(PREFILL_CHUNK), chunk_mask, None,
                              topk=self.drafter.topk, hidden=self._hidden,
-                             **({"topk_from": PREFILL_CHUNK} if skip else {}))
+                             **({"rows_from": PREFILL_CHUNK} if skip else {}))
             seen.append(_copy_rows(part))
             b.commit(np.arange(chunk.size))
             c0 += chunk.size  # (the prefill counts as one forward call, however chunked)
@@ -198,7 +199,7 @@ class Generation:
         causal = np.tril(np.ones((n + k, n + k), dtype=bool))
         out = b.forward(ids, c0 + np.arange(n + k), causal, self.drafter.mask_embeds(),
                         topk=self.drafter.topk, full_logits=self.verifier.sample,
-                        hidden=self._hidden, **({"topk_from": n} if skip else {}))
+                        hidden=self._hidden, **({"rows_from": n - 1} if skip else {}))
         root = self.verifier.target(out, n - 1)
         new = self._emit([root])
         if not self.done:

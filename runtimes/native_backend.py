@@ -74,7 +74,7 @@ class _Cache(ctypes.Structure):
 
 class _Call(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int) for n in ("T", "topk", "want_logits", "want_hidden",
-                                             "topk_from")]
+                                             "rows_from")]
                 + [(n, _P) for n in ("ids", "pos", "mask", "mask_embeds")]
                 + [("n_mask", ctypes.c_int)]
                 + [(n, _P) for n in ("argmax", "topk_ids", "topk_lp", "logits", "hidden")])
@@ -361,12 +361,14 @@ class NativeSession:
     def cache_len(self) -> int:
         return self.cache.len
 
-    topk_from = True  # forward() takes topk_from (the engine's prefill asks it, see there)
+    rows_from = True  # forward() takes rows_from (the engine's prefill asks it, see there)
 
     def forward(self, input_ids, position_ids, tree_mask, mask_embeds, topk: int = 0,
-                full_logits: bool = False, hidden: bool = False, topk_from: int = 0) -> StepOut:
-        """As every session's; ``topk_from``: rows before it get no top-K (ids 0, log-probs
-        -inf): a prefill's prompt rows, for a drafter that reads only its mask rows'."""
+                full_logits: bool = False, hidden: bool = False, rows_from: int = 0) -> StepOut:
+        """As every session's; ``rows_from``: rows before it get no LM head (argmax -1, top-K
+        ids 0 and log-probs -inf; ignored when full logits are asked): a prefill's prompt
+        rows, for a drafter that reads none of them (the LM head is a fifth of a row's
+        weights, its log-softmax a few per cent more)."""
         b = self.backend
         b.check_step(topk, hidden)
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
@@ -386,9 +388,9 @@ class NativeSession:
         top_lp = np.empty((t, topk), np.float32)
         logits = np.empty((t, b.vocab_size), np.float32) if full_logits else None
         hid = np.empty((t, b.hidden_size), np.float32) if hidden else None
-        skip = min(max(int(topk_from), 0), t) if topk else 0
+        skip = 0 if full_logits else min(max(int(rows_from), 0), t)
         call = _Call(T=t, topk=topk, want_logits=int(full_logits), want_hidden=int(hidden),
-                     topk_from=skip,
+                     rows_from=skip,
                      ids=ids.ctypes.data, pos=pos.ctypes.data, mask=mask.ctypes.data,
                      mask_embeds=embeds.ctypes.data, n_mask=len(embeds),
                      argmax=argmax.ctypes.data, topk_ids=top_ids.ctypes.data,
@@ -402,7 +404,7 @@ class NativeSession:
         if rc:
             raise ConfigError(f"the native decoder refused a block of {t} rows (code {rc})")
         if skip:
-            top_ids[:skip], top_lp[:skip] = 0, -np.inf
+            argmax[:skip], top_ids[:skip], top_lp[:skip] = -1, 0, -np.inf
         return StepOut(argmax=argmax, topk_ids=top_ids, topk_logprobs=top_lp, logits=logits,
                        hidden=hid)
 

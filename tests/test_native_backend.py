@@ -234,14 +234,17 @@ def test_a_graph_it_would_read_wrong_is_refused_at_load(int4_pkg, tmp_path):
         NativeBackend(str(pkg), threads=1)
 
 
-def test_a_prefill_can_leave_the_prompt_rows_top_k_out(backend):
-    # auto reads only its mask rows' candidates (no hybrid sharing stored distributions): the
-    # engine asks the rows before them for no top-K, which costs a log-softmax over the vocab
+def test_a_prefill_can_leave_the_prompt_rows_out(backend):
+    # plain decoding and auto (no hybrid sharing stored distributions) read only the last
+    # prompt row and the mask rows: the engine asks the rows before them for no LM head
     ids = np.random.default_rng(6).integers(0, backend.vocab_size, 30)
     mask = np.tril(np.ones((30, 30), bool))
     full = backend.session().forward(ids, np.arange(30), mask, None, topk=8)
-    part = backend.session().forward(ids, np.arange(30), mask, None, topk=8, topk_from=25)
-    assert np.array_equal(full.argmax, part.argmax)
+    part = backend.session().forward(ids, np.arange(30), mask, None, topk=8, rows_from=25)
+    assert np.array_equal(full.argmax[25:], part.argmax[25:]) and (part.argmax[:25] == -1).all()
     assert np.array_equal(full.topk_ids[25:], part.topk_ids[25:])
     assert np.array_equal(full.topk_logprobs[25:], part.topk_logprobs[25:])
     assert (part.topk_ids[:25] == 0).all() and np.isneginf(part.topk_logprobs[:25]).all()
+    logits = backend.session().forward(ids, np.arange(30), mask, None, full_logits=True,
+                                       rows_from=25)
+    assert (logits.argmax == full.argmax).all()  # full logits: every row, always

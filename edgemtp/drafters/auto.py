@@ -314,10 +314,11 @@ class AutoDrafter:
         return out
 
     @property
-    def prompt_topk(self) -> bool:
-        """Whether the prefill's prompt rows' top-K is read (the stored distributions a hybrid
-        shares); without, only the mask rows' candidates are (see Engine._prefill)."""
-        return self._dists
+    def prompt_rows(self) -> bool:
+        """Whether the prefill's prompt rows' outputs are read (the stored distributions a
+        hybrid shares, the whole drafters); without, only the mask rows' candidates are (see
+        Engine._prefill)."""
+        return self._dists or bool(self.wholes)
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)

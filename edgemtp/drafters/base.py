@@ -40,6 +40,7 @@ class NoDrafter:
 
     mask_tokens = 0
     topk = 0
+    prompt_rows = False  # reads none of the prefill's prompt rows (Engine._prefill)
 
     def start(self, prompt_ids: np.ndarray) -> None:
         pass

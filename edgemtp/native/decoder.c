@@ -129,7 +129,7 @@ static inline v8 loadh8(const kv_t *p) {
 typedef struct { kv_t *k, *v; int cap; int len; } Cache;
 
 typedef struct {
-    int T, topk, want_logits, want_hidden, topk_from;  /* rows < topk_from: no top-K */
+    int T, topk, want_logits, want_hidden, rows_from;  /* rows < rows_from: no LM head */
     const int64_t *ids, *pos;
     const uint8_t *mask;                    /* [T][T] */
     const float *mask_embeds; int n_mask;   /* [n_mask][d] */
@@ -594,7 +594,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
             }
         }
         /* LM head, LM_ROWS rows at a time */
-        for (int t0 = 0; t0 < T; t0 += LM_ROWS) {
+        for (int t0 = X->rows_from; t0 < T; t0 += LM_ROWS) {
             int tn = T - t0 < LM_ROWS ? T - t0 : LM_ROWS;
             float *out = X->logits ? X->logits + (size_t)t0 * M->V : lg;
             int ld = X->logits ? M->V : Vp;
@@ -605,7 +605,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                 const float *row = out + (size_t)i * ld;
                 if (X->logits && out == lg)
                     memcpy(X->logits + (size_t)(t0 + i) * M->V, row, sizeof(float) * M->V);
-                row_out(row, M->V, t0 + i < X->topk_from ? 0 : X->topk, X->argmax + t0 + i,
+                row_out(row, M->V, X->topk, X->argmax + t0 + i,
                         X->topk_ids + (size_t)(t0 + i) * X->topk,
                         X->topk_lp + (size_t)(t0 + i) * X->topk);
             }
