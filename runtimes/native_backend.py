@@ -73,8 +73,7 @@ class _Cache(ctypes.Structure):
 
 
 class _Call(ctypes.Structure):
-    _fields_ = ([(n, ctypes.c_int) for n in ("T", "topk", "want_logits", "want_hidden",
-                                             "rows_from")]
+    _fields_ = ([(n, ctypes.c_int) for n in ("T", "topk", "rows_from")]
                 + [(n, _P) for n in ("ids", "pos", "mask", "mask_embeds")]
                 + [("n_mask", ctypes.c_int)]
                 + [(n, _P) for n in ("argmax", "topk_ids", "topk_lp", "logits", "hidden")])
@@ -225,7 +224,6 @@ class NativeBackend:
             o[i] = mat(nodes[4 * i + 1], d, H * D)
             gu[i] = mat(nodes[4 * i + 2], 2 * F, d)
             down[i] = mat(nodes[4 * i + 3], d, F)
-        lm = Q4W(0, 0, None, None, None)
         lm = mat(nodes[-1], self.vocab_size, d)
 
         def f32(a) -> np.ndarray:
@@ -389,7 +387,7 @@ class NativeSession:
         logits = np.empty((t, b.vocab_size), np.float32) if full_logits else None
         hid = np.empty((t, b.hidden_size), np.float32) if hidden else None
         skip = 0 if full_logits else min(max(int(rows_from), 0), t)
-        call = _Call(T=t, topk=topk, want_logits=int(full_logits), want_hidden=int(hidden),
+        call = _Call(T=t, topk=topk,
                      rows_from=skip,
                      ids=ids.ctypes.data, pos=pos.ctypes.data, mask=mask.ctypes.data,
                      mask_embeds=embeds.ctypes.data, n_mask=len(embeds),

@@ -82,7 +82,10 @@ def _prune(new: Path) -> None:
 
 def _build(source: Path = SOURCE, options: tuple[tuple[str, ...], ...] = (("-O2",),)) -> Path:
     """``source`` compiled into the cache with the first of ``options`` the compiler takes."""
-    src = source.read_bytes()
+    # the source and the headers it may include from its folder (v8.h): a changed header
+    # is a new library
+    src = source.read_bytes() + b"".join(h.read_bytes()
+                                         for h in sorted(source.parent.glob("*.h")))
     from ..latency import cache_dir  # ($EDGEMTP_CACHE, else ~/.cache/edgemtp)
     cc = None
     errors = []

@@ -47,30 +47,8 @@
 #include <immintrin.h>
 #endif
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t vi8 __attribute__((vector_size(32)));
+#include "v8.h"
 
-static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
-static inline v8 max8(v8 a, v8 b) { vi8 m = b > a; return (v8)(((vi8)b & m) | ((vi8)a & ~m)); }
-
-/* e^x to ~2e-7 relative (heads.c's), 8 lanes */
-static inline v8 vexp(v8 x) {
-    v8 lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
-    x = max8(lo, x);
-    x = -max8(-hi, -x);
-    v8 t = x * 1.44269504088896341f;
-    v8 r = (t + 12582912.0f) - 12582912.0f;
-    v8 f = t - r;
-    v8 p = f * 1.5403530393381606e-4f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
-    vi8 n = __builtin_convertvector(r, vi8);
-    return (v8)((vi8)p + n * (1 << 23));
-}
 /* a * b + c rounded once, lane by lane (as fmaf) */
 static inline v8 fma8(v8 a, v8 b, v8 c) {
 #ifdef __FMA__
@@ -87,10 +65,6 @@ static inline size_t kidx(int p, int e, int D) {
     return ((size_t)(p >> 4) * D + e) * 16 + (p & 15);
 }
 
-static inline float fexp(float x) { v8 r = vexp((v8){0} + x); return r[0]; }
-static inline float sum8(v8 q) {
-    return ((q[0] + q[4]) + (q[1] + q[5])) + ((q[2] + q[6]) + (q[3] + q[7]));
-}
 
 typedef struct { int G, nb; const uint8_t *w; const float *sc; const uint8_t *zp; } Q4W;
 
@@ -129,7 +103,7 @@ static inline v8 loadh8(const kv_t *p) {
 typedef struct { kv_t *k, *v; int cap; int len; } Cache;
 
 typedef struct {
-    int T, topk, want_logits, want_hidden, rows_from;  /* rows < rows_from: no LM head */
+    int T, topk, rows_from;                 /* rows < rows_from: no LM head */
     const int64_t *ids, *pos;
     const uint8_t *mask;                    /* [T][T] */
     const float *mask_embeds; int n_mask;   /* [n_mask][d] */

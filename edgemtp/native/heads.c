@@ -24,45 +24,8 @@
 #include <stdint.h>
 #include <string.h>
 
-/* 8 floats as one value: GCC and Clang map it onto the machine's vector registers (one
-   AVX register, or two SSE ones); loads through memcpy need no alignment */
-typedef float v8 __attribute__((vector_size(32)));
+#include "v8.h"
 
-static inline v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-typedef int32_t vi8 __attribute__((vector_size(32)));
-
-static inline v8 max8(v8 a, v8 b) {  /* lanes of b where b > a, else a */
-    vi8 m = b > a;
-    return (v8)(((vi8)b & m) | ((vi8)a & ~m));
-}
-
-/* e^x to ~2e-7 relative, 8 lanes at once, branch-free: 2^(x log2 e) split into an integer
-   and a fraction in [-0.5, 0.5], the fraction by its Taylor polynomial */
-static inline v8 vexp(v8 x) {
-    v8 lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
-    x = max8(lo, x);
-    x = -max8(-hi, -x);
-    v8 t = x * 1.44269504088896341f;
-    v8 r = (t + 12582912.0f) - 12582912.0f;
-    v8 f = t - r;
-    v8 p = f * 1.5403530393381606e-4f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
-    vi8 n = __builtin_convertvector(r, vi8);
-    return (v8)((vi8)p + n * (1 << 23));
-}
-
-static inline float sum8(v8 q) {
-    return ((q[0] + q[4]) + (q[1] + q[5])) + ((q[2] + q[6]) + (q[3] + q[7]));
-}
 
 /* o[r] = a . b[r] for 4 rows of b (stride n): four independent sums, so the loop is bound by
    throughput, not by the latency of one chain of adds */
@@ -104,11 +67,6 @@ static inline void matvec(const float *a, const float *b, int m, int n, float *o
     int r = 0;
     for (; r + 4 <= m; r += 4) dots4(a, b + (int64_t)r * n, n, o + r);
     for (; r < m; r++) o[r] = dot(a, b + (int64_t)r * n, n);
-}
-
-static inline float fexp(float x) {  /* vexp on one lane (tails and silu's scalars) */
-    v8 r = vexp((v8){0} + x);
-    return r[0];
 }
 
 static inline void unit(const float *x, float *out, int d) {
