@@ -19,7 +19,9 @@ into the cache, so K/V never leave the device.
 
 from __future__ import annotations
 
+import itertools
 import mmap
+import weakref
 from pathlib import Path
 from time import perf_counter
 
@@ -339,6 +341,11 @@ class OrtBackend:
             raise ConfigError("static_past needs a format 2 package (a past_len input): "
                               "re-export it")
         self.static_past = self.cuda_graphs or bool(static_past)
+        # a CUDA graph id names one capture in this InferenceSession, with the addresses it
+        # was captured on: ids are never reused, and the buffers behind them outlive the
+        # generation that made them (GraphSession takes a free _GraphBuffers)
+        self._graph_ids = itertools.count(1)  # 0 is onnxruntime's own
+        self._graph_buffers: list[_GraphBuffers] = []
         if not self.cuda_graphs:
             self.graph = self._session(ort, device, threads,
                                        past_rows=self.max_context if self.static_past else None)
@@ -711,6 +718,37 @@ class _ShapeIO:
         self.run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
 
 
+class _GraphBuffers:
+    """The device memory a :class:`GraphSession` runs on: the cache, the block's new K/V and
+    each block shape's buffers and binding (:class:`_ShapeIO`). A captured graph replays on
+    the addresses it was captured with, whichever session replays it, so these belong to
+    the backend and pass from a finished generation to the next (``owner``: the session
+    using them, weakly). Two generations alive at once get two sets, with graph ids of
+    their own."""
+
+    def __init__(self, b: OrtBackend, device: str) -> None:
+        m = b.package.manifest
+        self.kv = DeviceKV(b.ort, b.commit_graph, device, m["num_layers"], b.max_context,
+                           m["num_kv_heads"], m["head_dim"], b.package.np_dtype,
+                           b.package.np_value_dtype)
+        # the block's new K/V: allocated once for the longest block (a prefill of the whole
+        # context plus mask slots), so their addresses hold for every captured shape
+        self.kv.cap = b.max_context + 8
+        self.kv.new_k_ptr, self.kv.new_v_ptr = self.kv._alloc_new(self.kv.cap)
+        self.shapes: dict[tuple[int, int], _ShapeIO] = {}
+        self.owner = lambda: None
+
+    @staticmethod
+    def take(session: "GraphSession") -> "_GraphBuffers":
+        b = session.backend
+        free = next((g for g in b._graph_buffers if g.owner() is None), None)
+        if free is None:
+            free = _GraphBuffers(b, session.device)
+            b._graph_buffers.append(free)
+        free.owner = weakref.ref(session)
+        return free
+
+
 class GraphSession(_CacheCommits):
     """One generation on CUDA with captured graphs: the cache, the block's inputs and every
     output live on the device at fixed addresses per block shape; the past is always the
@@ -719,34 +757,29 @@ class GraphSession(_CacheCommits):
     (``gpu_graph_id``, one per shape) and replays it. A step copies ids, positions, mask and
     mask embeddings in (a few KB) and argmax and top-K out; a commit is the package's
     on-device gather. Blocks longer than ``GRAPH_MAX_T`` (a prefill) run uncaptured
-    (``gpu_graph_id -1``) on buffers of their own.
+    (``gpu_graph_id -1``) on buffers of their own. The buffers and the graph ids are the
+    backend's (:class:`_GraphBuffers`): the next generation replays the same graphs on the
+    same memory. (Until 2026-11-26 each session numbered its graphs from 1 on buffers of
+    its own, so a second generation replayed the first one's captures onto freed memory
+    and read garbage tokens: found on an H100, the first time onnxruntime captured.)
 
     Written against onnxruntime-gpu's documented CUDA-graph contract. On an H200,
     onnxruntime-gpu 1.31.1 refused the capture for the package graph (18 shape nodes placed on
     the CPU), so the backend ran uncaptured (``graphs_off``); see the README's table. Since,
     the export traces no size of T or k and this session's graph is loaded with the past's
-    rows fixed, so no shape node is left (tested on CPU); whether onnxruntime then captures
-    is not yet measured on a GPU. On CPU (tests) the same buffers and bindings run,
-    uncaptured (``static_past=True``)."""
+    rows fixed, so no shape node is left and onnxruntime captures (H100). On CPU (tests) the
+    same buffers and bindings run, uncaptured (``static_past=True``)."""
 
     GRAPH_MAX_T = 256
 
     def __init__(self, backend: OrtBackend) -> None:
         self.backend = b = backend
-        m = b.package.manifest
         if not b.past_len or b.commit_graph is None:
             raise ConfigError("fixed-buffer sessions need a format 2 package and the "
                               "device cache (device_cache=True)")
         self.device = DEVICES[b.device][1]
-        self.kv = DeviceKV(b.ort, b.commit_graph, self.device, m["num_layers"], b.max_context,
-                           m["num_kv_heads"], m["head_dim"], b.package.np_dtype,
-                           b.package.np_value_dtype)
-        # the block's new K/V: allocated once for the longest block (a prefill of the whole
-        # context plus mask slots), so their addresses hold for every captured shape
-        self.kv.cap = b.max_context + 8
-        self.kv.new_k_ptr, self.kv.new_v_ptr = self.kv._alloc_new(self.kv.cap)
-        self._shapes: dict[tuple[int, int], _ShapeIO] = {}
-        self._next_id = 1  # 0 is onnxruntime's own
+        self.buffers = _GraphBuffers.take(self)
+        self.kv, self._shapes = self.buffers.kv, self.buffers.shapes
         self.cache_len = 0
         self.last_run_s = 0.0
 
@@ -764,8 +797,7 @@ class GraphSession(_CacheCommits):
         key = (t, len(embeds))
         io = self._shapes.get(key)
         if io is None:
-            gid = self._next_id if t <= self.GRAPH_MAX_T else -1
-            self._next_id += gid > 0
+            gid = next(b._graph_ids) if t <= self.GRAPH_MAX_T else -1
             io = self._shapes[key] = _ShapeIO(self, t, len(embeds), gid)
         io.ids.update_inplace(np.asarray(input_ids, dtype=np.int64).reshape(1, t))
         io.pos.update_inplace(np.asarray(position_ids, dtype=np.int64).reshape(1, t))

@@ -158,6 +158,48 @@ def test_static_past_session_matches_transformers(stories_case, stories_pkg):
                               session=backend.session()).run().token_ids == ref, opts
 
 
+def test_graph_ids_keep_their_buffers_across_generations(stories_case, stories_pkg):
+    """A CUDA graph replays on the addresses it was captured with: every graph id the
+    backend hands out must always come with the same bound buffers, whichever generation
+    runs it, and two generations alive at once must not share ids or memory. (Each session
+    used to number its graphs from 1 on buffers of its own: on an H100 the second
+    generation replayed the first one's captures onto freed memory and read garbage.)"""
+    from edgemtp.runtimes.onnxrt_backend import GraphSession
+
+    _, prompts, want = stories_case
+    backend = OrtBackend(stories_pkg, threads=1, static_past=True, max_context=256)
+    seen: dict[int, tuple] = {}
+
+    def record(session):
+        for io in session._shapes.values():
+            ptrs = (id(session.kv), session.kv.k_ptr, io.argmax.data_ptr(),
+                    io.top_ids.data_ptr(), io.ids.data_ptr(), io.mask.data_ptr())
+            if io.graph_id > 0:
+                assert seen.setdefault(io.graph_id, ptrs) == ptrs, io.graph_id
+
+    config = GenerationConfig(max_new_tokens=48, drafter="probe", bc=30)
+    first = None
+    for ids, ref in zip(prompts[:3], want[:3]):
+        session = backend.session()
+        assert isinstance(session, GraphSession)
+        first = first or session.kv.k_ptr
+        assert Generation(backend, config, ids, session=session).run().token_ids == ref[:48]
+        record(session)
+        assert session.kv.k_ptr == first  # the finished generation's memory, reused
+        del session
+    assert len(backend._graph_buffers) == 1
+    # two generations at once: the second gets memory and graph ids of its own
+    a, b = backend.session(), backend.session()
+    assert a.kv is not b.kv and len(backend._graph_buffers) == 2
+    ga = Generation(backend, config, prompts[0], session=a)
+    gb = Generation(backend, config, prompts[1], session=b)
+    assert ga.run().token_ids == want[0][:48] and gb.run().token_ids == want[1][:48]
+    record(a), record(b)
+    ids_a = {io.graph_id for io in a._shapes.values()} - {-1}
+    ids_b = {io.graph_id for io in b._shapes.values()} - {-1}
+    assert ids_a and ids_b and not ids_a & ids_b
+
+
 def test_public_binding_path_gives_the_same_tokens(stories_case, stories_pkg):
     # the backend binds through onnxruntime's C++ binding where it can (faster per step);
     # the public IOBinding methods must give exactly the same generations
