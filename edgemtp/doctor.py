@@ -707,16 +707,18 @@ def describe_plan(p: MemoryPlan) -> list[str]:
 def fastest(vs: list[Verdict]) -> str | None:
     """Which working pair to run on for speed, from what was measured (README: "What was
     measured on hardware"): on an NVIDIA GPU the torch backend, whose steps replay one CUDA
-    graph per block shape, over onnxruntime's CUDA EP, which refuses to capture edgemtp's graph
-    (shape nodes on the CPU) and ran a third of torch's tokens/s on an H200."""
+    graph per block shape, over onnxruntime's CUDA EP, which captures a package exported
+    since 2026-11-26 too but ran 0.63-0.75x of torch's tokens/s on an H100 (older packages:
+    uncaptured, a third)."""
     ok = {(v.backend, v.device) for v in vs if v.ok}
     if ("torch", "cuda") in ok:
         return ("torch cuda (a model folder, --backend torch --device cuda --dtype fp16): one "
-                "CUDA graph per block shape; onnxruntime's CUDA EP runs edgemtp's graph "
-                "uncaptured, ~1/3 of its tokens/s (bench/results/ort_gpu_h200.md)")
+                "CUDA graph per block shape; onnxruntime's CUDA EP with its CUDA graphs ran "
+                "0.63-0.75x of its tokens/s (bench/results/gpu_h100_2026-11-26.md)")
     if ("onnxruntime", "cuda") in ok:
-        return ("onnxruntime cuda (a package, --device cuda): uncaptured steps, launch-bound; "
-                "torch with CUDA would replay CUDA graphs, ~3x the tokens/s on an H200")
+        return ("onnxruntime cuda (a package, --device cuda): one CUDA graph per block shape "
+                "(packages exported since 2026-11-26); torch with CUDA ran ~1.3-1.6x its "
+                "tokens/s on an H100")
     if ("native", "cpu") in ok:
         return ("native cpu (an int4 package, edgemtp export --dtype int4; --backend auto "
                 "picks it): edgemtp's C decoder, about 2x onnxruntime's int4 tokens/s on a "
