@@ -248,3 +248,57 @@ def test_a_prefill_can_leave_the_prompt_rows_out(backend):
     logits = backend.session().forward(ids, np.arange(30), mask, None, full_logits=True,
                                        rows_from=25)
     assert (logits.argmax == full.argmax).all()  # full logits: every row, always
+
+
+@pytest.fixture(scope="module")
+def gqa_pkg(tmp_path_factory):
+    # head_dim 32 and four query heads per KV head: the shape the grouped attention path
+    # (decoder.c attend_groups: GQA groups share each key and value load) runs on
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, vocab_size=512,
+                         max_position_embeddings=1024, initializer_range=0.1,
+                         eos_token_id=511, bos_token_id=1, tie_word_embeddings=True)
+    root = tmp_path_factory.mktemp("gqa")
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms of ones would be one shared initializer in the graph
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(root / "hf")
+    export_package(str(root / "hf"), root / "int4", dtype="int4", max_context=512,
+                   progress=False)
+    return root / "int4"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_grouped_attention_is_bitwise_the_rows_path(gqa_pkg, threads):
+    """A one-row step over a long cache runs attention in three passes split by KV group,
+    key slice and value lanes (decoder.c attend_groups) instead of by query head: the same
+    chains, so the same bits. Compared here at cache lengths from a ragged 203 on (neither 16
+    nor the 128-key slice divides it), between two-row blocks, with the path forced on and
+    off."""
+    b = NativeBackend(str(gqa_pkg), threads=threads)
+    rng = np.random.default_rng(threads)
+    embeds = rng.standard_normal((2, b.hidden_size)).astype(np.float32) * 0.1
+    s, _ = _prefill(b, rng.integers(0, b.vocab_size, 203))
+    blocks = [(np.ones((1, 1), bool), 1), (np.tril(np.ones((2, 2), bool)), 2),
+              (np.eye(2, dtype=bool), 2)]
+    try:
+        for step in range(12):
+            mask, t = blocks[step % 3]
+            ids = rng.integers(0, b.vocab_size, t)
+            ids[-1] = b.vocab_size + step % 2 if step % 4 == 3 else ids[-1]  # a mask row
+            got = {}
+            for min_p in (-1, 0):
+                b.lib.decoder_set_group_min_p(min_p)
+                got[min_p] = s.forward(ids, s.cache_len + np.arange(t), mask, embeds, topk=8,
+                                       full_logits=True)
+            assert np.array_equal(got[-1].logits, got[0].logits), step
+            assert np.array_equal(got[-1].topk_logprobs, got[0].topk_logprobs), step
+            s.commit([0])
+    finally:
+        b.lib.decoder_set_group_min_p(512)

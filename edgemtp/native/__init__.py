@@ -204,6 +204,7 @@ def _declare_decoder(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decoder_commit.restype, lib.decoder_commit.argtypes = None, [p, p, p, i32]
     lib.decoder_threads.restype, lib.decoder_threads.argtypes = i32, []
     lib.decoder_kernel.restype, lib.decoder_kernel.argtypes = i32, []
+    lib.decoder_set_group_min_p.restype, lib.decoder_set_group_min_p.argtypes = None, [i32]
     return lib
 
 

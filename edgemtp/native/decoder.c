@@ -293,6 +293,40 @@ static void qk_rows(int n, const float *const *q, const kv_t *kh, int D, int k0,
     }
 }
 
+/* the rest of one query row's attention weights, its cache scores s[0 .. P) already in
+   place: the scores of the block's keys (rows 0 .. lead - 1 contiguous after the cache, then
+   the ancestors anc[0 .. na)), then s <- exp(s - max) over the whole list and, in the slot
+   after the list's last 8-lane vector, 1 / sum. The one code for every path (attend_rows,
+   attend_groups), so a row's weights are the same bits wherever it is computed. */
+static void row_softmax(const float *q, const kv_t *kh, int D, int P, int lead, int na,
+                        const int *anc, float scale, float *x) {
+    int n0 = P + lead, n = n0 + na;
+    float *sr = x + P;
+    qk_rows(1, &q, kh, D, P, n0, scale, &sr);
+    for (int a = 0; a < na; a++) {  /* the block's other ancestors: the same chains */
+        int c = P + anc[a];
+        float acc = 0.f;
+        for (int e = 0; e < D; e++) acc = fmaf(q[e], h2f(kh[kidx(c, e, D)]), acc);
+        x[n0 + a] = acc * scale;
+    }
+    int n8 = (n + 7) / 8 * 8, i;
+    for (i = n; i < n8; i++) x[i] = -INFINITY;
+    v8 mx = load8(x);
+    for (i = 8; i < n8; i += 8) mx = max8(mx, load8(x + i));
+    float m = mx[0];
+    for (int l = 1; l < 8; l++) m = mx[l] > m ? mx[l] : m;
+    v8 sum = {0};
+    for (i = 0; i < n8; i += 8) {
+        v8 v = load8(x + i);
+        v8 e = vexp(v - m);
+        vi8 live = v > -INFINITY;  /* padding lanes add exactly 0 */
+        e = (v8)((vi8)e & live);
+        store8(x + i, e);
+        sum += e;
+    }
+    x[n8] = 1.0f / sum8(sum);  /* (a slot past the row's list) */
+}
+
 /* attention of query head hh for block rows t0 .. t0 + rt - 1. Row t's keys, in order: the
    cache's P rows, the block's rows 0 .. lead[t] - 1 (contiguous after the cache), then the
    block rows in anc[t]: exactly the list plain decoding has once those rows are committed.
@@ -311,32 +345,8 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
     }
     qk_rows(rt, q, kh, D, 0, P, scale, s);
     for (int r = 0; r < rt; r++) {
-        int t = t0 + r, n0 = P + lead[t], na = nanc[t], n = n0 + na;
-        float *sr = s[r] + P;
-        qk_rows(1, &q[r], kh, D, P, n0, scale, &sr);
-        for (int a = 0; a < na; a++) {  /* the block's other ancestors: the same chains */
-            int c = P + anc[(size_t)t * T + a];
-            float acc = 0.f;
-            for (int e = 0; e < D; e++) acc = fmaf(q[r][e], h2f(kh[kidx(c, e, D)]), acc);
-            s[r][n0 + a] = acc * scale;
-        }
-        float *x = s[r];
-        int n8 = (n + 7) / 8 * 8, i;
-        for (i = n; i < n8; i++) x[i] = -INFINITY;
-        v8 mx = load8(x);
-        for (i = 8; i < n8; i += 8) mx = max8(mx, load8(x + i));
-        float m = mx[0];
-        for (int l = 1; l < 8; l++) m = mx[l] > m ? mx[l] : m;
-        v8 sum = {0};
-        for (i = 0; i < n8; i += 8) {
-            v8 v = load8(x + i);
-            v8 e = vexp(v - m);
-            vi8 live = v > -INFINITY;  /* padding lanes add exactly 0 */
-            e = (v8)((vi8)e & live);
-            store8(x + i, e);
-            sum += e;
-        }
-        x[n8] = 1.0f / sum8(sum);  /* (a slot past the row's list) */
+        int t = t0 + r;
+        row_softmax(q[r], kh, D, P, lead[t], nanc[t], anc + (size_t)t * T, scale, s[r]);
     }
     /* p @ V, a row at a time, its keys in list order, 64 value lanes a pass in registers */
     for (int r = 0; r < rt; r++) {
@@ -368,6 +378,99 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
                 acc = fma8((v8){0} + x[i], loadh8(v), acc);
             }
             store8(o + e0, acc * inv);
+        }
+    }
+}
+
+/* p @ V for nj (<= 3, a constant where inlined) query heads of one KV group and one block
+   row, value lanes [e0, e0 + 32): each lane's sum runs over the row's list in list order,
+   the same chain attend_rows computes, while each value row is loaded once for the nj
+   heads. x[j]: head j's weights, inv[j] its 1 / sum, o[j] its output row. */
+static inline __attribute__((always_inline)) void pv_heads32(
+        const int nj, const float *const *x, const float *inv, float *const *o,
+        const kv_t *vv, int D, int e0, int n0, int n, int P, const int *an) {
+    v8 acc[3][4];
+    for (int j = 0; j < nj; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = (v8){0};
+    for (int i = 0; i < n; i++) {
+        const kv_t *v = vv + (size_t)(i < n0 ? i : P + an[i - n0]) * D + e0;
+        v8 v0 = loadh8(v), v1 = loadh8(v + 8), v2 = loadh8(v + 16), v3 = loadh8(v + 24);
+        for (int j = 0; j < nj; j++) {
+            v8 p = (v8){0} + x[j][i];
+            acc[j][0] = fma8(p, v0, acc[j][0]); acc[j][1] = fma8(p, v1, acc[j][1]);
+            acc[j][2] = fma8(p, v2, acc[j][2]); acc[j][3] = fma8(p, v3, acc[j][3]);
+        }
+    }
+    for (int j = 0; j < nj; j++)
+        for (int c = 0; c < 4; c++) store8(o[j] + e0 + 8 * c, acc[j][c] * inv[j]);
+}
+
+static void pv_heads(int nj, const float *const *x, const float *inv, float *const *o,
+                     const kv_t *vv, int D, int e0, int n0, int n, int P, const int *an) {
+    switch (nj) {
+    case 1: pv_heads32(1, x, inv, o, vv, D, e0, n0, n, P, an); break;
+    case 2: pv_heads32(2, x, inv, o, vv, D, e0, n0, n, P, an); break;
+    default: pv_heads32(3, x, inv, o, vv, D, e0, n0, n, P, an); break;
+    }
+}
+
+/* a one-row step's attention over a long cache, in three work-shared passes, each a
+   different split of the same arithmetic so that the two threads of a one-row step share it
+   evenly (by heads alone, 9 heads went 5:4) and a KV head's keys and values are read once
+   for all the query heads of its group:
+   1. cache scores, a task per (KV group, slice of SLICE keys): the group's query heads x the
+      block's rows as the rows of qk_rows, so each key block is converted once for all;
+   2. a task per (block row, query head): the block's scores and the softmax (row_softmax);
+   3. p @ V, a task per (block row, KV group, 32 value lanes): each value row loaded once for
+      the group's heads.
+   Every score, weight and output lane is computed by the same chain as attend_rows computes
+   it (lanes and keys are independent; only the split changes), so the block's rows are the
+   same bits either way; tests compare the two paths bitwise. Called by every thread of the
+   parallel region (orphaned work-sharing loops). S: T * H rows of stride floats. */
+#define SLICE 128
+static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int P,
+                          const int *lead, const int *nanc, const int *anc, const kv_t *kt,
+                          const kv_t *vc, int D, int cap, float scale, float *S, int stride,
+                          float *att, int ldatt) {
+    const int grp = H / Hkv, nsl = (P + SLICE - 1) / SLICE, rows = T * grp;
+#pragma omp for schedule(static)
+    for (int job = 0; job < Hkv * nsl; job++) {
+        int g = job / nsl, k0 = job % nsl * SLICE, k1 = k0 + SLICE < P ? k0 + SLICE : P;
+        const kv_t *kh = kt + (size_t)g * D * cap;
+        for (int r0 = 0; r0 < rows; r0 += RT) {
+            int n = rows - r0 < RT ? rows - r0 : RT;
+            const float *q[RT];
+            float *out[RT];
+            for (int r = 0; r < n; r++) {
+                int t = (r0 + r) / grp, hh = g * grp + (r0 + r) % grp;
+                q[r] = qkv + (size_t)t * Nqkv + hh * D;
+                out[r] = S + ((size_t)t * H + hh) * stride + k0;
+            }
+            qk_rows(n, q, kh, D, k0, k1, scale, out);
+        }
+    }
+#pragma omp for schedule(static)
+    for (int job = 0; job < T * H; job++) {
+        int t = job / H, hh = job % H;
+        row_softmax(qkv + (size_t)t * Nqkv + hh * D, kt + (size_t)(hh / grp) * D * cap, D, P,
+                    lead[t], nanc[t], anc + (size_t)t * T, scale, S + (size_t)job * stride);
+    }
+    const int nec = D / 32;
+#pragma omp for schedule(static)
+    for (int job = 0; job < T * Hkv * nec; job++) {
+        int t = job / (Hkv * nec), g = job / nec % Hkv, e0 = job % nec * 32;
+        int n0 = P + lead[t], n = n0 + nanc[t], n8 = (n + 7) / 8 * 8;
+        const kv_t *vv = vc + (size_t)g * cap * D;
+        for (int j0 = 0; j0 < grp; j0 += 3) {
+            int nj = grp - j0 < 3 ? grp - j0 : 3;
+            const float *x[3];
+            float inv[3], *o[3];
+            for (int j = 0; j < nj; j++) {
+                int hh = g * grp + j0 + j;
+                x[j] = S + ((size_t)t * H + hh) * stride;
+                inv[j] = x[j][n8];
+                o[j] = att + (size_t)t * ldatt + hh * D;
+            }
+            pv_heads(nj, x, inv, o, vv, D, e0, n0, n, P, anc + (size_t)t * T);
         }
     }
 }
@@ -429,8 +532,21 @@ size_t decoder_scratch(const Model *M, int T, int cap) {
 #ifdef _OPENMP
     threads = M->threads > 0 ? M->threads : omp_get_max_threads();
 #endif
-    return per_row * T + (size_t)rows * Vp + (size_t)threads * RT * (cap + T + 24) + 64;
+    return per_row * T + (size_t)rows * Vp + (size_t)threads * RT * (cap + T + 24)
+           + (size_t)RT * M->H * (cap + RT + 24) + 64;
 }
+
+/* the shortest cache at which a block of T <= GROUP_MAX_T rows takes attend_groups rather
+   than attend_rows (the same bits either way; below it the passes' two extra barriers a
+   layer cost more than the balance wins). One row only: from two rows attend_rows already
+   shares each key block's loads over the rows and was faster. SmolLM2 int4, P = 2000,
+   interleaved, order alternated: T = 1 4.93 -> 4.43 ms (2 threads), 8.09 -> 7.12 (1 thread);
+   T = 2 6.62 -> 6.97. < 0: never. Tests set it to compare the paths. */
+#define GROUP_MAX_T 1
+static int group_min_p = 512;
+
+void decoder_set_group_min_p(int p) { group_min_p = p; }
+
 
 /* one block of T rows after the cache's len committed rows; its K/V land in the cache at rows
    len .. len + T - 1 (cap must hold them). Returns 0, or -1 when the block does not fit. */
@@ -482,6 +598,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
         tid = omp_get_thread_num();
 #endif
         float *sc = sc_all + (size_t)tid * RT * (cap + T + 24);
+        float *S = sc_all + (size_t)threads * RT * (cap + T + 24);  /* attend_groups' */
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
             embed_row(M, X->ids[t], X->mask_embeds, X->n_mask, x + (size_t)t * d);
@@ -510,7 +627,10 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                them, so a KV head's rows stay in its cache for its query heads; more: dynamic,
                as a causal block's later rows have more keys. Which thread computes a task
                changes no bit of it. */
-            if (tiles == 1) {
+            if (T <= GROUP_MAX_T && group_min_p >= 0 && P >= group_min_p && D % 32 == 0) {
+                attend_groups(qkv, Nqkv, H, Hkv, T, P, lead, nanc, anc, kt, vc, D, cap,
+                              M->scale, S, P + T + 24, att, pad32(H * D));
+            } else if (tiles == 1) {
 #pragma omp for schedule(static)
                 for (int hh = 0; hh < H; hh++)
                     attend_rows(qkv, Nqkv, hh, 0, T, P, T, lead, nanc, anc,
