@@ -7,7 +7,11 @@ it grow faster.
     python bench/bench_context.py --package old=out/pkg/a --package new=out/pkg/b \\
         [--contexts 64,512,2000] [--sizes 1,10] [--rounds 5] [--threads 2]
 
-A path may name its backend: ``--package c=native:out/pkg/int4`` (default onnxruntime).
+A path may name its backend: ``--package c=native:out/pkg/int4`` (default onnxruntime), or
+be llama.cpp on a GGUF (llama-cpp-python, a bench extra): ``--package
+llama=llama.cpp:../shared/models/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct.Q4_1.gguf``
+(its default cache, float16 K/V; ``llama.cpp-q8:PATH`` for its 8-bit cache with flash
+attention), a step being ``eval`` of T chained tokens after P.
 
 Writes bench/results/context_<model>_cpu.{md,json} (``--out`` to change).
 """
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +31,69 @@ import numpy as np
 from edgemtp.backend import backend_class
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python as a backend of this bench: one context per
+    session, a step evaluates T chained tokens after the P cached ones and is then dropped
+    from its cache, so every step sees P rows."""
+
+    name = "llama.cpp"
+
+    def __init__(self, path: str, threads: int, q8: bool = False) -> None:
+        try:
+            import llama_cpp
+        except ImportError:
+            raise SystemExit("llama.cpp:PATH needs llama-cpp-python (pip install "
+                             "llama-cpp-python; it builds from source, ~15 min)") from None
+        self.llama_cpp, self.path, self.threads = llama_cpp, path, threads
+        self.kw = (dict(type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_Q8_0,
+                        flash_attn=True) if q8 else {})
+        self.max_context = 4096
+        if q8:
+            self.name = "llama.cpp q8_0 cache"
+
+    def session(self):
+        return _LlamaSession(self.llama_cpp.Llama(
+            model_path=self.path, n_ctx=self.max_context, n_threads=self.threads,
+            n_threads_batch=self.threads, verbose=False, **self.kw))
+
+
+class _LlamaSession:
+    def __init__(self, llm) -> None:
+        self.llm, self.cache_len = llm, 0
+
+    def forward(self, ids, positions, mask, embeds, topk: int = 0):
+        llm = self.llm
+        llm.n_tokens = self.cache_len  # the last step's tokens out of the cache
+        llm._ctx.kv_cache_seq_rm(-1, self.cache_len, -1)
+        llm.eval([int(i) for i in ids])
+
+    def commit(self, rows) -> None:
+        self.cache_len += len(rows)
+
+
+KINDS = ("native", "onnxruntime", "llama.cpp", "llama.cpp-q8")
+
+
+def spec_kind(spec: str) -> str:
+    kind = spec.split(":", 1)[0]
+    return "llama.cpp" if kind.startswith("llama.cpp") else kind if kind in KINDS else \
+        "onnxruntime"
+
+
+def make_spec_path(spec: str) -> str:
+    return spec.split(":", 1)[1] if spec.split(":", 1)[0] in KINDS else spec
+
+
+def make_backend(spec: str, threads: int):
+    """``[kind:]path`` -> (backend, path)."""
+    kind, path = "onnxruntime", spec
+    if spec.split(":", 1)[0] in KINDS:
+        kind, path = spec.split(":", 1)
+    if kind.startswith("llama.cpp"):
+        return LlamaCpp(path, threads, q8=kind.endswith("q8")), path
+    return backend_class(kind)(path, threads=threads), path
 
 
 def fill(backend, p: int):
@@ -59,29 +128,53 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--isolate", action="store_true",
+                    help="each package in a process of its own, a fresh one per round (the "
+                         "order alternating): runtimes whose idle threads spin (llama.cpp's "
+                         "OpenMP) then do not slow the others")
+    ap.add_argument("--round-json", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     packages = dict(p.split("=", 1) for p in a.package)
-    backends = {}
-    for n, spec in list(packages.items()):
-        kind, path = ("onnxruntime", spec)
-        if spec.split(":", 1)[0] in ("native", "onnxruntime"):
-            kind, path = spec.split(":", 1)
-        packages[n] = path
-        backends[n] = backend_class(kind)(path, threads=a.threads)
     contexts = [int(c) for c in a.contexts.split(",")]
     sizes = [int(t) for t in a.sizes.split(",")]
-    sessions = {(n, p): fill(b, p) for n, b in backends.items() for p in contexts
-                if p + max(sizes) <= b.max_context}
-    times = {key: {t: [] for t in sizes} for key in sessions}
-    order = list(sessions)
-    for r in range(a.rounds):
-        for key in (order if r % 2 == 0 else order[::-1]):
-            for t in sizes:
-                times[key][t].append(step_ms(sessions[key], t, a.repeats))
-        print(f"round {r + 1}/{a.rounds} done", flush=True)
+    if a.isolate:
+        times, names = {}, list(packages)
+        for r in range(a.rounds):
+            for n in (names if r % 2 == 0 else names[::-1]):
+                cmd = [sys.executable, __file__, "--package", f"{n}={packages[n]}",
+                       "--contexts", a.contexts, "--sizes", a.sizes, "--rounds", "1",
+                       "--repeats", str(a.repeats), "--threads", str(a.threads), "--round-json"]
+                got = json.loads(subprocess.run(cmd, check=True, capture_output=True,
+                                                text=True).stdout.splitlines()[-1])
+                for p, by_t in got.items():
+                    for t, ms in by_t.items():
+                        times.setdefault((n, int(p)), {}).setdefault(int(t), []).append(ms)
+            print(f"round {r + 1}/{a.rounds} done", flush=True)
+        packages = {n: make_spec_path(spec) for n, spec in packages.items()}
+        kinds = ", ".join(sorted({spec_kind(spec) for spec in dict(
+            p.split("=", 1) for p in a.package).values()}))
+    else:
+        backends = {}
+        for n, spec in list(packages.items()):
+            backends[n], packages[n] = make_backend(spec, a.threads)
+        sessions = {(n, p): fill(b, p) for n, b in backends.items() for p in contexts
+                    if p + max(sizes) <= b.max_context}
+        times = {key: {t: [] for t in sizes} for key in sessions}
+        order = list(sessions)
+        for r in range(a.rounds):
+            for key in (order if r % 2 == 0 else order[::-1]):
+                for t in sizes:
+                    times[key][t].append(step_ms(sessions[key], t, a.repeats))
+            if not a.round_json:
+                print(f"round {r + 1}/{a.rounds} done", flush=True)
+        if a.round_json:
+            print(json.dumps({str(p): {str(t): v[0] for t, v in ts.items()}
+                              for (_, p), ts in times.items()}))
+            return 0
+        kinds = ", ".join(sorted({b.name for b in backends.values()}))
     med = {f"{n}@P={p}": {t: statistics.median(v) for t, v in ts.items()}
            for (n, p), ts in times.items()}
-    model = Path(next(iter(packages.values()))).name
+    model = Path(next(iter(packages.values()))).stem
     rows = ["| package | " + " | ".join(f"t({t}) at P={p}, ms" for t in sizes for p in contexts)
             + " | " + " | ".join(f"t({t}) P={contexts[-1]} / P={contexts[0]}" for t in sizes)
             + " |", "|---|" + "---:|" * (len(sizes) * len(contexts) + len(sizes))]
@@ -91,10 +184,11 @@ def main(argv=None) -> int:
         ratios = [f"{med[f'{n}@P={contexts[-1]}'][t] / med[f'{n}@P={contexts[0]}'][t]:.2f}"
                   if f"{n}@P={contexts[-1]}" in med else "–" for t in sizes]
         rows.append(f"| {n} | " + " | ".join(cells + ratios) + " |")
-    kinds = ", ".join(sorted({b.name for b in backends.values()}))
     text = (f"# Step latency against the cache length, {model}, {kinds} on the CPU\n\n"
             f"{a.threads} threads; medians over {a.rounds} interleaved rounds of "
-            f"{a.repeats} steps each.\n\n" + "\n".join(rows) + "\n")
+            f"{a.repeats} steps each" + (", each package in a fresh process per round"
+                                          if a.isolate else "") + ".\n\n"
+            + "\n".join(rows) + "\n")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"context_{model}_cpu"
