@@ -248,10 +248,16 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     # generate would refuse is refused here, with the same message
     from edgemtp.runtimes.package import describe
 
-    from .api import Model
+    from .api import Model, auto_backend
 
     model = Model.load(a.package, backend="onnxruntime", threads=1)
+    picked = auto_backend(a.package)
+    if picked != "onnxruntime":  # what generate runs it on must load too (its load check)
+        Model.load(a.package, backend=picked, threads=1)
     print(describe(model.backend.package))
+    print(f"generate on this machine (--backend auto, CPU): {picked}"
+          + (" (edgemtp's C decoder; EDGEMTP_NATIVE=0 for onnxruntime)"
+             if picked == "native" else ""))
     return 0
 
 

@@ -232,6 +232,16 @@ def test_a_graph_it_would_read_wrong_is_refused_at_load(int4_pkg, tmp_path):
     (pkg / "edgemtp.json").write_text(json.dumps(manifest))
     with pytest.raises(ModelLoadError, match="disagrees with the package's graph"):
         NativeBackend(str(pkg), threads=1)
+    # inspect fails where generate (--backend auto: native) would, with the same line
+    for cmd in (["inspect", str(pkg)], ["generate", "--model", str(pkg), "--prompt", "Once",
+                                         "--max-new-tokens", "2"]):
+        r = subprocess.run([sys.executable, "-m", "edgemtp.cli", *cmd], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "disagrees with the package's graph" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "edgemtp.cli", "inspect", str(int4_pkg)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--backend auto, CPU): native" in r.stdout, r.stderr
 
 
 def test_a_prefill_can_leave_the_prompt_rows_out(backend):
