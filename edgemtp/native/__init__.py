@@ -222,7 +222,8 @@ def decoder_kernel() -> str | None:
     lib = decoder_lib()
     if lib is None:
         return None
-    return (f"{'AVX-512 VNNI' if lib.decoder_kernel() else 'portable C'} int4 kernel, "
+    kind = {1: "AVX-512 VNNI", 2: "Arm dot-product"}.get(lib.decoder_kernel(), "portable C")
+    return (f"{kind} int4 kernel, "
             f"{lib.decoder_threads()} OpenMP thread(s)")
 
 

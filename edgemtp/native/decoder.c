@@ -46,6 +46,10 @@
 #if defined(Q4_VNNI) || defined(__FMA__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#if !defined(Q4_VNNI) && defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define Q4_SDOT 1  /* Armv8.2 dot products (Jetson Orin's Cortex-A78AE, Raspberry Pi 5) */
+#include <arm_neon.h>
+#endif
 
 #include "v8.h"
 
@@ -171,6 +175,54 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                 }
             }
             for (int i = 0; i < tn; i++) _mm512_storeu_ps(y + (size_t)(t0 + i) * ldy + 16 * g, f[i]);
+#elif defined(Q4_SDOT)
+            /* a 32-bit lane of chunk c's 16-byte quarter q holds column 4q + lane's four
+               weights of inputs 8c .. 8c + 3 (low nibbles) and 8c + 4 .. 8c + 7 (high): one
+               signed dot product each (a nibble, 0 .. 15, is a valid int8) */
+            float32x4_t f[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int q = 0; q < 4; q++) f[i][q] = vdupq_n_f32(0.f);
+            const uint8x16_t m4 = vdupq_n_u8(0x0F);
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 256;
+                int8x16_t lo[4][4], hi[4][4];
+                for (int c = 0; c < 4; c++)
+                    for (int q = 0; q < 4; q++) {
+                        uint8x16_t v = vld1q_u8(wb + 64 * c + 16 * q);
+                        lo[c][q] = vreinterpretq_s8_u8(vandq_u8(v, m4));
+                        hi[c][q] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+                    }
+                const float *sc = m->sc + ((size_t)g * nb + b) * 16;
+                const uint8_t *zp = m->zp + ((size_t)g * nb + b) * 16;
+                const uint16x8_t z0 = vmovl_u8(vld1_u8(zp)), z1 = vmovl_u8(vld1_u8(zp + 8));
+                const int32x4_t zq[4] = {
+                    vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(z0))),
+                    vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(z0))),
+                    vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(z1))),
+                    vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(z1)))};
+                for (int i = 0; i < tn; i++) {
+                    int t = t0 + i;
+                    const int8_t *a = aq + (size_t)t * Kp + b * 32;
+                    float32x4_t sa = vdupq_n_f32(as[t * nb + b]);
+                    int32x4_t sm = vdupq_n_s32(asum[t * nb + b]);
+                    for (int q = 0; q < 4; q++) {
+                        int32x4_t acc = vdupq_n_s32(0);
+                        for (int c = 0; c < 4; c++) {
+                            int32_t a0, a1;
+                            memcpy(&a0, a + 8 * c, 4);
+                            memcpy(&a1, a + 8 * c + 4, 4);
+                            acc = vdotq_s32(acc, lo[c][q], vreinterpretq_s8_s32(vdupq_n_s32(a0)));
+                            acc = vdotq_s32(acc, hi[c][q], vreinterpretq_s8_s32(vdupq_n_s32(a1)));
+                        }
+                        acc = vsubq_s32(acc, vmulq_s32(zq[q], sm));
+                        f[i][q] = vfmaq_f32(f[i][q], vcvtq_f32_s32(acc),
+                                            vmulq_f32(vld1q_f32(sc + 4 * q), sa));
+                    }
+                }
+            }
+            for (int i = 0; i < tn; i++)
+                for (int q = 0; q < 4; q++)
+                    vst1q_f32(y + (size_t)(t0 + i) * ldy + 16 * g + 4 * q, f[i][q]);
 #else
             float f[4][16];
             memset(f, 0, sizeof f);
@@ -735,11 +787,13 @@ int decoder_threads(void) {
 #endif
 }
 
-/* which int4 kernel this build runs: 1 the AVX-512 VNNI one, 0 the portable C one (the same
-   bits, see tests/test_native_backend.py) */
+/* which int4 kernel this build runs: 1 the AVX-512 VNNI one, 2 the Arm dot-product one, 0
+   the portable C one (the same bits, see tests/test_native_backend.py) */
 int decoder_kernel(void) {
 #ifdef Q4_VNNI
     return 1;
+#elif defined(Q4_SDOT)
+    return 2;
 #else
     return 0;
 #endif

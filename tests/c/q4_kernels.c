@@ -1,0 +1,34 @@
+/* tests/test_native_kernels.py: the native decoder's int4 product (decoder.c q4_gemm) on
+   random weights and activations, printed as the bits of every output float, so builds for
+   other kernels and machines (AVX-512 VNNI, Arm dot products under qemu, portable C) can be
+   compared: they must print the same. */
+#include <stdio.h>
+#include "../../edgemtp/native/decoder.c"
+
+static uint32_t rng = 12345;
+static uint32_t next(void) { rng = rng * 1664525u + 1013904223u; return rng >> 8; }
+
+int main(void) {
+    enum { G = 3, NB = 5, T = 7 };
+    static uint8_t w[G * NB * 256], zp[G * NB * 16];
+    static float sc[G * NB * 16], x[T * NB * 32], y[T * G * 16], as[T * NB];
+    static int8_t aq[T * NB * 32];
+    static int32_t asum[T * NB];
+    for (int i = 0; i < G * NB * 256; i++) w[i] = (uint8_t)next();
+    for (int i = 0; i < G * NB * 16; i++) {
+        zp[i] = (uint8_t)(next() % 16);
+        sc[i] = (float)(next() % 100000) / 1e6f + 1e-4f;
+    }
+    for (int i = 0; i < T * NB * 32; i++) x[i] = ((float)(next() % 200001) - 100000.f) / 3e4f;
+    for (int t = 0; t < T; t++)
+        quant_row(x + t * NB * 32, NB * 32, aq + t * NB * 32, as + t * NB, asum + t * NB);
+    Q4W m = {G, NB, w, sc, zp};
+    q4_gemm(&m, T, aq, as, asum, y, G * 16);
+    printf("kernel %d\n", decoder_kernel());
+    for (int i = 0; i < T * G * 16; i++) {
+        uint32_t b;
+        memcpy(&b, &y[i], 4);
+        printf("%08x%c", b, i % 8 == 7 ? '\n' : ' ');
+    }
+    return 0;
+}
