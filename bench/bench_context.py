@@ -130,8 +130,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--isolate", action="store_true",
                     help="each package in a process of its own, a fresh one per round (the "
-                         "order alternating): runtimes whose idle threads spin (llama.cpp's "
-                         "OpenMP) then do not slow the others")
+                         "order alternating), so runtimes cannot slow each other (with "
+                         "llama.cpp's contexts in the same process the native steps measured "
+                         "slower, for a reason not established)")
     ap.add_argument("--round-json", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     packages = dict(p.split("=", 1) for p in a.package)
