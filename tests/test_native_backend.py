@@ -144,6 +144,43 @@ def _random_tree(rng, n: int, vocab: int, masks: int):
 
 @pytest.mark.parametrize("size", [10, 30, 60])
 def test_a_row_is_bitwise_the_same_in_any_block_as_alone(backend, size):
+    _tree_rows_equal_plain(backend, size)
+
+
+def test_gqa_head_dim_64_rows_are_bitwise_the_same_in_any_block(gqa_pkg):
+    # head_dim 64 and four query heads per KV head, tree rows moved by commits; one-row
+    # steps on the grouped path too
+    b = NativeBackend(str(gqa_pkg), threads=2)
+    b.lib.decoder_set_group_min_p(0)
+    try:
+        _tree_rows_equal_plain(b, 30)
+        # a tree step whose accepted path is not a prefix of the block: commit moves its
+        # rows down; the next step must see plain decoding's cache
+        rng = np.random.default_rng(11)
+        prompt = rng.integers(0, b.vocab_size, 40)
+        tree_s, plain_s = _prefill(b, prompt)[0], _prefill(b, prompt)[0]
+        for step in range(4):
+            parent, mask, depth, ids = _random_tree(rng, 12, b.vocab_size, 1)
+            ids %= b.vocab_size  # token rows only: they are committed
+            p = tree_s.cache_len
+            tree_s.forward(ids, p + depth, mask, None)
+            path = np.flatnonzero(mask[int(np.argmax(depth))])
+            assert np.any(path != np.arange(len(path)))  # rows move
+            tree_s.commit(path)
+            for j in path:
+                plain_s.forward(ids[j:j + 1], np.array([plain_s.cache_len]),
+                                np.ones((1, 1), bool), None)
+                plain_s.commit([0])
+            nxt = rng.integers(0, b.vocab_size, 1)
+            a, c = (x.forward(nxt, np.array([x.cache_len]), np.ones((1, 1), bool), None,
+                              full_logits=True) for x in (tree_s, plain_s))
+            assert np.array_equal(a.logits, c.logits), step
+            tree_s.commit([0]), plain_s.commit([0])
+    finally:
+        b.lib.decoder_set_group_min_p(512)
+
+
+def _tree_rows_equal_plain(backend, size):
     rng = np.random.default_rng(size)
     prompt = rng.integers(0, backend.vocab_size, 17)
     embeds = rng.standard_normal((3, backend.hidden_size)).astype(np.float32) * 0.1
@@ -262,13 +299,13 @@ def test_a_prefill_can_leave_the_prompt_rows_out(backend):
 
 @pytest.fixture(scope="module")
 def gqa_pkg(tmp_path_factory):
-    # head_dim 32 and four query heads per KV head: the shape the grouped attention path
+    # head_dim 64 and four query heads per KV head: the shape the grouped attention path
     # (decoder.c attend_groups: GQA groups share each key and value load) runs on
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+    config = LlamaConfig(hidden_size=512, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, vocab_size=512,
                          max_position_embeddings=1024, initializer_range=0.1,
                          eos_token_id=511, bos_token_id=1, tie_word_embeddings=True)
