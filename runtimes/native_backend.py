@@ -42,14 +42,20 @@ MAX_DIFF, MIN_SAME = 0.1, 0.5  # the load check's bounds against the onnxruntime
 MARGIN = 256  # cache rows past the max context: a block near the end may hold draft rows past it
 
 
+# families whose decoder layer it computes: Llama's (Mistral's is the same without a sliding
+# window), Qwen2's (q/k/v biases) and Qwen3's (RMSNorm per head of q and k); the load check
+# against the package's graph catches a layer read wrong
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def runs_natively(path) -> bool:
     """Whether ``--backend auto`` takes this package to the native backend: int4 weights in
-    blocks of 32, a Llama-style family, and a C decoder that builds here."""
+    blocks of 32, a Llama-style family (:data:`FAMILIES`), and a C decoder that builds here."""
     try:
         m = json.loads((Path(path) / "edgemtp.json").read_text())
         w = m.get("weights") or {}
         if (w.get("format") != "int4" or w.get("block_size", BLOCK) != BLOCK
-                or m.get("family") != "llama"):
+                or m.get("family") not in FAMILIES):
             return False
     except (OSError, ValueError, AttributeError):
         return False
@@ -65,7 +71,8 @@ class _Model(ctypes.Structure):
                                              "threads")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(n, _P) for n in ("cos", "sin", "norm_in", "norm_post", "norm_final", "qkv",
-                                     "o", "gu", "down", "lm", "emb_q", "emb_sc", "emb_zp")])
+                                     "o", "gu", "down", "lm", "emb_q", "emb_sc", "emb_zp",
+                                     "qkv_bias", "q_norm", "k_norm")])
 
 
 class _Cache(ctypes.Structure):
@@ -190,11 +197,12 @@ class NativeBackend:
         ops = {n.op_type for n in g.model.graph.node}
         unknown = ops & {"SimplifiedLayerNormalization", "LayerNormalization", "Gelu",
                          "FastGelu", "Tanh"}
-        if (m.get("family") != "llama" or len(nodes) != 4 * L + 1 or len(rot) != 2 * L
+        if (m.get("family") not in FAMILIES or len(nodes) != 4 * L + 1 or len(rot) != 2 * L
                 or len(gather) != 1 or len(skip) != 2 * L or unknown or H % Hkv or d % 16
                 or D % 8):
-            raise ConfigError(f"the native backend runs Llama-style int4 packages (fused q/k/v "
-                              f"and gate/up, rotate-half rotary, RMSNorm); {where} is a "
+            raise ConfigError(f"the native backend runs Llama-style int4 packages ("
+                              f"{', '.join(FAMILIES)}: fused q/k/v and gate/up, rotate-half "
+                              f"rotary, RMSNorm, a tied int4 embedding); {where} is a "
                               f"{m.get('family')} graph it does not know: use --backend "
                               f"onnxruntime")
 
@@ -239,6 +247,43 @@ class NativeBackend:
             raise ConfigError(f"{where}: the graph has no norm weight {e.args[0]!r}; use "
                               f"--backend onnxruntime") from None
         norm_in, norm_post = f32(np.stack(norms[0:2 * L:2])), f32(np.stack(norms[1:2 * L:2]))
+        # Qwen2: a bias added to the fused q/k/v product (an Add reading its output and a
+        # constant of its width); Qwen3: per-head RMSNorm weights of q and k
+        users: dict[str, list] = {}
+        for n in g.model.graph.node:
+            for i in n.input:
+                users.setdefault(i, []).append(n)
+        consts = {i.name: i.name for i in g.model.graph.initializer}
+        for n in g.model.graph.node:  # an initializer the export shared with another one
+            if n.op_type == "Identity" and n.input and n.input[0] in consts:
+                consts[n.output[0]] = consts[n.input[0]]
+        biases = []
+        for i in range(L):
+            add = [n for n in users.get(nodes[4 * i].output[0], []) if n.op_type == "Add"]
+            c = [consts[x] for n in add for x in n.input if x in consts]
+            if c:
+                b = g.array(c[0]).reshape(-1)
+                if b.size != (H + 2 * Hkv) * D:
+                    raise ConfigError(f"{where}: layer {i}'s q/k/v bias has {b.size} values, "
+                                      f"not {(H + 2 * Hkv) * D}; use --backend onnxruntime")
+                biases.append(b)
+        if biases and len(biases) != L:
+            raise ConfigError(f"{where}: q/k/v biases in {len(biases)} of {L} layers; use "
+                              f"--backend onnxruntime")
+        qkv_bias = f32(np.stack(biases)) if biases else None
+        qn = [f"decoder.model.layers.{i}.self_attn.{k}_norm.weight" for i in range(L)
+              for k in ("q", "k")]
+        have = [n in consts for n in qn]
+        if any(have) and not all(have):
+            raise ConfigError(f"{where}: q/k norm weights in some layers only; use --backend "
+                              f"onnxruntime")
+        q_norm = k_norm = None
+        if all(have):
+            q_norm = f32(np.stack([g.array(n).reshape(-1) for n in qn[0::2]]))
+            k_norm = f32(np.stack([g.array(n).reshape(-1) for n in qn[1::2]]))
+            if q_norm.shape != (L, D) or k_norm.shape != (L, D):
+                raise ConfigError(f"{where}: q/k norm weights are not {D} wide; use --backend "
+                                  f"onnxruntime")
         norm_final = f32(norms[-1])
         qa, ka = _attrs(rot[0]), _attrs(rot[1])
         if qa.get("interleaved", 0) or ka.get("num_heads") != Hkv or qa.get("num_heads") != H:
@@ -265,6 +310,9 @@ class NativeBackend:
                             gu=ctypes.addressof(gu), down=ctypes.addressof(down),
                             lm=ctypes.addressof(lm), emb_q=emb_q.ctypes.data,
                             emb_sc=emb_sc.ctypes.data,
+                            qkv_bias=None if qkv_bias is None else qkv_bias.ctypes.data,
+                            q_norm=None if q_norm is None else q_norm.ctypes.data,
+                            k_norm=None if k_norm is None else k_norm.ctypes.data,
                             emb_zp=None if emb_zp is None else emb_zp.ctypes.data)
         self.dims = (L, Hkv, D)
 

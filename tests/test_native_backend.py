@@ -349,3 +349,54 @@ def test_grouped_attention_is_bitwise_the_rows_path(gqa_pkg, threads):
             s.commit([0])
     finally:
         b.lib.decoder_set_group_min_p(512)
+
+
+@pytest.fixture(scope="module")
+def family_pkgs(tmp_path_factory):
+    # small random Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm per head) models with
+    # tied embeddings, norms and biases randomised (a zero bias would test nothing)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import family_configs
+
+    root, out = tmp_path_factory.mktemp("families"), {}
+    for name, config in family_configs().items():
+        if name == "llama3":
+            continue  # Llama: stories260K and the GQA model above
+        config.tie_word_embeddings = True
+        torch.manual_seed(1)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.uniform_(0.5, 1.5)
+                elif n.endswith("bias"):
+                    p.uniform_(-0.5, 0.5)
+        model.save_pretrained(root / name)
+        export_package(str(root / name), root / f"{name}-int4", dtype="int4",
+                       max_context=256, progress=False)
+        out[name] = root / f"{name}-int4"
+    return out
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_other_llama_style_families_run_natively_and_losslessly(family_pkgs, family):
+    """Mistral's layer is Llama's; Qwen2 adds q/k/v biases and Qwen3 an RMSNorm per head of q
+    and k before the rotary embedding. The load check compares the decoder with the package's
+    onnxruntime graph (leaving the biases or the q/k norms out fails it: ~0.3 and ~1.0 of the
+    logit scale), and every drafter equals the decoder's own plain decoding."""
+    pkg = family_pkgs[family]
+    assert auto_backend(str(pkg)) == "native"
+    model = Model.load(str(pkg), backend="native", threads=1)
+    b = model.backend
+    assert b.probe["argmax_same"] >= MIN_SAME and b.probe["max_diff"] <= MAX_DIFF
+    assert (b.model.qkv_bias is not None) == (family == "qwen2")
+    assert (b.model.q_norm is not None) == (family == "qwen3")
+    rng = np.random.default_rng(2)
+    for prompt in (rng.integers(0, b.vocab_size, 12).tolist(), [5, 6, 7, 5, 6, 7, 5, 6]):
+        want = model.generate(prompt, max_new_tokens=40, drafter="none").token_ids
+        for drafter in ("probe", "pld", "hybrid", "auto"):
+            for bc in (10, 30):
+                got = model.generate(prompt, max_new_tokens=40, drafter=drafter, bc=bc)
+                assert got.token_ids == want, (family, drafter, bc)

@@ -83,6 +83,9 @@ typedef struct {
     const uint8_t *emb_q;                   /* [V][ceil(d/32)*16], onnxruntime's int4 layout */
     const float *emb_sc;                    /* [V][ceil(d/32)] */
     const uint8_t *emb_zp;                  /* [V][ceil(ceil(d/32)/2)] or NULL (8) */
+    const float *qkv_bias;                  /* [L][(H + 2 Hkv) D] or NULL (Qwen2) */
+    const float *q_norm, *k_norm;           /* [L][D] each or NULL: RMSNorm per head of q
+                                               and k before the rotary embedding (Qwen3) */
 } Model;
 
 /* the K/V cache holds half-precision values (as llama.cpp's default cache): half the bytes
@@ -666,6 +669,14 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                 if (p >= M->rope_rows) p = M->rope_rows - 1;
                 if (p < 0) p = 0;
                 float *r = qkv + (size_t)t * Nqkv;
+                if (M->qkv_bias) {
+                    const float *bias = M->qkv_bias + (size_t)l * (H + 2 * Hkv) * D;
+                    for (int i = 0; i < (H + 2 * Hkv) * D; i++) r[i] += bias[i];
+                }
+                if (M->q_norm)
+                    for (int h = 0; h < H + Hkv; h++)  /* q's heads, then k's */
+                        rms_norm(r + h * D, (h < H ? M->q_norm : M->k_norm) + (size_t)l * D, D,
+                                 M->eps, r + h * D);
                 rotate(r, H + Hkv, D, M->cos + p * half, M->sin + p * half);
                 for (int g = 0; g < Hkv; g++) {
                     const float *k = r + (H + g) * D, *v = r + (H + Hkv + g) * D;
