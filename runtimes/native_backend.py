@@ -396,7 +396,9 @@ class NativeSession:
         # Keys in blocks of 16 positions, each block transposed (see decoder.c)
         # in half precision (as llama.cpp's default cache), rounded once when written
         self.k = np.zeros((L, Hkv, cap // 16, D, 16), np.float16)
-        self.v = np.zeros((L, Hkv, cap, D), np.float16)
+        # values in 32-lane chunks, each its own [cap][32] run (see decoder.c vidx)
+        vw = 32 if D % 32 == 0 else D
+        self.v = np.zeros((L, Hkv, D // vw, cap, vw), np.float16)
         self.cache = _Cache(self.k.ctypes.data, self.v.ctypes.data, cap, 0)
         self._work = np.zeros(0, np.float32)
         self._work_t = 0
