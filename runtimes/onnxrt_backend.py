@@ -780,6 +780,7 @@ class GraphSession(_CacheCommits):
         self.device = DEVICES[b.device][1]
         self.buffers = _GraphBuffers.take(self)
         self.kv, self._shapes = self.buffers.kv, self.buffers.shapes
+        self._uncaptured: dict[tuple[int, int], _ShapeIO] = {}
         self.cache_len = 0
         self.last_run_s = 0.0
 
@@ -795,10 +796,14 @@ class GraphSession(_CacheCommits):
         embeds = (np.zeros((1, b.hidden_size), dtype=np.float32) if mask_embeds is None
                   else np.ascontiguousarray(mask_embeds, dtype=np.float32))
         key = (t, len(embeds))
-        io = self._shapes.get(key)
+        # captured shapes are the backend's, kept for the next generation; an uncaptured
+        # prefill's buffers (one per prompt length, logits included) are this session's only,
+        # so a server's many prompt lengths do not pile up on the device
+        shapes = self._shapes if t <= self.GRAPH_MAX_T else self._uncaptured
+        io = shapes.get(key)
         if io is None:
             gid = next(b._graph_ids) if t <= self.GRAPH_MAX_T else -1
-            io = self._shapes[key] = _ShapeIO(self, t, len(embeds), gid)
+            io = shapes[key] = _ShapeIO(self, t, len(embeds), gid)
         io.ids.update_inplace(np.asarray(input_ids, dtype=np.int64).reshape(1, t))
         io.pos.update_inplace(np.asarray(position_ids, dtype=np.int64).reshape(1, t))
         io.mask.update_inplace(np.asarray(tree_mask, dtype=np.bool_).reshape(1, 1, t, t))

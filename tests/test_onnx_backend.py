@@ -200,6 +200,24 @@ def test_graph_ids_keep_their_buffers_across_generations(stories_case, stories_p
     assert ids_a and ids_b and not ids_a & ids_b
 
 
+def test_uncaptured_shapes_stay_with_their_generation(stories_case, stories_pkg, monkeypatch):
+    # blocks wider than GRAPH_MAX_T (prefills) run uncaptured on buffers of their own: those
+    # die with the generation, so a server's many prompt lengths do not pile up on the device
+    from edgemtp.runtimes.onnxrt_backend import GraphSession
+
+    monkeypatch.setattr(GraphSession, "GRAPH_MAX_T", 4)
+    _, prompts, want = stories_case
+    backend = OrtBackend(stories_pkg, threads=1, static_past=True, max_context=256)
+    for ids, ref, drafter in zip(prompts[:3], want[:3], ("none", "probe", "none")):
+        config = GenerationConfig(max_new_tokens=32, drafter=drafter, bc=30)
+        session = backend.session()
+        assert Generation(backend, config, ids, session=session).run().token_ids == ref[:32]
+        assert session._uncaptured and all(io.graph_id == -1
+                                           for io in session._uncaptured.values())
+    kept = backend._graph_buffers[0].shapes
+    assert kept and all(t <= 4 and io.graph_id > 0 for (t, _), io in kept.items())
+
+
 def test_public_binding_path_gives_the_same_tokens(stories_case, stories_pkg):
     # the backend binds through onnxruntime's C++ binding where it can (faster per step);
     # the public IOBinding methods must give exactly the same generations
