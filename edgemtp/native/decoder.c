@@ -591,6 +591,8 @@ static void row_out(const float *lg, int V, int k, int64_t *argmax, int64_t *ids
 }
 
 /* scratch floats a call of T rows needs (see decoder_forward) */
+#define GROUP_MAX_T 1  /* the widest block attend_groups runs (see group_min_p) */
+
 size_t decoder_scratch(const Model *M, int T, int cap) {
     int d = M->d, D = M->D;
     int Nqkv = M->qkv[0].G * 16, Ngu = M->gu[0].G * 16, Kmax = pad32(d > M->F ? d : M->F);
@@ -605,7 +607,7 @@ size_t decoder_scratch(const Model *M, int T, int cap) {
     threads = M->threads > 0 ? M->threads : omp_get_max_threads();
 #endif
     return per_row * T + (size_t)rows * Vp + (size_t)threads * RT * (cap + T + 24)
-           + (size_t)RT * M->H * (cap + RT + 24) + 64;
+           + (size_t)GROUP_MAX_T * M->H * (cap + GROUP_MAX_T + 24) + 64;  /* attend_groups' */
 }
 
 /* the shortest cache at which a block of T <= GROUP_MAX_T rows takes attend_groups rather
@@ -614,7 +616,6 @@ size_t decoder_scratch(const Model *M, int T, int cap) {
    shares each key block's loads over the rows and was faster. SmolLM2 int4, P = 2000,
    interleaved, order alternated: T = 1 4.93 -> 4.43 ms (2 threads), 8.09 -> 7.12 (1 thread);
    T = 2 6.62 -> 6.97. < 0: never. Tests set it to compare the paths. */
-#define GROUP_MAX_T 1
 static int group_min_p = 512;
 
 void decoder_set_group_min_p(int p) { group_min_p = p; }
