@@ -217,61 +217,41 @@ def latency_ms(backend, device: str, repeats: int) -> dict[str, float]:
 
 
 def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig,
-                device: str, warmup: int, sizes: StepSizes | None = None) -> dict:
+                device: str, warmup: int, sizes: StepSizes | None = None,
+                beside: GenerationConfig | None = None, passes: int = 1) -> dict:
     """The first ``warmup`` prompts untimed (plans, the CUDA graphs of the block sizes they
     use, the auto drafter's latency curve), then every prompt timed: outputs, tokens,
-    forward calls and seconds per prompt."""
+    forward calls and seconds per prompt.
+
+    ``beside`` (plain decoding) is timed next to ``config`` on every prompt, the order
+    alternating prompt to prompt and pass to pass, over ``passes`` passes (``plain_tokens``,
+    ``plain_seconds``): a speed-up is then a ratio of two rates measured together, which
+    drift, clocks and noise move alike. On stories260K a pass over 12 prompts is ~0.7 s on a
+    GPU, and four runs of the same unpaired command gave `auto` 0.93-1.36x
+    (bench/results/gpu_h100_2026-11-26.md). Outputs are the first pass's; forward calls and
+    block sizes count every pass."""
     for ids in prompts[:max(warmup, 1)]:
         model.generate(ids, config)
     if sizes is not None:
         sizes.counts.clear()
-        sizes.on = True
-    outputs, tokens, calls, seconds = [], [], 0, []
-    try:
-        for ids in prompts:
-            sync(device)
-            t0 = time.perf_counter()
-            r = model.generate(ids, config)
-            seconds.append(time.perf_counter() - t0)
-            outputs.append(r.token_ids)
-            tokens.append(r.stats.new_tokens)
-            calls += r.stats.forward_calls
-    finally:
-        if sizes is not None:
-            sizes.on = False
-    return dict(outputs=outputs, tokens=tokens, forward_calls=calls, seconds=seconds,
-                block_sizes=dict(sorted(sizes.counts.items())) if sizes is not None else None)
-
-
-def paired_run(model: Model, prompts: list[list[int]], config: GenerationConfig,
-               greedy: GenerationConfig, device: str, warmup: int, passes: int,
-               sizes: StepSizes | None = None) -> dict:
-    """As :func:`edgemtp_run`, with plain decoding timed beside the drafter on every prompt
-    (the order alternating prompt to prompt and pass to pass), over ``passes`` passes: the
-    speed-up is then a ratio of two rates measured together, which drift, clocks and noise
-    move alike. On stories260K a pass over 12 prompts is ~0.7 s on a GPU, and four runs of
-    the same unpaired command gave `auto` 0.93-1.36x (bench/results/gpu_h100_2026-11-26.md).
-    Outputs, forward calls and block sizes are the drafter's (outputs of the first pass)."""
-    for ids in prompts[:max(warmup, 1)]:
-        model.generate(ids, config)
     outputs, tokens, calls, seconds, p_tokens, p_seconds = [], [], 0, [], [], []
     for k in range(passes):
         for i, ids in enumerate(prompts):
-            for which in (("plain", "drafter") if (i + k) % 2 == 0 else ("drafter", "plain")):
-                counting = which == "drafter" and sizes is not None
-                if counting:
-                    if k == 0 and i == 0:
-                        sizes.counts.clear()
-                    sizes.on = True
+            order = ([config] if beside is None else
+                     [beside, config] if (i + k) % 2 == 0 else [config, beside])
+            for c in order:
+                mine = c is config
+                if sizes is not None:
+                    sizes.on = mine
                 try:
                     sync(device)
                     t0 = time.perf_counter()
-                    r = model.generate(ids, config if which == "drafter" else greedy)
+                    r = model.generate(ids, c)
                     dt = time.perf_counter() - t0
                 finally:
-                    if counting:
+                    if sizes is not None:
                         sizes.on = False
-                if which == "plain":
+                if not mine:
                     p_tokens.append(r.stats.new_tokens)
                     p_seconds.append(dt)
                     continue
@@ -280,9 +260,11 @@ def paired_run(model: Model, prompts: list[list[int]], config: GenerationConfig,
                 tokens.append(r.stats.new_tokens)
                 seconds.append(dt)
                 calls += r.stats.forward_calls
-    return dict(outputs=outputs, tokens=tokens, forward_calls=calls, seconds=seconds,
-                plain_tokens=p_tokens, plain_seconds=p_seconds,
-                block_sizes=dict(sorted(sizes.counts.items())) if sizes is not None else None)
+    out = dict(outputs=outputs, tokens=tokens, forward_calls=calls, seconds=seconds,
+               block_sizes=dict(sorted(sizes.counts.items())) if sizes is not None else None)
+    if beside is not None:
+        out.update(plain_tokens=p_tokens, plain_seconds=p_seconds)
+    return out
 
 
 def rate(run: dict, first: int | None = None) -> float:
@@ -524,8 +506,8 @@ def run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progre
         if a.tree_cost != "budget" and "tree_cost" in drafter_registry.get(drafter).options:
             config = config.with_(tree_cost=a.tree_cost)
         paired = entry.get("paired", 0)
-        run = (paired_run(model, prompts, config, greedy, a.device, a.warmup, paired, sizes)
-               if paired else edgemtp_run(model, prompts, config, a.device, a.warmup, sizes))
+        run = edgemtp_run(model, prompts, config, a.device, a.warmup, sizes,
+                          beside=greedy if paired else None, passes=max(paired, 1))
         b = str(bc)
         be = sum(run["tokens"]) / run["forward_calls"]
         entry["be_measured"].setdefault(drafter, {})[b] = round(be, 4)
