@@ -46,6 +46,8 @@ class LlamaCpp:
         except ImportError:
             raise SystemExit("llama.cpp:PATH needs llama-cpp-python (pip install "
                              "llama-cpp-python; it builds from source, ~15 min)") from None
+        if not Path(path).is_file():
+            raise SystemExit(f"llama.cpp:PATH takes a GGUF file; {path!r} is not one")
         self.llama_cpp, self.path, self.threads = llama_cpp, path, threads
         self.kw = (dict(type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_Q8_0,
                         flash_attn=True) if q8 else {})
@@ -201,4 +203,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from edgemtp.errors import EdgeMTPError
+
+    try:
+        raise SystemExit(main())
+    except EdgeMTPError as e:  # a bad package or option: one line, as the CLI says it
+        print(f"bench_context: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

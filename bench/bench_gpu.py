@@ -763,6 +763,8 @@ def parse(argv=None):
             ap.error(f"--models takes name:dtype with a name of {STORIES}, "
                      f"{', '.join(SHAPES)} and a dtype of {', '.join(DTYPES)}; got "
                      f"{':'.join(m)!r}")
+    if a.paired < 0:
+        ap.error(f"--paired takes a number of passes >= 0 (0: unpaired), got {a.paired}")
     if a.skip - set(STAGES):
         ap.error(f"--skip takes some of {', '.join(STAGES)}, got {','.join(sorted(a.skip))}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
