@@ -7,7 +7,8 @@ it grow faster.
     python bench/bench_context.py --package old=out/pkg/a --package new=out/pkg/b \\
         [--contexts 64,512,2000] [--sizes 1,10] [--rounds 5] [--threads 2]
 
-A path may name its backend: ``--package c=native:out/pkg/int4`` (default onnxruntime), or
+A path may name its backend: ``--package c=native:out/pkg/int4`` (default onnxruntime;
+``native-q8:PATH`` for the native decoder with its int8 cache, ``--kv-cache int8``), or
 be llama.cpp on a GGUF (llama-cpp-python, a bench extra): ``--package
 llama=llama.cpp:../shared/models/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct.Q4_1.gguf``
 (its default cache, float16 K/V; ``llama.cpp-q8:PATH`` for its 8-bit cache with flash
@@ -75,7 +76,7 @@ class _LlamaSession:
         self.cache_len += len(rows)
 
 
-KINDS = ("native", "onnxruntime", "llama.cpp", "llama.cpp-q8")
+KINDS = ("native", "native-q8", "onnxruntime", "llama.cpp", "llama.cpp-q8")
 
 
 def spec_kind(spec: str) -> str:
@@ -95,6 +96,8 @@ def make_backend(spec: str, threads: int):
         kind, path = spec.split(":", 1)
     if kind.startswith("llama.cpp"):
         return LlamaCpp(path, threads, q8=kind.endswith("q8")), path
+    if kind == "native-q8":
+        return backend_class("native")(path, threads=threads, kv_cache="int8"), path
     return backend_class(kind)(path, threads=threads), path
 
 

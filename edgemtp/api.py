@@ -118,7 +118,8 @@ class Model:
     @classmethod
     def load(cls, path: str, backend: str = "auto", device: str = "cpu", dtype: str | None = None,
              max_context: int | None = None, trust_remote_code: bool = False,
-             threads: int | None = None, batch_invariant: bool = False) -> "Model":
+             threads: int | None = None, batch_invariant: bool = False,
+             kv_cache: str | None = None) -> "Model":
         """``backend="auto"``: for a package written by ``edgemtp export`` (a folder with
         ``edgemtp.json``) native on the CPU where it is int4 and the C decoder builds, else
         onnxruntime; torch for a Hugging Face folder (see :func:`auto_backend`). A package carries its
@@ -127,7 +128,8 @@ class Model:
         ``$EDGEMTP_THREADS`` if set, else the runtime's default (every physical core).
         ``batch_invariant`` (torch backend): every step padded to one block shape and attention
         summed in float64, so fp16/bf16 GPU kernels give a row the same logits in a block as
-        alone (see README)."""
+        alone (see README). ``kv_cache`` (native backend): ``"fp16"`` (default) or ``"int8"``
+        (half the cache memory; lossless against its own plain decoding)."""
         check_model_path(path)
         threads = threads if threads is not None else env_threads()
         if backend == "auto":
@@ -138,6 +140,11 @@ class Model:
                 raise ConfigError(f"batch_invariant is an option of the torch backend, not of "
                                   f"{backend!r} (use --backend torch on a model folder)")
             extra["batch_invariant"] = True
+        if kv_cache is not None:
+            if backend != "native":
+                raise ConfigError(f"kv_cache is an option of the native backend, not of "
+                                  f"{backend!r} (an int4 package on the CPU)")
+            extra["kv_cache"] = kv_cache
         impl = backend_class(backend)(path, device=device, dtype=dtype, max_context=max_context,
                                       trust_remote_code=trust_remote_code, threads=threads,
                                       **extra)

@@ -62,6 +62,11 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True,
                    help="torch backend: pad every step to one block shape and sum attention in "
                         "float64, so fp16/bf16 GPU kernels round a row the same in a block as "
                         "alone (costs t(64)/t(1) and the float64 attention)")
+    p.add_argument("--kv-cache", default=None, choices=("fp16", "int8"),
+                   help="native backend: the K/V cache's element (default fp16; int8: codes "
+                        "with a scale per key row and per 32 value lanes, as llama.cpp's "
+                        "q8_0 cache: half the memory, lossless against its own plain "
+                        "decoding)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model folder's own Python code to run")
 
@@ -128,7 +133,8 @@ def _load(a: argparse.Namespace):
 
     return Model.load(a.model, backend=a.backend, device=a.device, dtype=a.dtype,
                       max_context=a.max_context, trust_remote_code=a.trust_remote_code,
-                      threads=a.threads, batch_invariant=a.batch_invariant)
+                      threads=a.threads, batch_invariant=a.batch_invariant,
+                      kv_cache=getattr(a, "kv_cache", None))
 
 
 def _chat_messages(system: str | None, *turns: dict) -> list[dict]:

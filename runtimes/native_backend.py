@@ -40,6 +40,10 @@ _P = ctypes.c_void_p
 BLOCK = 32
 MAX_DIFF, MIN_SAME = 0.1, 0.5  # the load check's bounds against the onnxruntime graph
 MARGIN = 256  # cache rows past the max context: a block near the end may hold draft rows past it
+# the K/V cache's element: half floats (as llama.cpp's default), or int8 codes with a float
+# scale per key row and per 32 value lanes (as llama.cpp's q8_0 cache: half the bytes a long
+# context's attention reads; see decoder.c)
+KV_CACHES = ("fp16", "int8")
 
 
 # families whose decoder layer it computes: Llama's (Mistral's is the same without a sliding
@@ -76,7 +80,8 @@ class _Model(ctypes.Structure):
 
 
 class _Cache(ctypes.Structure):
-    _fields_ = [("k", _P), ("v", _P), ("cap", ctypes.c_int), ("len", ctypes.c_int)]
+    _fields_ = [("k", _P), ("v", _P), ("cap", ctypes.c_int), ("len", ctypes.c_int),
+                ("ks", _P), ("vs", _P)]
 
 
 class _Call(ctypes.Structure):
@@ -139,14 +144,20 @@ def _attrs(node) -> dict:
 
 class NativeBackend:
     """An int4 package on edgemtp's own C decoder (CPU only). ``threads``: OpenMP threads
-    (default: OpenMP's, all cores). Same interface as the other backends."""
+    (default: OpenMP's, all cores). ``kv_cache``: the K/V cache's element (:data:`KV_CACHES`;
+    default fp16). Same interface as the other backends."""
 
     name = "native"
 
     def __init__(self, package_dir, device: str = "cpu", threads: int | None = None,
                  max_context: int | None = None, dtype: str | None = None,
-                 trust_remote_code: bool = False, check: bool = True) -> None:
+                 trust_remote_code: bool = False, check: bool = True,
+                 kv_cache: str = "fp16") -> None:
         check_options(device, dtype, max_context, threads)
+        if kv_cache not in KV_CACHES:
+            raise ConfigError(f"kv cache must be one of {', '.join(KV_CACHES)}, got "
+                              f"{kv_cache!r}")
+        self.kv_cache = kv_cache
         if device != "cpu":
             raise ConfigError(f"the native backend runs on the CPU; for --device {device} use "
                               f"--backend onnxruntime or torch")
@@ -370,7 +381,8 @@ class NativeBackend:
 
     def identity(self) -> str:
         st = self.package.graph_path.stat()
-        return (f"native|threads={self.threads}|ctx={self.max_context}|"
+        kv = "" if self.kv_cache == "fp16" else f"kv={self.kv_cache}|"
+        return (f"native|threads={self.threads}|ctx={self.max_context}|{kv}"
                 f"{self.package.graph_path.resolve()}|{st.st_size}|{st.st_mtime_ns}")
 
     def session(self, rows: int | None = None) -> "NativeSession":
@@ -393,13 +405,20 @@ class NativeSession:
         self.rows = b.max_context if rows is None else max(1, min(int(rows), b.max_context))
         cap = -(-(self.rows + MARGIN) // 16) * 16
         # np.zeros: pages are mapped on first write, so a short generation costs little.
-        # Keys in blocks of 16 positions, each block transposed (see decoder.c)
-        # in half precision (as llama.cpp's default cache), rounded once when written
-        self.k = np.zeros((L, Hkv, cap // 16, D, 16), np.float16)
+        # Keys in blocks of 16 positions, each block transposed (see decoder.c), in half
+        # precision (as llama.cpp's default cache) or int8, rounded once when written
+        q8 = b.kv_cache == "int8"
+        el = np.int8 if q8 else np.float16
+        self.k = np.zeros((L, Hkv, cap // 16, D, 16), el)
         # values in 32-lane chunks, each its own [cap][32] run (see decoder.c vidx)
         vw = 32 if D % 32 == 0 else D
-        self.v = np.zeros((L, Hkv, D // vw, cap, vw), np.float16)
-        self.cache = _Cache(self.k.ctypes.data, self.v.ctypes.data, cap, 0)
+        self.v = np.zeros((L, Hkv, D // vw, cap, vw), el)
+        # int8: a scale per key row and KV head, and per value row and 32-lane chunk
+        self.ks = np.zeros((L, Hkv, cap), np.float32) if q8 else None
+        self.vs = np.zeros((L, Hkv, D // vw, cap), np.float32) if q8 else None
+        self.cache = _Cache(self.k.ctypes.data, self.v.ctypes.data, cap, 0,
+                            None if self.ks is None else self.ks.ctypes.data,
+                            None if self.vs is None else self.vs.ctypes.data)
         self._work = np.zeros(0, np.float32)
         self._work_t = 0
         self._no_masks = np.zeros((1, b.hidden_size), np.float32)

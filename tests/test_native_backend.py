@@ -7,6 +7,7 @@ portable build change no bit; what it cannot run is one line naming the backend 
 graph it would read wrong is refused at load. stories260K, one int4 export per module.
 """
 
+import json
 import shutil
 import subprocess
 import sys
@@ -142,15 +143,26 @@ def _random_tree(rng, n: int, vocab: int, masks: int):
     return parent, mask, depth, ids
 
 
+@pytest.fixture(scope="module")
+def backend_q8(int4_pkg):
+    return NativeBackend(str(int4_pkg), threads=1, kv_cache="int8")
+
+
 @pytest.mark.parametrize("size", [10, 30, 60])
 def test_a_row_is_bitwise_the_same_in_any_block_as_alone(backend, size):
     _tree_rows_equal_plain(backend, size)
 
 
-def test_gqa_head_dim_64_rows_are_bitwise_the_same_in_any_block(gqa_pkg):
-    # head_dim 64 and four query heads per KV head, tree rows moved by commits; one-row
-    # steps on the grouped path too
-    b = NativeBackend(str(gqa_pkg), threads=2)
+@pytest.mark.parametrize("size", [10, 60])
+def test_with_an_int8_cache_too(backend_q8, size):
+    _tree_rows_equal_plain(backend_q8, size)
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8"])
+def test_gqa_head_dim_64_rows_are_bitwise_the_same_in_any_block(gqa_pkg, kv):
+    # head_dim 64 and four query heads per KV head, tree rows moved by commits (keys, values
+    # and, in an int8 cache, their scales); one-row steps on the grouped path too
+    b = NativeBackend(str(gqa_pkg), threads=2, kv_cache=kv)
     b.lib.decoder_set_group_min_p(0)
     try:
         _tree_rows_equal_plain(b, 30)
@@ -209,6 +221,58 @@ def test_every_drafter_equals_native_plain_decoding(int4_pkg):
                 assert got.token_ids == want, (prompt, drafter, bc)
 
 
+def test_every_drafter_equals_plain_decoding_with_an_int8_cache(int4_pkg):
+    model = Model.load(str(int4_pkg), backend="native", threads=2, kv_cache="int8")
+    prompt = "Lily and Tom went to the park. They saw"
+    want = model.generate(prompt, max_new_tokens=64, drafter="none").token_ids
+    for drafter in DRAFTERS:
+        got = model.generate(prompt, max_new_tokens=64, drafter=drafter, bc=30)
+        assert got.token_ids == want, drafter
+
+
+def test_an_int8_cache_is_half_the_memory_and_close_to_fp16(int4_pkg, backend, backend_q8):
+    # the cache's int8 codes round each key row / 32 value lanes to 1/254 of their largest
+    # magnitude: the logits move by a small fraction of their scale, not by the whole of it
+    ids = np.random.default_rng(5).integers(0, backend.vocab_size, 120)
+    half, q8 = (_prefill(b, ids)[1].logits for b in (backend, backend_q8))
+    rows = np.abs(half - q8).max(1) / np.abs(half).max(1)
+    assert 0 < np.median(rows) < 0.05
+    assert np.mean(half.argmax(1) == q8.argmax(1)) >= 0.8
+    s16, s8 = backend.session(), backend_q8.session()
+    bytes16 = s16.k.nbytes + s16.v.nbytes
+    bytes8 = s8.k.nbytes + s8.v.nbytes + s8.ks.nbytes + s8.vs.nbytes
+    # a byte a lane and 4 a scale (one per key row, one per value row's 32 lanes; head_dim 8
+    # here, so the scales weigh: 24 bytes a row against 32; SmolLM2's 64: 140 against 256)
+    L, hkv, d = backend.dims
+    rows = s8.k.shape[2] * 16
+    assert bytes16 == L * hkv * rows * 4 * d
+    assert bytes8 == L * hkv * rows * (2 * d + 4 + 4 * -(-d // 32))
+    with pytest.raises(ConfigError, match="kv cache must be one of fp16, int8"):
+        NativeBackend(str(int4_pkg), kv_cache="q4")
+    with pytest.raises(ConfigError, match="option of the native backend"):
+        Model.load(str(int4_pkg), backend="onnxruntime", kv_cache="int8")
+
+
+def test_kv_cache_from_the_cli(int4_pkg, stories_pkg):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--prompt",
+                               "Once upon a time", "--max-new-tokens", "24", "--drafter",
+                               "none", "--json", *args], capture_output=True, text=True,
+                              timeout=300)
+
+    want = Model.load(str(int4_pkg), backend="native", threads=1, kv_cache="int8").generate(
+        "Once upon a time", max_new_tokens=24, drafter="none").text
+    run = cli("--model", str(int4_pkg), "--kv-cache", "int8", "--threads", "1")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["text"] == want
+    for bad in (("--model", str(stories_pkg), "--kv-cache", "int8"),  # an onnxruntime package
+                ("--model", str(int4_pkg), "--kv-cache", "q4")):
+        run = cli(*bad)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and lines and "Traceback" not in run.stderr, run.stderr
+        assert "kv" in lines[-1].lower(), lines
+
+
 def test_threads_change_no_bit(int4_pkg, backend):
     ids = np.random.default_rng(3).integers(0, backend.vocab_size, 40)
     two = NativeBackend(str(int4_pkg), threads=2)
@@ -223,6 +287,11 @@ def test_the_portable_build_computes_the_same_bits(int4_pkg, backend):
     portable.lib = native._declare_decoder(ctypes.CDLL(str(path)))
     ids = np.random.default_rng(4).integers(0, backend.vocab_size, 20)
     assert np.array_equal(_prefill(backend, ids)[1].logits, _prefill(portable, ids)[1].logits)
+    # the int8 cache's code conversion too (one vector instruction here, a loop there)
+    q8 = NativeBackend(str(int4_pkg), threads=1, check=False, kv_cache="int8")
+    q8p = NativeBackend(str(int4_pkg), threads=1, check=False, kv_cache="int8")
+    q8p.lib = portable.lib
+    assert np.array_equal(_prefill(q8, ids)[1].logits, _prefill(q8p, ids)[1].logits)
 
 
 def test_auto_picks_native_for_an_int4_package_only(int4_pkg, stories_pkg, monkeypatch):
@@ -321,14 +390,14 @@ def gqa_pkg(tmp_path_factory):
     return root / "int4"
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_grouped_attention_is_bitwise_the_rows_path(gqa_pkg, threads):
+@pytest.mark.parametrize("threads,kv", [(1, "fp16"), (2, "fp16"), (2, "int8")])
+def test_grouped_attention_is_bitwise_the_rows_path(gqa_pkg, threads, kv):
     """A one-row step over a long cache runs attention in three passes split by KV group,
     key slice and value lanes (decoder.c attend_groups) instead of by query head: the same
     chains, so the same bits. Compared here at cache lengths from a ragged 203 on (neither 16
     nor the 128-key slice divides it), between two-row blocks, with the path forced on and
     off."""
-    b = NativeBackend(str(gqa_pkg), threads=threads)
+    b = NativeBackend(str(gqa_pkg), threads=threads, kv_cache=kv)
     rng = np.random.default_rng(threads)
     embeds = rng.standard_normal((2, b.hidden_size)).astype(np.float32) * 0.1
     s, _ = _prefill(b, rng.integers(0, b.vocab_size, 203))

@@ -121,7 +121,51 @@ static inline v8 loadh8(const kv_t *p) {
 }
 #endif
 
-typedef struct { kv_t *k, *v; int cap; int len; } Cache;
+/* --kv-cache int8 (as llama.cpp's q8_0 cache, half the bytes again): a key row is stored as
+   int8 with one scale per KV head (ks [L][H_kv][cap]: amax / 127, the row rounded to nearest),
+   a value row as int8 with one scale per 32-lane chunk (vs [L][H_kv][D / 32][cap]). A row is
+   quantized once, from its own values only, when it is written, so plain decoding and a
+   block see the same int8 rows. A key's score is (fma chain over e of q[e] * k8[e]) * ks *
+   scale; a value row enters p @ V as fma(p * vs, v8, acc): the same operations in every path. */
+static inline v8 loadq8(const int8_t *p) {  /* 8 int8 -> 8 floats, exact */
+#ifdef __AVX2__
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    v8 r;
+    for (int l = 0; l < 8; l++) r[l] = (float)p[l];
+    return r;
+#endif
+}
+
+/* element i of a cache array of half floats (q8 = 0) or int8 (q8 = 1; a constant where
+   inlined) */
+static inline v8 loadkv(const void *base, size_t i, const int q8) {
+    return q8 ? loadq8((const int8_t *)base + i) : loadh8((const kv_t *)base + i);
+}
+static inline float kvf(const void *base, size_t i, const int q8) {
+    return q8 ? (float)((const int8_t *)base)[i] : h2f(((const kv_t *)base)[i]);
+}
+static inline const void *kv_at(const void *base, size_t i, const int q8) {
+    return (const char *)base + i * (q8 ? 1 : 2);
+}
+
+/* int8 codes of n values x[idx(e)] (e < n) with one scale: amax / 127, 0 for a zero row */
+static float q8_scale(const float *x, int n) {
+    float m = 0.f;
+    for (int e = 0; e < n; e++) m = fabsf(x[e]) > m ? fabsf(x[e]) : m;
+    return m / 127.f;
+}
+static inline int8_t q8_code(float x, float s) {
+    if (s == 0.f) return 0;
+    long q = lrintf(x / s);
+    return (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+}
+
+typedef struct {
+    void *k, *v;        /* half floats, or int8 codes where ks is set */
+    int cap, len;
+    float *ks, *vs;     /* NULL: a half-float cache; else the int8 cache's scales */
+} Cache;
 
 typedef struct {
     int T, topk, rows_from;                 /* rows < rows_from: no LM head */
@@ -326,21 +370,27 @@ static void embed_row(const Model *M, int64_t id, const float *mask_embeds, int 
 
 /* scores of key positions [k0, k1) for n query rows q[r] (n <= RT, a constant where inlined):
    out[r][p - k0] = scale * (fma chain over e of q[r][e] * K[p][e], from 0). Whole blocks of
-   16 are computed (lanes past k1 are read, never written): each lane is its own chain. */
+   16 are computed (lanes past k1 are read, never written): each lane is its own chain. An
+   int8 cache (q8, a constant where inlined): the chain over the codes, times the key's scale
+   ks[p], then times scale. */
 static inline __attribute__((always_inline)) void qk_tile(
-        const int n, const float *const *q, const kv_t *kh, int D, int k0, int k1,
-        float scale, float *const *out) {
+        const int n, const int q8, const float *const *q, const void *kh, const float *ks,
+        int D, int k0, int k1, float scale, float *const *out) {
     for (int b = k0 >> 4; b <= (k1 - 1) >> 4; b++) {
-        const kv_t *blk = kh + (size_t)b * D * 16;
+        const size_t blk = (size_t)b * D * 16;
         v8 a[RT][2];
         for (int r = 0; r < n; r++) a[r][0] = a[r][1] = (v8){0};
         for (int e = 0; e < D; e++) {
-            v8 lo = loadh8(blk + e * 16), hi = loadh8(blk + e * 16 + 8);
+            v8 lo = loadkv(kh, blk + e * 16, q8), hi = loadkv(kh, blk + e * 16 + 8, q8);
             for (int r = 0; r < n; r++) {
                 v8 qe = (v8){0} + q[r][e];
                 a[r][0] = fma8(qe, lo, a[r][0]);
                 a[r][1] = fma8(qe, hi, a[r][1]);
             }
+        }
+        if (q8) {
+            v8 s0 = load8(ks + b * 16), s1 = load8(ks + b * 16 + 8);
+            for (int r = 0; r < n; r++) { a[r][0] = a[r][0] * s0; a[r][1] = a[r][1] * s1; }
         }
         int p0 = b * 16, lo_p = p0 < k0 ? k0 : p0, hi_p = p0 + 16 > k1 ? k1 : p0 + 16;
         for (int r = 0; r < n; r++)
@@ -351,14 +401,23 @@ static inline __attribute__((always_inline)) void qk_tile(
     }
 }
 
-static void qk_rows(int n, const float *const *q, const kv_t *kh, int D, int k0, int k1,
-                    float scale, float *const *out) {
+static void qk_rows(int n, const float *const *q, const void *kh, const float *ks, int D,
+                    int k0, int k1, float scale, float *const *out) {
     if (k1 <= k0) return;
-    switch (n) {  /* constant row counts, so the accumulators stay in registers */
-    case 1: qk_tile(1, q, kh, D, k0, k1, scale, out); break;
-    case 2: qk_tile(2, q, kh, D, k0, k1, scale, out); break;
-    case 3: qk_tile(3, q, kh, D, k0, k1, scale, out); break;
-    default: qk_tile(RT, q, kh, D, k0, k1, scale, out); break;
+    if (ks) {  /* constant row counts, so the accumulators stay in registers */
+        switch (n) {
+        case 1: qk_tile(1, 1, q, kh, ks, D, k0, k1, scale, out); break;
+        case 2: qk_tile(2, 1, q, kh, ks, D, k0, k1, scale, out); break;
+        case 3: qk_tile(3, 1, q, kh, ks, D, k0, k1, scale, out); break;
+        default: qk_tile(RT, 1, q, kh, ks, D, k0, k1, scale, out); break;
+        }
+        return;
+    }
+    switch (n) {
+    case 1: qk_tile(1, 0, q, kh, ks, D, k0, k1, scale, out); break;
+    case 2: qk_tile(2, 0, q, kh, ks, D, k0, k1, scale, out); break;
+    case 3: qk_tile(3, 0, q, kh, ks, D, k0, k1, scale, out); break;
+    default: qk_tile(RT, 0, q, kh, ks, D, k0, k1, scale, out); break;
     }
 }
 
@@ -367,15 +426,20 @@ static void qk_rows(int n, const float *const *q, const kv_t *kh, int D, int k0,
    the ancestors anc[0 .. na)), then s <- exp(s - max) over the whole list and, in the slot
    after the list's last 8-lane vector, 1 / sum. The one code for every path (attend_rows,
    attend_groups), so a row's weights are the same bits wherever it is computed. */
-static void row_softmax(const float *q, const kv_t *kh, int D, int P, int lead, int na,
-                        const int *anc, float scale, float *x) {
+static void row_softmax(const float *q, const void *kh, const float *ks, int D, int P,
+                        int lead, int na, const int *anc, float scale, float *x) {
     int n0 = P + lead, n = n0 + na;
     float *sr = x + P;
-    qk_rows(1, &q, kh, D, P, n0, scale, &sr);
+    qk_rows(1, &q, kh, ks, D, P, n0, scale, &sr);
     for (int a = 0; a < na; a++) {  /* the block's other ancestors: the same chains */
         int c = P + anc[a];
         float acc = 0.f;
-        for (int e = 0; e < D; e++) acc = fmaf(q[e], h2f(kh[kidx(c, e, D)]), acc);
+        if (ks) {
+            for (int e = 0; e < D; e++) acc = fmaf(q[e], kvf(kh, kidx(c, e, D), 1), acc);
+            acc = acc * ks[c];
+        } else {
+            for (int e = 0; e < D; e++) acc = fmaf(q[e], kvf(kh, kidx(c, e, D), 0), acc);
+        }
         x[n0 + a] = acc * scale;
     }
     int n8 = (n + 7) / 8 * 8, i;
@@ -396,16 +460,56 @@ static void row_softmax(const float *q, const kv_t *kh, int D, int P, int lead, 
     x[n8] = 1.0f / sum8(sum);  /* (a slot past the row's list) */
 }
 
+/* p @ V of one block row and query head, its keys in list order, 64 value lanes a pass in
+   registers: lane e's sum is fma(p_i, v_i[e], acc) over the list, p_i = x[i] (an int8 cache:
+   x[i] * the scale of row i's chunk of lane e). x: the row's weights, inv: 1 / their sum. */
+static inline __attribute__((always_inline)) void pv_row(
+        const int q8, const float *x, float inv, float *o, const void *vv, const float *vs,
+        int D, int cap, int n0, int n, int P, const int *an) {
+    const int w = vw(D);
+    int e0 = 0;
+    for (; e0 + 64 <= D; e0 += 64) {
+        v8 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0}, o4 = {0}, o5 = {0}, o6 = {0}, o7 = {0};
+        const float *s0 = vs ? vs + (size_t)(e0 / w) * cap : NULL;
+        const float *s1 = vs ? vs + (size_t)((e0 + 32) / w) * cap : NULL;
+        for (int i = 0; i < n; i++) {
+            int row = i < n0 ? i : P + an[i - n0];
+            size_t v = vidx(row, e0, D, cap), u = vidx(row, e0 + 32, D, cap);
+            v8 p = (v8){0} + (q8 ? x[i] * s0[row] : x[i]);
+            v8 pu = (v8){0} + (q8 ? x[i] * s1[row] : x[i]);
+            o0 = fma8(p, loadkv(vv, v, q8), o0);       o1 = fma8(p, loadkv(vv, v + 8, q8), o1);
+            o2 = fma8(p, loadkv(vv, v + 16, q8), o2);  o3 = fma8(p, loadkv(vv, v + 24, q8), o3);
+            o4 = fma8(pu, loadkv(vv, u, q8), o4);      o5 = fma8(pu, loadkv(vv, u + 8, q8), o5);
+            o6 = fma8(pu, loadkv(vv, u + 16, q8), o6); o7 = fma8(pu, loadkv(vv, u + 24, q8), o7);
+        }
+        store8(o + e0, o0 * inv);      store8(o + e0 + 8, o1 * inv);
+        store8(o + e0 + 16, o2 * inv); store8(o + e0 + 24, o3 * inv);
+        store8(o + e0 + 32, o4 * inv); store8(o + e0 + 40, o5 * inv);
+        store8(o + e0 + 48, o6 * inv); store8(o + e0 + 56, o7 * inv);
+    }
+    for (; e0 < D; e0 += 8) {  /* (D is a multiple of 8) */
+        const float *s0 = vs ? vs + (size_t)(e0 / w) * cap : NULL;
+        v8 acc = {0};
+        for (int i = 0; i < n; i++) {
+            int row = i < n0 ? i : P + an[i - n0];
+            v8 p = (v8){0} + (q8 ? x[i] * s0[row] : x[i]);
+            acc = fma8(p, loadkv(vv, vidx(row, e0, D, cap), q8), acc);
+        }
+        store8(o + e0, acc * inv);
+    }
+}
+
 /* attention of query head hh for block rows t0 .. t0 + rt - 1. Row t's keys, in order: the
    cache's P rows, the block's rows 0 .. lead[t] - 1 (contiguous after the cache), then the
    block rows in anc[t]: exactly the list plain decoding has once those rows are committed.
    The cache part is computed for the rt rows together (each key block read once per task),
    every score and sum with the same operations in the same order as for a row alone.
+   kh, vv: the head's keys and values, ks, vs: their scales (NULL: half floats).
    sc: scratch of rt * (P + T + 24) floats. */
 static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int P, int T,
-                        const int *lead, const int *nanc, const int *anc, const kv_t *kh,
-                        const kv_t *vv, int D, int cap, float scale, float *sc, float *att,
-                        int ldatt) {
+                        const int *lead, const int *nanc, const int *anc, const void *kh,
+                        const float *ks, const void *vv, const float *vs, int D, int cap,
+                        float scale, float *sc, float *att, int ldatt) {
     const int stride = P + T + 24;
     const float *q[RT];
     float *s[RT];
@@ -413,60 +517,41 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
         q[r] = qkv + (size_t)(t0 + r) * Nqkv + hh * D;
         s[r] = sc + (size_t)r * stride;
     }
-    qk_rows(rt, q, kh, D, 0, P, scale, s);
+    qk_rows(rt, q, kh, ks, D, 0, P, scale, s);
     for (int r = 0; r < rt; r++) {
         int t = t0 + r;
-        row_softmax(q[r], kh, D, P, lead[t], nanc[t], anc + (size_t)t * T, scale, s[r]);
+        row_softmax(q[r], kh, ks, D, P, lead[t], nanc[t], anc + (size_t)t * T, scale, s[r]);
     }
-    /* p @ V, a row at a time, its keys in list order, 64 value lanes a pass in registers */
     for (int r = 0; r < rt; r++) {
         int t = t0 + r, n0 = P + lead[t], n = n0 + nanc[t];
         const float *x = s[r];
-        const int *an = anc + (size_t)t * T;
         float *o = att + (size_t)t * ldatt + hh * D;
         float inv = x[(n + 7) / 8 * 8];
-        int e0 = 0;
-        for (; e0 + 64 <= D; e0 += 64) {
-            v8 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0}, o4 = {0}, o5 = {0}, o6 = {0}, o7 = {0};
-            for (int i = 0; i < n; i++) {
-                int row = i < n0 ? i : P + an[i - n0];
-                const kv_t *v = vv + vidx(row, e0, D, cap), *u = vv + vidx(row, e0 + 32, D, cap);
-                v8 p = (v8){0} + x[i];
-                o0 = fma8(p, loadh8(v), o0);      o1 = fma8(p, loadh8(v + 8), o1);
-                o2 = fma8(p, loadh8(v + 16), o2); o3 = fma8(p, loadh8(v + 24), o3);
-                o4 = fma8(p, loadh8(u), o4);      o5 = fma8(p, loadh8(u + 8), o5);
-                o6 = fma8(p, loadh8(u + 16), o6); o7 = fma8(p, loadh8(u + 24), o7);
-            }
-            store8(o + e0, o0 * inv);      store8(o + e0 + 8, o1 * inv);
-            store8(o + e0 + 16, o2 * inv); store8(o + e0 + 24, o3 * inv);
-            store8(o + e0 + 32, o4 * inv); store8(o + e0 + 40, o5 * inv);
-            store8(o + e0 + 48, o6 * inv); store8(o + e0 + 56, o7 * inv);
-        }
-        for (; e0 < D; e0 += 8) {  /* (D is a multiple of 8) */
-            v8 acc = {0};
-            for (int i = 0; i < n; i++) {
-                const kv_t *v = vv + vidx(i < n0 ? i : P + an[i - n0], e0, D, cap);
-                acc = fma8((v8){0} + x[i], loadh8(v), acc);
-            }
-            store8(o + e0, acc * inv);
-        }
+        if (vs)
+            pv_row(1, x, inv, o, vv, vs, D, cap, n0, n, P, anc + (size_t)t * T);
+        else
+            pv_row(0, x, inv, o, vv, vs, D, cap, n0, n, P, anc + (size_t)t * T);
     }
 }
 
 /* p @ V for nj (<= 3, a constant where inlined) query heads of one KV group and one block
    row, value lanes [e0, e0 + 32): each lane's sum runs over the row's list in list order,
    the same chain attend_rows computes, while each value row is loaded once for the nj
-   heads. x[j]: head j's weights, inv[j] its 1 / sum, o[j] its output row. */
+   heads. x[j]: head j's weights, inv[j] its 1 / sum, o[j] its output row; vs: the chunk's
+   value scales (int8 cache, q8), as pv_row. */
 static inline __attribute__((always_inline)) void pv_heads32(
-        const int nj, const float *const *x, const float *inv, float *const *o,
-        const kv_t *vv, int D, int cap, int e0, int n0, int n, int P, const int *an) {
+        const int nj, const int q8, const float *const *x, const float *inv, float *const *o,
+        const void *vv, const float *vs, int D, int cap, int e0, int n0, int n, int P,
+        const int *an) {
     v8 acc[3][4];
     for (int j = 0; j < nj; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = (v8){0};
     for (int i = 0; i < n; i++) {
-        const kv_t *v = vv + vidx(i < n0 ? i : P + an[i - n0], e0, D, cap);
-        v8 v0 = loadh8(v), v1 = loadh8(v + 8), v2 = loadh8(v + 16), v3 = loadh8(v + 24);
+        int row = i < n0 ? i : P + an[i - n0];
+        size_t v = vidx(row, e0, D, cap);
+        v8 v0 = loadkv(vv, v, q8), v1 = loadkv(vv, v + 8, q8);
+        v8 v2 = loadkv(vv, v + 16, q8), v3 = loadkv(vv, v + 24, q8);
         for (int j = 0; j < nj; j++) {
-            v8 p = (v8){0} + x[j][i];
+            v8 p = (v8){0} + (q8 ? x[j][i] * vs[row] : x[j][i]);
             acc[j][0] = fma8(p, v0, acc[j][0]); acc[j][1] = fma8(p, v1, acc[j][1]);
             acc[j][2] = fma8(p, v2, acc[j][2]); acc[j][3] = fma8(p, v3, acc[j][3]);
         }
@@ -476,12 +561,20 @@ static inline __attribute__((always_inline)) void pv_heads32(
 }
 
 static void pv_heads(int nj, const float *const *x, const float *inv, float *const *o,
-                     const kv_t *vv, int D, int cap, int e0, int n0, int n, int P,
-                     const int *an) {
+                     const void *vv, const float *vs, int D, int cap, int e0, int n0, int n,
+                     int P, const int *an) {
+    if (vs) {
+        switch (nj) {
+        case 1: pv_heads32(1, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
+        case 2: pv_heads32(2, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
+        default: pv_heads32(3, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
+        }
+        return;
+    }
     switch (nj) {
-    case 1: pv_heads32(1, x, inv, o, vv, D, cap, e0, n0, n, P, an); break;
-    case 2: pv_heads32(2, x, inv, o, vv, D, cap, e0, n0, n, P, an); break;
-    default: pv_heads32(3, x, inv, o, vv, D, cap, e0, n0, n, P, an); break;
+    case 1: pv_heads32(1, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
+    case 2: pv_heads32(2, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
+    default: pv_heads32(3, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
     }
 }
 
@@ -500,14 +593,15 @@ static void pv_heads(int nj, const float *const *x, const float *inv, float *con
    parallel region (orphaned work-sharing loops). S: T * H rows of stride floats. */
 #define SLICE 128
 static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int P,
-                          const int *lead, const int *nanc, const int *anc, const kv_t *kt,
-                          const kv_t *vc, int D, int cap, float scale, float *S, int stride,
-                          float *att, int ldatt) {
-    const int grp = H / Hkv, nsl = (P + SLICE - 1) / SLICE, rows = T * grp;
+                          const int *lead, const int *nanc, const int *anc, const void *kt,
+                          const float *kst, const void *vc, const float *vst, int D, int cap,
+                          float scale, float *S, int stride, float *att, int ldatt) {
+    const int grp = H / Hkv, nsl = (P + SLICE - 1) / SLICE, rows = T * grp, q8 = kst != NULL;
 #pragma omp for schedule(static)
     for (int job = 0; job < Hkv * nsl; job++) {
         int g = job / nsl, k0 = job % nsl * SLICE, k1 = k0 + SLICE < P ? k0 + SLICE : P;
-        const kv_t *kh = kt + (size_t)g * D * cap;
+        const void *kh = kv_at(kt, (size_t)g * D * cap, q8);
+        const float *ks = q8 ? kst + (size_t)g * cap : NULL;
         for (int r0 = 0; r0 < rows; r0 += RT) {
             int n = rows - r0 < RT ? rows - r0 : RT;
             const float *q[RT];
@@ -517,21 +611,24 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
                 q[r] = qkv + (size_t)t * Nqkv + hh * D;
                 out[r] = S + ((size_t)t * H + hh) * stride + k0;
             }
-            qk_rows(n, q, kh, D, k0, k1, scale, out);
+            qk_rows(n, q, kh, ks, D, k0, k1, scale, out);
         }
     }
 #pragma omp for schedule(static)
     for (int job = 0; job < T * H; job++) {
         int t = job / H, hh = job % H;
-        row_softmax(qkv + (size_t)t * Nqkv + hh * D, kt + (size_t)(hh / grp) * D * cap, D, P,
-                    lead[t], nanc[t], anc + (size_t)t * T, scale, S + (size_t)job * stride);
+        int g = hh / grp;
+        row_softmax(qkv + (size_t)t * Nqkv + hh * D, kv_at(kt, (size_t)g * D * cap, q8),
+                    q8 ? kst + (size_t)g * cap : NULL, D, P, lead[t], nanc[t],
+                    anc + (size_t)t * T, scale, S + (size_t)job * stride);
     }
     const int nec = D / 32;
 #pragma omp for schedule(static)
     for (int job = 0; job < T * Hkv * nec; job++) {
         int t = job / (Hkv * nec), g = job / nec % Hkv, e0 = job % nec * 32;
         int n0 = P + lead[t], n = n0 + nanc[t], n8 = (n + 7) / 8 * 8;
-        const kv_t *vv = vc + (size_t)g * cap * D;
+        const void *vv = kv_at(vc, (size_t)g * cap * D, q8);
+        const float *vs = q8 ? vst + ((size_t)g * nec + e0 / 32) * cap : NULL;
         for (int j0 = 0; j0 < grp; j0 += 3) {
             int nj = grp - j0 < 3 ? grp - j0 : 3;
             const float *x[3];
@@ -542,7 +639,7 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
                 inv[j] = x[j][n8];
                 o[j] = att + (size_t)t * ldatt + hh * D;
             }
-            pv_heads(nj, x, inv, o, vv, D, cap, e0, n0, n, P, anc + (size_t)t * T);
+            pv_heads(nj, x, inv, o, vv, vs, D, cap, e0, n0, n, P, anc + (size_t)t * T);
         }
     }
 }
@@ -680,7 +777,11 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
         }
         for (int l = 0; l < M->L; l++) {
             q4_gemm(&M->qkv[l], T, aq, as, asum, qkv, Nqkv);
-            kv_t *kt = C->k + (size_t)l * Hkv * D * cap, *vc = C->v + (size_t)l * Hkv * cap * D;
+            const int q8 = C->ks != NULL, nch = D / vw(D);
+            void *kt = (void *)kv_at(C->k, (size_t)l * Hkv * D * cap, q8);
+            void *vc = (void *)kv_at(C->v, (size_t)l * Hkv * cap * D, q8);
+            float *kst = q8 ? C->ks + (size_t)l * Hkv * cap : NULL;
+            float *vst = q8 ? C->vs + (size_t)l * Hkv * nch * cap : NULL;
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 int64_t p = X->pos[t];
@@ -698,9 +799,25 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                 rotate(r, H + Hkv, D, M->cos + p * half, M->sin + p * half);
                 for (int g = 0; g < Hkv; g++) {
                     const float *k = r + (H + g) * D, *v = r + (H + Hkv + g) * D;
-                    kv_t *kh = kt + (size_t)g * D * cap, *vh = vc + (size_t)g * cap * D;
-                    for (int e = 0; e < D; e++) kh[kidx(P + t, e, D)] = f2h(k[e]);
-                    for (int e = 0; e < D; e++) vh[vidx(P + t, e, D, cap)] = f2h(v[e]);
+                    if (q8) {
+                        int8_t *kh = (int8_t *)kt + (size_t)g * D * cap;
+                        int8_t *vh = (int8_t *)vc + (size_t)g * cap * D;
+                        float sk = q8_scale(k, D);
+                        kst[(size_t)g * cap + P + t] = sk;
+                        for (int e = 0; e < D; e++) kh[kidx(P + t, e, D)] = q8_code(k[e], sk);
+                        const int w = vw(D);
+                        for (int c = 0; c < nch; c++) {
+                            float sv = q8_scale(v + c * w, w);
+                            vst[((size_t)g * nch + c) * cap + P + t] = sv;
+                            for (int e = c * w; e < (c + 1) * w; e++)
+                                vh[vidx(P + t, e, D, cap)] = q8_code(v[e], sv);
+                        }
+                    } else {
+                        kv_t *kh = (kv_t *)kt + (size_t)g * D * cap;
+                        kv_t *vh = (kv_t *)vc + (size_t)g * cap * D;
+                        for (int e = 0; e < D; e++) kh[kidx(P + t, e, D)] = f2h(k[e]);
+                        for (int e = 0; e < D; e++) vh[vidx(P + t, e, D, cap)] = f2h(v[e]);
+                    }
                 }
             }
             const int tiles = (T + RT - 1) / RT;
@@ -709,22 +826,29 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                as a causal block's later rows have more keys. Which thread computes a task
                changes no bit of it. */
             if (T <= GROUP_MAX_T && group_min_p >= 0 && P >= group_min_p && D % 32 == 0) {
-                attend_groups(qkv, Nqkv, H, Hkv, T, P, lead, nanc, anc, kt, vc, D, cap,
-                              M->scale, S, P + T + 24, att, pad32(H * D));
+                attend_groups(qkv, Nqkv, H, Hkv, T, P, lead, nanc, anc, kt, kst, vc, vst, D,
+                              cap, M->scale, S, P + T + 24, att, pad32(H * D));
             } else if (tiles == 1) {
 #pragma omp for schedule(static)
-                for (int hh = 0; hh < H; hh++)
+                for (int hh = 0; hh < H; hh++) {
+                    int g = hh / grp;
                     attend_rows(qkv, Nqkv, hh, 0, T, P, T, lead, nanc, anc,
-                                kt + (size_t)(hh / grp) * D * cap,
-                                vc + (size_t)(hh / grp) * cap * D, D, cap, M->scale, sc,
+                                kv_at(kt, (size_t)g * D * cap, q8),
+                                q8 ? kst + (size_t)g * cap : NULL,
+                                kv_at(vc, (size_t)g * cap * D, q8),
+                                q8 ? vst + (size_t)g * nch * cap : NULL, D, cap, M->scale, sc,
                                 att, pad32(H * D));
+                }
             } else {
 #pragma omp for schedule(dynamic, 1)
                 for (int job = 0; job < tiles * H; job++) {
                     int t0 = job / H * RT, hh = job % H, g = hh / grp;
                     attend_rows(qkv, Nqkv, hh, t0, T - t0 < RT ? T - t0 : RT, P, T, lead, nanc,
-                                anc, kt + (size_t)g * D * cap, vc + (size_t)g * cap * D, D,
-                                cap, M->scale, sc, att, pad32(H * D));
+                                anc, kv_at(kt, (size_t)g * D * cap, q8),
+                                q8 ? kst + (size_t)g * cap : NULL,
+                                kv_at(vc, (size_t)g * cap * D, q8),
+                                q8 ? vst + (size_t)g * nch * cap : NULL, D, cap, M->scale, sc,
+                                att, pad32(H * D));
                 }
             }
             const int ka = pad32(H * D), nba = ka / 32;
@@ -792,17 +916,30 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
 
 /* move the block rows `rows` (ascending, from the last forward) to follow the cache */
 void decoder_commit(const Model *M, Cache *C, const int64_t *rows, int n) {
-    const int D = M->D, cap = C->cap, P = C->len;
+    const int D = M->D, cap = C->cap, P = C->len, q8 = C->ks != NULL, nch = D / vw(D);
+    const size_t es = q8 ? 1 : 2;  /* bytes a cached value takes */
     for (int l = 0; l < M->L; l++)
         for (int g = 0; g < M->Hkv; g++) {
-            kv_t *kt = C->k + ((size_t)l * M->Hkv + g) * D * cap;
-            kv_t *vc = C->v + ((size_t)l * M->Hkv + g) * cap * D;
+            const size_t lg = (size_t)l * M->Hkv + g;
+            char *kt = (char *)C->k + lg * D * cap * es, *vc = (char *)C->v + lg * cap * D * es;
             for (int i = 0; i < n; i++) {
                 int src = P + (int)rows[i], dst = P + i;
                 if (src == dst) continue;
-                for (int e = 0; e < D; e++) {
-                    kt[kidx(dst, e, D)] = kt[kidx(src, e, D)];
-                    vc[vidx(dst, e, D, cap)] = vc[vidx(src, e, D, cap)];
+                if (q8) {
+                    int8_t *kq = (int8_t *)kt, *vq = (int8_t *)vc;
+                    for (int e = 0; e < D; e++) {
+                        kq[kidx(dst, e, D)] = kq[kidx(src, e, D)];
+                        vq[vidx(dst, e, D, cap)] = vq[vidx(src, e, D, cap)];
+                    }
+                    C->ks[lg * cap + dst] = C->ks[lg * cap + src];
+                    for (int c = 0; c < nch; c++)
+                        C->vs[(lg * nch + c) * cap + dst] = C->vs[(lg * nch + c) * cap + src];
+                } else {
+                    kv_t *kh = (kv_t *)kt, *vh = (kv_t *)vc;
+                    for (int e = 0; e < D; e++) {
+                        kh[kidx(dst, e, D)] = kh[kidx(src, e, D)];
+                        vh[vidx(dst, e, D, cap)] = vh[vidx(src, e, D, cap)];
+                    }
                 }
             }
         }
