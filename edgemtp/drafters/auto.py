@@ -30,7 +30,12 @@ Two more kinds of candidate come from whole drafters:
   ``E[tokens per step] / t(E[T])`` from running means of what their steps committed and the
   blocks they used, per feature of their next draft (LADE: does the pool hold guesses for
   the root; hybrid: mask candidates, a lookup match). A drafter not run lately is tried
-  now and then while an optimistic estimate of it could still beat the best choice.
+  now and then while an optimistic estimate of it could still beat the best choice; a try
+  that commits fewer tokens per second than plain decoding would have doubles the wait
+  before that drafter's next try (up to ``try_backoff`` times ``try_every`` steps, counted
+  over the model's generations), one that does not resets it. Mask-only steps back off the
+  same way while the probing they make possible does not win the step after (unless a
+  2-position block costs what one does).
   Every one of them observes every step, so its n-gram pool, stored distributions and mask
   embeddings stay current when another plan runs.
 
@@ -162,8 +167,11 @@ class AutoDrafter:
     """Picks the plan with the best expected tokens/s each step (see module docstring)."""
 
     mask_tokens = 1
-    explore_every = 8  # in plain mode, a mask-only step this often keeps acceptance known
+    explore_every = 8  # in plain mode, a mask-only step this often keeps acceptance known,
+    explore_max = 64   # doubled after each one that probing then did not beat, up to this
     try_every = 16     # steps between tries of a whole drafter not run lately
+    try_backoff = 16   # a drafter whose try lost waits 2x longer for its next, up to this
+    #                    many times try_every (scaled as try_every is)
     decay = 0.98  # weight of a lookup chain's record per newer chain of its n-gram length
     host_ema = 0.1     # weight of the newest step in the host-time estimates
     refresh = 8        # steps between recomputations of the lookup-chain rate table
@@ -273,6 +281,15 @@ class AutoDrafter:
         self._plain_steps = 0
         self._stand_next = 0  # the step at which a STAND tree is next grown
         self._tried = -self.try_every  # the step a whole drafter was last tried
+        # backoffs kept across generations (a model's prose stays prose): the gap between
+        # mask-only steps, and per whole drafter the step (of a clock over generations) before
+        # which it is not tried again and its gap; a try that beat plain decoding resets them
+        self._explore = memory.setdefault("auto-explore", {"gap": self.explore_every})
+        self._since_explore, self._explored, self._explores = 0, False, 0
+        self._clock = memory.setdefault("auto-clock", {"steps": 0})
+        self._backoff = {w.name: memory.setdefault(("auto-try", w.name), {"gap": 0, "at": 0})
+                         for w in self.wholes}
+        self._trying: WholeDrafter | None = None  # the whole drafter on trial this step
         self._whole: tuple[WholeDrafter, int] | None = None  # running now, and its feature
         self._embeds_from = self.k2[0].drafter if self.k2 else self.embeds  # prefill's masks
         self.choices: dict[int, int] = {}  # plan BC -> steps, for reports
@@ -379,10 +396,19 @@ class AutoDrafter:
         if self.stand_nodes and self._steps >= self._stand_next:
             best, best_rate = self._stand(root, best, best_rate)
         best = self._whole_or(root, best, best_rate)
+        if self._explored:  # the step after a mask-only one: did probing win with its masks?
+            # (where a 2-position block costs what one does, exploring is free: no backoff)
+            g, free = self._explore, self._latl[2] <= 1.02 * self._latl[1]
+            g["gap"] = (self.explore_every if best[0] == "probe" or free
+                        else min(2 * g["gap"], self.explore_max))
+            self._explored = False
         if best[0] == "plain" and self._cand is None:  # now and then a mask-only step
             self._plain_steps += 1
-            if self.explore and self._plain_steps % self.explore_every == 0:
-                two = self.k2 and (self._plain_steps // self.explore_every) % 2
+            self._since_explore += 1
+            if self.explore and self._since_explore >= self._explore["gap"]:
+                self._since_explore, self._explored = 0, True
+                self._explores += 1
+                two = self.k2 and self._explores % 2 == 0
                 best = ("mask", MASK_ONLY_2 if two else MASK_ONLY)
         return best
 
@@ -419,6 +445,7 @@ class AutoDrafter:
         nothing."""
         hope = None
         trying = self._steps - self._tried >= self._try_every
+        clock = self._clock["steps"]
         plain_rate = 1.0 / (self._latl[1] + self._host("plain"))
         for w in self.wholes:
             if w in self.k2 and not self._k2_ready:
@@ -442,12 +469,14 @@ class AutoDrafter:
                 continue
             rate = w.hope(f, cost)
             if rate > best_rate:
-                if trying and (hope is None or (n, -rate) < hope[0]):
+                if (trying and clock >= self._backoff[w.name]["at"]
+                        and (hope is None or (n, -rate) < hope[0])):
                     hope = ((n, -rate), w, f)  # the least tried of those that could win
             elif self._ceiling(w) <= floor:
                 w.asleep, w.wake_at = True, self._steps + self.sleep_steps
         if hope is not None and not isinstance(best[0], WholeDrafter):
             self._tried = self._steps
+            self._trying = hope[1]
             return hope[1:]
         return best
 
@@ -475,6 +504,8 @@ class AutoDrafter:
 
     def propose(self, root: int) -> tuple[Plan, np.ndarray]:
         self._steps += 1
+        self._clock["steps"] += 1
+        self._trying = None
         now = time.perf_counter()
         if self._t_step is not None:  # the last step's host time beyond its forward
             kind, t = self._last
@@ -556,6 +587,13 @@ class AutoDrafter:
             ran, f = self._whole
             ran.record(f, len(new_tokens), self._last[1])
             self._whole = None
+            if ran is self._trying:  # a try: did it beat plain decoding's expected rate?
+                b = self._backoff[ran.name]
+                cost = self._lat_at(self._last[1]) + self._host(ran.name)
+                won = len(new_tokens) / cost >= 1.0 / (self._latl[1] + self._host("plain"))
+                b["gap"] = 0 if won else min(max(2 * b["gap"], 2 * self._try_every),
+                                             self.try_backoff * self._try_every)
+                b["at"] = self._clock["steps"] + b["gap"]
         self.embeds.update(new_tokens)
         if self._record:  # the model's top-K at the positions just committed, for STAND / hybrid
             self.context.extend(new_tokens, out.topk_ids, out.topk_logprobs, path_rows)
