@@ -278,7 +278,6 @@ class AutoDrafter:
         self._chain_table: list | None = None
         self._steps = 0
         self._root = -1
-        self._plain_steps = 0
         self._stand_next = 0  # the step at which a STAND tree is next grown
         self._tried = -self.try_every  # the step a whole drafter was last tried
         # backoffs kept across generations (a model's prose stays prose): the gap between
@@ -403,7 +402,6 @@ class AutoDrafter:
                         else min(2 * g["gap"], self.explore_max))
             self._explored = False
         if best[0] == "plain" and self._cand is None:  # now and then a mask-only step
-            self._plain_steps += 1
             self._since_explore += 1
             if self.explore and self._since_explore >= self._explore["gap"]:
                 self._since_explore, self._explored = 0, True

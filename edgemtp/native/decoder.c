@@ -30,7 +30,7 @@
    (32-lane chunks, see vidx; [L][H_kv][cap][D] where 32 does not divide D); a block's
    rows are written after the committed ones and commit() moves the accepted ones down. Keys
    and values are cached in half precision (IEEE binary16, F16C where the CPU has it), rounded
-   to nearest even when their row is written.
+   to nearest even when their row is written, or as int8 codes with scales (see Cache).
    Attention multiply-adds are fused (fma) in every path, vector or scalar, so a key's score
    and a value lane's sum are the same operations wherever they are computed. */
 
@@ -149,7 +149,7 @@ static inline const void *kv_at(const void *base, size_t i, const int q8) {
     return (const char *)base + i * (q8 ? 1 : 2);
 }
 
-/* int8 codes of n values x[idx(e)] (e < n) with one scale: amax / 127, 0 for a zero row */
+/* the int8 scale of n values: amax / 127 (0 for a zero row, whose codes are 0) */
 static float q8_scale(const float *x, int n) {
     float m = 0.f;
     for (int e = 0; e < n; e++) m = fabsf(x[e]) > m ? fabsf(x[e]) : m;
@@ -434,12 +434,8 @@ static void row_softmax(const float *q, const void *kh, const float *ks, int D, 
     for (int a = 0; a < na; a++) {  /* the block's other ancestors: the same chains */
         int c = P + anc[a];
         float acc = 0.f;
-        if (ks) {
-            for (int e = 0; e < D; e++) acc = fmaf(q[e], kvf(kh, kidx(c, e, D), 1), acc);
-            acc = acc * ks[c];
-        } else {
-            for (int e = 0; e < D; e++) acc = fmaf(q[e], kvf(kh, kidx(c, e, D), 0), acc);
-        }
+        for (int e = 0; e < D; e++) acc = fmaf(q[e], kvf(kh, kidx(c, e, D), ks != NULL), acc);
+        if (ks) acc = acc * ks[c];
         x[n0 + a] = acc * scale;
     }
     int n8 = (n + 7) / 8 * 8, i;
