@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from edgemtp import ConfigError, GenerationConfig
-from edgemtp.engine import Generation
+from edgemtp.engine import PREFILL_CHUNK, Generation
 from edgemtp.latency import LatencyCurve, measure_latency
 from edgemtp.runtimes.torch_backend import TorchBackend
 
@@ -388,3 +388,45 @@ def test_prefill_carries_masks_only_where_probing_could_pay(setup):
             assert rows == [0, 0, 0, 0], rows
         else:
             assert rows[-1] >= 1, f"a flat curve should probe from the first step: {rows}"
+
+
+def test_auto_reads_its_curve_at_the_cache_length(setup, monkeypatch):
+    """A block's cost grows with the cache it attends to, faster for more rows (SmolLM2 fp32
+    on 2 cores: t(8) - t(1) = 9.7 ms over 64 cached rows, 16.4 ms over 800). auto measures
+    a second curve over LONG_CONTEXT rows and reads t(T) off the line through both at the
+    cache's length, so a long prompt's lookup chains are charged what they cost there."""
+    import edgemtp.drafters.auto as auto
+
+    backend, prompts, refs = setup
+    short = LatencyCurve((1, 2, 60), (0.2, 0.21, 0.3))  # flat: speculation is cheap
+    long = LatencyCurve((1, 2, 60), (0.25, 2.0, 20.0))  # ... and dear over 501 rows
+    calls = []
+
+    def measured(backend, sizes, context=64, repeats=7, topk=0):
+        calls.append(context)
+        return short if context == 64 else long
+
+    monkeypatch.setattr(auto, "cached_latency", measured)
+    config = GenerationConfig(drafter="auto", bc=10, max_new_tokens=24)
+    d = Generation(backend, config, prompts[0], memory={}).drafter
+    long_ctx = backend.max_context - 10 - 1  # (under LONG_CONTEXT: the tiny model's 512)
+    assert calls == [64, long_ctx] and d.latency_long is long
+    for rows in (0, 63, 96, 300, 480, 90):
+        d._at_context(rows)
+        x = max(rows // 32 * 32 - 64, 0) / (long_ctx - 64)
+        want = [short(t) + x * max(long(t) - short(t), 0.0) for t in range(11)[1:]]
+        assert d._latl[1:] == pytest.approx(want), rows
+    # the same curves: a short prompt speculates; a ~330-token one decodes plainly (a
+    # 2-row block there costs ~4 plain steps), apart from mask-only steps (T = 2), and both
+    # are plain decoding's tokens
+    longer = np.concatenate([np.concatenate([p, r[:40]]) for p, r in zip(prompts, refs)])
+    longer = longer[:330]
+    plain = Generation(backend, config.with_(drafter="none"), longer).run().token_ids
+    memory = {}
+    results, sizes = _run(backend, prompts[:2], config, memory)
+    assert [r.token_ids for r in results] == [r[:24] for r in refs[:2]]
+    assert max(sizes) > 2, sizes
+    results, sizes = _run(backend, [longer], config, memory)
+    assert results[0].token_ids == plain
+    decode = sizes[-(len(longer) // -PREFILL_CHUNK) - 1:]  # (the prefill's later chunks left out)
+    assert max(decode) <= 2 and len(decode) >= 12, sizes

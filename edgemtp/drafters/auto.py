@@ -9,8 +9,10 @@ per second::
     probe:  (1 + P(the next token is among the mask's top m)) / t(2(m + 1))
     lookup: (1 + sum_{d <= L} P(the chain's first d tokens are right)) / t(L + 1)
 
-``t(T)`` is the device's forward latency curve (measured once per loaded model, or read from
-an ``edgemtp profile`` file) plus the host time of a step, measured while generating as the
+``t(T)`` is the device's forward latency curve at the current cache length (measured once
+per loaded model over 64 and over 512 cached rows and read off the line through both, as
+attention grows with the cache; or read from an ``edgemtp profile`` file, then the same at
+every length) plus the host time of a step, measured while generating as the
 time between steps minus ``t(T)``, for plain and speculative steps apart (a speculative step
 binds new shapes and drafts; it is charged at least a plain step's host time). The measured
 host time also absorbs an error of the curve at the sizes actually used, either way: it may
@@ -84,6 +86,9 @@ MASK_ONLY = Plan((-1,), 1)  # root + its mask: one token, and candidates for the
 MASK_ONLY_2 = Plan((-1,), 2)  # the same with 2 masks: candidates for a k = 2 plan
 WHOLE_MIN_T1 = 0.004  # seconds: t(1) below which whole drafters and STAND trees are not weighed
 STAND_NODES = 16  # widest STAND tree auto grows (its best prefix is what runs)
+SHORT_CONTEXT = 64   # cached rows under the latency curve (latency.measure_latency's default)
+LONG_CONTEXT = 512   # ... and under the second curve, which gives t(T)'s growth with the cache
+CONTEXT_STEP = 32    # cache rows between recomputations of the curve at the current length
 _MEASURING = threading.Lock()  # one latency measurement at a time in a process
 
 
@@ -193,13 +198,24 @@ class AutoDrafter:
         top = max([MASK_ONLY.bc, *(p.bc for p in self.plans.values())])
         sizes = sorted({1, top, *(2 ** i for i in range(1, top.bit_length()) if 2 ** i <= top)})
         key = ("latency", tuple(sizes))
+        # a block's cost grows with the cache it attends to, faster for more rows: SmolLM2
+        # fp32 on 2 cores, t(8) - t(1) = 9.7 ms over 64 cached rows, 16.4 ms over 800. A curve
+        # measured over 64 rows alone had auto take 8-row lookup chains on an 800-token
+        # summarization prompt that cost what they saved. So a second curve over
+        # LONG_CONTEXT rows, and t(T) at the cache's length is read off the line through both
+        long_ctx = min(LONG_CONTEXT, backend.max_context - top - 1)
+        self.latency_long = None
         if config.latency is not None:
             self.latency = config.latency
         else:
             with _MEASURING:  # concurrent first generations (a server): one measures, on an
                 if key not in memory:  # otherwise idle model; the others wait and read it
                     memory[key] = cached_latency(backend, sizes, topk=self.width)
+                if long_ctx >= 4 * SHORT_CONTEXT and (key, long_ctx) not in memory:
+                    memory[key, long_ctx] = cached_latency(backend, sizes, context=long_ctx,
+                                                           topk=self.width)
             self.latency = memory[key]
+            self.latency_long = memory.get((key, long_ctx))
         # whole drafters cost host time every step they are kept current (~0.2-0.5 ms on a
         # 2-core x86 CPU): weighed only where a forward pass is slow enough to hide that
         self.wholes = (self._wholes(backend, config, memory)
@@ -225,7 +241,15 @@ class AutoDrafter:
         # for what the stored distributions keep, or nothing while no one reads them)
         self.topk_max = self.topk = max([self.width, *(w.drafter.topk for w in self.wholes)])
         self.prune = config.prune
-        self._lat = np.array([self.latency(max(t, 1)) for t in range(max(config.bc, 4) + 1)])
+        grid = range(max(config.bc, 4) + 1)
+        self._lat0 = self._lat = np.array([self.latency(max(t, 1)) for t in grid])
+        # seconds per cached row, per T: the second curve's excess over the first (>= 0; 0
+        # without a second curve); t(T) at cache length P is _lat0 + (P - 64) * _lat_row
+        self._lat_row = np.zeros_like(self._lat0)
+        if self.latency_long is not None:
+            long = np.array([self.latency_long(max(t, 1)) for t in grid])
+            self._lat_row = np.maximum(long - self._lat0, 0.0) / (long_ctx - SHORT_CONTEXT)
+        self._lat_bucket = 0  # the cache length (in CONTEXT_STEP rows) _lat is for
         # the same as Python floats, for the per-step scalar arithmetic (numpy scalars are
         # slower, and cold after a forward that streamed the weights through the caches)
         self._latl: list[float] = self._lat.tolist()
@@ -342,6 +366,7 @@ class AutoDrafter:
         self.context.extend(prompt_ids)
         self.index = self.context.index
         self.topk, self._record = self.topk_max, self._dists
+        self._at_context(len(prompt_ids))
         for w in self.wholes:
             if isinstance(w.drafter, HybridDrafter):
                 w.drafter.shared = self.context
@@ -373,6 +398,18 @@ class AutoDrafter:
         # charged the dearest one seen, and never less than a plain step's
         mine = self.host.get(kind)
         return max(self._host_plain, self._host_max if mine is None else mine)
+
+    def _at_context(self, rows: int) -> None:
+        # t(T) over a cache of ``rows`` rows (moved every CONTEXT_STEP rows), and the lookup
+        # table that reads it recomputed
+        bucket = rows // CONTEXT_STEP
+        if bucket == self._lat_bucket or self.latency_long is None:
+            return
+        self._lat_bucket = bucket
+        extra = max(bucket * CONTEXT_STEP - SHORT_CONTEXT, 0)
+        self._lat = self._lat0 + extra * self._lat_row
+        self._latl = self._lat.tolist()
+        self._chain_table = None
 
     def _lat_at(self, t: float) -> float:
         return self._latl[min(max(int(round(t)), 1), len(self._latl) - 1)]
@@ -518,6 +555,7 @@ class AutoDrafter:
             self.host[kind] = extra if h is None else h + self.host_ema * (extra - h)
             self._host_max, self._host_plain = max(self.host.values()), self.host.get("plain", 0.0)
         self._t_step = now
+        self._at_context(len(self.index.tokens))
         # the index holds the context up to the root: a chain guesses what follows it
         self._chain_n, self._chain = lookup(self.index, self.n_chain)
         if self._chain:
