@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LatencyCurve:
-    """Forward latency (seconds) at block sizes ``T``, linearly interpolated between them.
+    """Forward latency (seconds) at block sizes ``T``, linearly interpolated between them,
+    over ``context`` cached rows; ``long``: the same device's curve over more cached rows
+    (``auto`` reads t(T) at the cache's length off the line through both).
 
     >>> c = LatencyCurve((1, 10), (0.001, 0.002))
     >>> round(c(4) * 1e3, 3), round(c(20) * 1e3, 3)
@@ -32,12 +34,20 @@ class LatencyCurve:
 
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
+    context: int = 64
+    long: "LatencyCurve | None" = None
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.seconds) or not self.sizes:
             raise ConfigError("a latency curve needs one time per block size")
         if list(self.sizes) != sorted(set(self.sizes)) or min(self.seconds) <= 0:
             raise ConfigError("latency curve block sizes must increase and times be > 0")
+        if self.context < 0:
+            raise ConfigError(f"a latency curve's context must be >= 0 cached rows, got "
+                              f"{self.context}")
+        if self.long is not None and self.long.context <= self.context:
+            raise ConfigError(f"a latency curve's long curve must be over more cached rows "
+                              f"than its {self.context}, got {self.long.context}")
 
     def __call__(self, t: int) -> float:
         s, y = self.sizes, self.seconds
@@ -46,16 +56,31 @@ class LatencyCurve:
         return float(np.interp(t, s, y))
 
     def to_dict(self) -> dict:
-        return {"block_sizes": list(self.sizes), "seconds": list(self.seconds)}
+        d = {"block_sizes": list(self.sizes), "seconds": list(self.seconds),
+             "context": self.context}
+        if self.long is not None:
+            d["long"] = self.long.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LatencyCurve":
+        """A curve from :meth:`to_dict`'s form; ``context`` (64) and ``long`` may be absent
+        (files written before they were kept)."""
         try:
             sizes = tuple(int(t) for t in d["block_sizes"])
             seconds = tuple(float(s) for s in d["seconds"])
         except (KeyError, TypeError, ValueError):
             raise ConfigError("a latency curve needs 'block_sizes' and 'seconds' lists") from None
-        return cls(sizes, seconds)  # its own checks say what else is wrong
+        try:
+            context = int(d.get("context", 64))
+        except (TypeError, ValueError):
+            raise ConfigError(f"a latency curve's context must be an integer, got "
+                              f"{d.get('context')!r}") from None
+        long = d.get("long")
+        if long is not None and not isinstance(long, dict):
+            raise ConfigError("a latency curve's 'long' must be a curve like itself")
+        # its own checks say what else is wrong
+        return cls(sizes, seconds, context, None if long is None else cls.from_dict(long))
 
 
 def measure_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7,
@@ -87,7 +112,7 @@ def measure_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7
                             masks, topk=topk)
             runs[t].append(time.perf_counter() - t0)
     out = [float(np.median(runs[t][1:])) for t in sizes]  # round 0 warmed up each shape
-    return LatencyCurve(tuple(sizes), tuple(non_decreasing(out)))
+    return LatencyCurve(tuple(sizes), tuple(non_decreasing(out)), p)
 
 
 def non_decreasing(y) -> list[float]:

@@ -398,8 +398,9 @@ def test_auto_reads_its_curve_at_the_cache_length(setup, monkeypatch):
     import edgemtp.drafters.auto as auto
 
     backend, prompts, refs = setup
+    long_ctx = backend.max_context - 10 - 1  # (under LONG_CONTEXT: the tiny model's 512)
     short = LatencyCurve((1, 2, 60), (0.2, 0.21, 0.3))  # flat: speculation is cheap
-    long = LatencyCurve((1, 2, 60), (0.25, 2.0, 20.0))  # ... and dear over 501 rows
+    long = LatencyCurve((1, 2, 60), (0.25, 2.0, 20.0), long_ctx)  # ... and dear over 501 rows
     calls = []
 
     def measured(backend, sizes, context=64, repeats=7, topk=0):
@@ -409,7 +410,6 @@ def test_auto_reads_its_curve_at_the_cache_length(setup, monkeypatch):
     monkeypatch.setattr(auto, "cached_latency", measured)
     config = GenerationConfig(drafter="auto", bc=10, max_new_tokens=24)
     d = Generation(backend, config, prompts[0], memory={}).drafter
-    long_ctx = backend.max_context - 10 - 1  # (under LONG_CONTEXT: the tiny model's 512)
     assert calls == [64, long_ctx] and d.latency_long is long
     for rows in (0, 63, 96, 300, 480, 90):
         d._at_context(rows)
@@ -430,3 +430,17 @@ def test_auto_reads_its_curve_at_the_cache_length(setup, monkeypatch):
     assert results[0].token_ids == plain
     decode = sizes[-(len(longer) // -PREFILL_CHUNK) - 1:]  # (the prefill's later chunks left out)
     assert max(decode) <= 2 and len(decode) >= 12, sizes
+    # a curve handed over (edgemtp profile's) with its long curve: read the same way, and
+    # nothing measured
+    calls.clear()
+    given = config.with_(latency=LatencyCurve(short.sizes, short.seconds, 64, long))
+    results, sizes = _run(backend, [longer], given, {})
+    assert results[0].token_ids == plain and calls == []
+    assert max(sizes[-(len(longer) // -PREFILL_CHUNK) - 1:]) <= 2, sizes
+    # round trip through a profile file's form; an older file's curve (no context) reads as
+    # over 64 rows; a long curve over fewer rows is one clear error
+    curve = given.latency
+    assert LatencyCurve.from_dict(curve.to_dict()) == curve
+    assert LatencyCurve.from_dict({"block_sizes": [1, 2], "seconds": [0.1, 0.2]}).context == 64
+    with pytest.raises(ConfigError, match="long curve must be over more cached rows"):
+        LatencyCurve((1, 2), (0.1, 0.2), 512, LatencyCurve((1, 2), (0.1, 0.2), 64))

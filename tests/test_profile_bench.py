@@ -41,6 +41,12 @@ def test_profile_writes_curve_plans_and_plot(profiled):
     lat = data["latency"]
     assert lat["block_sizes"][0] == 1 and lat["block_sizes"][-1] == 10
     assert all(b >= a > 0 for a, b in zip(lat["seconds"], lat["seconds"][1:]))
+    # and over a longer cache (auto reads t(T) at the cache's length off both), read back
+    # as generate --profile reads it
+    assert lat["context"] == 64 and lat["long"]["context"] > 256
+    assert lat["long"]["block_sizes"] == lat["block_sizes"]
+    from tools.profile import read_profile
+    assert read_profile(str(path))[1].long.context == lat["long"]["context"]
     plans = {p["plan"]: p for p in data["plans"]}
     assert plans["none"]["block_efficiency"] == 1.0
     assert plans["probe k=1 BC=10"]["block_efficiency"] > 1.0

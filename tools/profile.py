@@ -86,6 +86,9 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
     """The profile of ``model`` under ``budget`` on ``prompts`` (see the module's docstring)."""
     from tqdm import tqdm
 
+    from dataclasses import replace
+
+    from edgemtp.drafters.auto import LONG_CONTEXT, SHORT_CONTEXT
     from edgemtp.latency import measure_latency
 
     check_fits([check_bc(budget, "budget")], model.backend.max_context, "budget")
@@ -93,7 +96,13 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
     if not prompts:
         raise ConfigError("a profile needs at least one prompt, got none")
     sizes = sorted({1, 2, budget, *(b for b in BC_GRID if b <= budget)})
-    latency = measure_latency(model.backend, sizes, repeats=15)
+    latency = measure_latency(model.backend, sizes, context=SHORT_CONTEXT, repeats=15)
+    # and over a longer cache, as auto measures it: auto reads t(T) at the cache's length off
+    # the line through both (a block's attention grows with the cache, faster for more rows)
+    long_ctx = min(LONG_CONTEXT, model.backend.max_context - max(sizes) - 1)
+    if long_ctx >= 4 * SHORT_CONTEXT:
+        latency = replace(latency, long=measure_latency(model.backend, sizes, context=long_ctx,
+                                                        repeats=15))
     package = getattr(model.backend, "package", None)
     plans = candidates(budget, tuple(h.kind for h in package.meta.heads) if package else ())
     rows = []
@@ -134,7 +143,13 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
 def table(profile: dict) -> str:
     lat = profile["latency"]
     lines = ["block size T  " + "  ".join(f"{t:>6}" for t in lat["block_sizes"]),
-             "latency ms    " + "  ".join(f"{1e3 * s:>6.2f}" for s in lat["seconds"]), "",
+             "latency ms    " + "  ".join(f"{1e3 * s:>6.2f}" for s in lat["seconds"])
+             + f"  ({lat.get('context', 64)} cached rows)"]
+    if lat.get("long"):
+        long = lat["long"]
+        lines.append("latency ms    " + "  ".join(f"{1e3 * s:>6.2f}" for s in long["seconds"])
+                     + f"  ({long['context']} cached rows)")
+    lines += ["",
              f"{'plan':<27}{'BE':>7}{'tok/s':>10}{'predicted':>11}{'speed-up':>10}  lossless"]
     for r in profile["plans"]:
         lines.append(f"{r['plan']:<27}{r['block_efficiency']:>7.3f}{r['tokens_per_second']:>10.1f}"
@@ -155,7 +170,12 @@ def plot(profile: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     lat = profile["latency"]
-    a.plot(lat["block_sizes"], [1e3 * s for s in lat["seconds"]], "o-")
+    a.plot(lat["block_sizes"], [1e3 * s for s in lat["seconds"]], "o-",
+           label=f"{lat.get('context', 64)} cached rows")
+    if lat.get("long"):
+        a.plot(lat["long"]["block_sizes"], [1e3 * s for s in lat["long"]["seconds"]], "s-",
+               label=f"{lat['long']['context']} cached rows")
+    a.legend()
     a.set(xlabel="block size T (positions per forward)", ylabel="forward latency (ms)",
           title=f"t(T) on this device ({profile['backend']})")
     series = [("probe k=1", "probe", 1, "o-"), ("probe k=2", "probe", 2, "s-"),

@@ -11,8 +11,8 @@ per second::
 
 ``t(T)`` is the device's forward latency curve at the current cache length (measured once
 per loaded model over 64 and over 512 cached rows and read off the line through both, as
-attention grows with the cache; or read from an ``edgemtp profile`` file, then the same at
-every length) plus the host time of a step, measured while generating as the
+attention grows with the cache; or both read from an ``edgemtp profile`` file) plus the
+host time of a step, measured while generating as the
 time between steps minus ``t(T)``, for plain and speculative steps apart (a speculative step
 binds new shapes and drafts; it is charged at least a plain step's host time). The measured
 host time also absorbs an error of the curve at the sizes actually used, either way: it may
@@ -203,19 +203,21 @@ class AutoDrafter:
         # measured over 64 rows alone had auto take 8-row lookup chains on an 800-token
         # summarization prompt that cost what they saved. So a second curve over
         # LONG_CONTEXT rows, and t(T) at the cache's length is read off the line through both
+        # (a curve handed over, from edgemtp profile: its own long curve, if it has one)
         long_ctx = min(LONG_CONTEXT, backend.max_context - top - 1)
-        self.latency_long = None
         if config.latency is not None:
             self.latency = config.latency
         else:
             with _MEASURING:  # concurrent first generations (a server): one measures, on an
                 if key not in memory:  # otherwise idle model; the others wait and read it
-                    memory[key] = cached_latency(backend, sizes, topk=self.width)
-                if long_ctx >= 4 * SHORT_CONTEXT and (key, long_ctx) not in memory:
-                    memory[key, long_ctx] = cached_latency(backend, sizes, context=long_ctx,
-                                                           topk=self.width)
+                    short = cached_latency(backend, sizes, context=SHORT_CONTEXT,
+                                           topk=self.width)
+                    if long_ctx >= 4 * SHORT_CONTEXT:
+                        short = replace(short, long=cached_latency(
+                            backend, sizes, context=long_ctx, topk=self.width))
+                    memory[key] = short
             self.latency = memory[key]
-            self.latency_long = memory.get((key, long_ctx))
+        self.latency_long = self.latency.long
         # whole drafters cost host time every step they are kept current (~0.2-0.5 ms on a
         # 2-core x86 CPU): weighed only where a forward pass is slow enough to hide that
         self.wholes = (self._wholes(backend, config, memory)
@@ -246,9 +248,11 @@ class AutoDrafter:
         # seconds per cached row, per T: the second curve's excess over the first (>= 0; 0
         # without a second curve); t(T) at cache length P is _lat0 + (P - 64) * _lat_row
         self._lat_row = np.zeros_like(self._lat0)
+        self._lat_from = self.latency.context  # the cache length _lat0 is for
         if self.latency_long is not None:
             long = np.array([self.latency_long(max(t, 1)) for t in grid])
-            self._lat_row = np.maximum(long - self._lat0, 0.0) / (long_ctx - SHORT_CONTEXT)
+            self._lat_row = (np.maximum(long - self._lat0, 0.0)
+                             / (self.latency_long.context - self.latency.context))
         self._lat_bucket = 0  # the cache length (in CONTEXT_STEP rows) _lat is for
         # the same as Python floats, for the per-step scalar arithmetic (numpy scalars are
         # slower, and cold after a forward that streamed the weights through the caches)
@@ -406,7 +410,7 @@ class AutoDrafter:
         if bucket == self._lat_bucket or self.latency_long is None:
             return
         self._lat_bucket = bucket
-        extra = max(bucket * CONTEXT_STEP - SHORT_CONTEXT, 0)
+        extra = max(bucket * CONTEXT_STEP - self._lat_from, 0)
         self._lat = self._lat0 + extra * self._lat_row
         self._latl = self._lat.tolist()
         self._chain_table = None
