@@ -187,7 +187,9 @@ def cached_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7,
         return measure_latency(backend, sizes, context, repeats, topk)
     try:
         entry = json.loads(path.read_text())
-        if (entry.get("key") == key
+        # (a curve kept without its cache length, from before curves carried one: measured
+        # again, as its length may have been clipped to the cache)
+        if (entry.get("key") == key and "context" in entry["curve"]
                 and time.time() - float(entry["measured"]) < LATENCY_CACHE_DAYS * 86400):
             return LatencyCurve.from_dict(entry["curve"])
     except (OSError, ValueError, KeyError, TypeError, ConfigError):

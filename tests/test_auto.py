@@ -293,12 +293,17 @@ def test_a_measured_curve_is_kept_for_the_next_process(setup, stories_pkg, tmp_p
     latency.cached_latency(ort, (1, 2, 4), repeats=1)
     assert len(calls) == 5  # a week old, then corrupt: measured again (and rewritten)
     assert json.loads(kept.read_text())["key"] == entry["key"]
+    entry = json.loads(kept.read_text())
+    del entry["curve"]["context"]  # kept before curves carried their cache length
+    kept.write_text(json.dumps(entry))
+    assert latency.cached_latency(ort, (1, 2, 4), repeats=1).context == 64
+    assert len(calls) == 6 and json.loads(kept.read_text())["curve"]["context"] == 64
     assert not list((tmp_path / "latency").glob("*.tmp"))
     latency.cached_latency(setup[0], (1, 2), repeats=1)  # torch, a named folder: kept too
     assert len(list((tmp_path / "latency").glob("*.json"))) == 4
     monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "0")
     latency.cached_latency(ort, (1, 2, 4), repeats=1)
-    assert len(calls) == 7
+    assert len(calls) == 8
     monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "on")
     with pytest.raises(ConfigError, match="EDGEMTP_LATENCY_CACHE must be 1 .* or 0 .*'on'"):
         latency.cached_latency(ort, (1, 2, 4), repeats=1)
@@ -307,7 +312,7 @@ def test_a_measured_curve_is_kept_for_the_next_process(setup, stories_pkg, tmp_p
     monkeypatch.setenv("EDGEMTP_CACHE", str(blocked / "edgemtp"))
     monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "1")
     assert latency.cached_latency(ort, (1, 2, 4), repeats=1).sizes == (1, 2, 4)
-    assert len(calls) == 8  # measured, no error, nothing kept
+    assert len(calls) == 9  # measured, no error, nothing kept
 
 
 def test_stats_say_which_kinds_of_step_auto_took(setup):

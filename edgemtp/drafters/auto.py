@@ -213,8 +213,10 @@ class AutoDrafter:
                     short = cached_latency(backend, sizes, context=SHORT_CONTEXT,
                                            topk=self.width)
                     if long_ctx >= 4 * SHORT_CONTEXT:
-                        short = replace(short, long=cached_latency(
-                            backend, sizes, context=long_ctx, topk=self.width))
+                        long = cached_latency(backend, sizes, context=long_ctx,
+                                              topk=self.width)
+                        if long.context > short.context:
+                            short = replace(short, long=long)
                     memory[key] = short
             self.latency = memory[key]
         self.latency_long = self.latency.long
