@@ -382,8 +382,10 @@ class NativeBackend:
     def identity(self) -> str:
         st = self.package.graph_path.stat()
         kv = "" if self.kv_cache == "fp16" else f"kv={self.kv_cache}|"
+        # (the decoder's build too: a new kernel's curve is measured again, not read back)
         return (f"native|threads={self.threads}|ctx={self.max_context}|{kv}"
-                f"{self.package.graph_path.resolve()}|{st.st_size}|{st.st_mtime_ns}")
+                f"{self.package.graph_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|"
+                f"{native.decoder_build()}")
 
     def session(self, rows: int | None = None) -> "NativeSession":
         return NativeSession(self, rows)

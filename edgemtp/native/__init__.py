@@ -217,6 +217,12 @@ def decoder_lib() -> ctypes.CDLL | None:
         ctypes.CDLL(str(_build(DECODER_SOURCE, DECODER_OPTIONS)))))
 
 
+def decoder_build() -> str:
+    """The decoder library's file name: its source's and build options' hash (a latency curve
+    measured with one build is not another's; see ``NativeBackend.identity``)."""
+    return _build(DECODER_SOURCE, DECODER_OPTIONS).name
+
+
 def decoder_kernel() -> str | None:
     """The native decoder's int4 kernel in words, None where it does not load."""
     lib = decoder_lib()
