@@ -9,7 +9,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,6 +113,24 @@ def measure_latency(backend: Backend, sizes, context: int = 64, repeats: int = 7
             runs[t].append(time.perf_counter() - t0)
     out = [float(np.median(runs[t][1:])) for t in sizes]  # round 0 warmed up each shape
     return LatencyCurve(tuple(sizes), tuple(non_decreasing(out)), p)
+
+
+SHORT_CONTEXT = 64   # cached rows under a device's latency curve
+LONG_CONTEXT = 512   # ... and under its second curve, which gives t(T)'s growth with the cache
+
+
+def curve_pair(measure, backend: Backend, sizes) -> LatencyCurve:
+    """``measure(context)``'s curve over SHORT_CONTEXT cached rows, with its curve over
+    LONG_CONTEXT rows (fewer where the cache holds fewer, none under 4 x SHORT_CONTEXT) as
+    ``long``: a block's attention grows with the cache, faster for more rows, and ``auto``
+    reads t(T) at the cache's length off the line through both."""
+    short = measure(SHORT_CONTEXT)
+    long_ctx = min(LONG_CONTEXT, backend.max_context - max(sizes) - 1)
+    if long_ctx >= 4 * SHORT_CONTEXT:
+        long = measure(long_ctx)
+        if long.context > short.context:
+            return replace(short, long=long)
+    return short
 
 
 def non_decreasing(y) -> list[float]:

@@ -107,6 +107,13 @@ BAD_PROFILES = [  # (id, file content, regexes the one stderr line must match)
     ("bad-latency-curve", {"recommendation": REC, "latency": [1, 2]}, [r"latency curve"]),
     ("tree-cost-for-probe", {"recommendation": {**REC, "tree_cost": "measured"}},
      [r"tree_cost", r"hybrid"]),
+    ("latency-context-not-an-integer", {"recommendation": REC,
+                                        "latency": {**LATENCY, "context": "x"}},
+     [r"context must be an integer", r"'x'"]),
+    ("long-curve-over-fewer-rows", {"recommendation": REC, "latency": {
+        **LATENCY, "context": 512, "long": LATENCY}}, [r"long curve", r"512", r"got 64"]),
+    ("long-curve-not-a-curve", {"recommendation": REC, "latency": {**LATENCY, "long": 5}},
+     [r"'long' must be a curve"]),
 ]
 
 

@@ -86,23 +86,17 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
     """The profile of ``model`` under ``budget`` on ``prompts`` (see the module's docstring)."""
     from tqdm import tqdm
 
-    from dataclasses import replace
-
-    from edgemtp.drafters.auto import LONG_CONTEXT, SHORT_CONTEXT
-    from edgemtp.latency import measure_latency
+    from edgemtp.latency import curve_pair, measure_latency
 
     check_fits([check_bc(budget, "budget")], model.backend.max_context, "budget")
     at_least_one(repeats=repeats)
     if not prompts:
         raise ConfigError("a profile needs at least one prompt, got none")
     sizes = sorted({1, 2, budget, *(b for b in BC_GRID if b <= budget)})
-    latency = measure_latency(model.backend, sizes, context=SHORT_CONTEXT, repeats=15)
-    # and over a longer cache, as auto measures it: auto reads t(T) at the cache's length off
-    # the line through both (a block's attention grows with the cache, faster for more rows)
-    long_ctx = min(LONG_CONTEXT, model.backend.max_context - max(sizes) - 1)
-    if long_ctx >= 4 * SHORT_CONTEXT:
-        latency = replace(latency, long=measure_latency(model.backend, sizes, context=long_ctx,
-                                                        repeats=15))
+    # over 64 and over 512 cached rows, as auto measures them (it reads t(T) at the cache's
+    # length off the line through both)
+    latency = curve_pair(lambda ctx: measure_latency(model.backend, sizes, context=ctx,
+                                                     repeats=15), model.backend, sizes)
     package = getattr(model.backend, "package", None)
     plans = candidates(budget, tuple(h.kind for h in package.meta.heads) if package else ())
     rows = []

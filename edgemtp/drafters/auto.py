@@ -67,7 +67,7 @@ from ..backend import Backend, StepOut
 from ..budgets import MAX_DEPTH, auto_budgets, chain_length, probe_draft_nodes
 from ..embeddings import MaskEmbeddings
 from ..errors import ConfigError
-from ..latency import cached_latency
+from ..latency import cached_latency, curve_pair
 from ..plans import Plan
 from ..tree import prune, static_tree
 from .heads import HeadsDrafter, HeadsHybridDrafter
@@ -86,8 +86,6 @@ MASK_ONLY = Plan((-1,), 1)  # root + its mask: one token, and candidates for the
 MASK_ONLY_2 = Plan((-1,), 2)  # the same with 2 masks: candidates for a k = 2 plan
 WHOLE_MIN_T1 = 0.004  # seconds: t(1) below which whole drafters and STAND trees are not weighed
 STAND_NODES = 16  # widest STAND tree auto grows (its best prefix is what runs)
-SHORT_CONTEXT = 64   # cached rows under the latency curve (latency.measure_latency's default)
-LONG_CONTEXT = 512   # ... and under the second curve, which gives t(T)'s growth with the cache
 CONTEXT_STEP = 32    # cache rows between recomputations of the curve at the current length
 _MEASURING = threading.Lock()  # one latency measurement at a time in a process
 
@@ -202,22 +200,15 @@ class AutoDrafter:
         # fp32 on 2 cores, t(8) - t(1) = 9.7 ms over 64 cached rows, 16.4 ms over 800. A curve
         # measured over 64 rows alone had auto take 8-row lookup chains on an 800-token
         # summarization prompt that cost what they saved. So a second curve over
-        # LONG_CONTEXT rows, and t(T) at the cache's length is read off the line through both
-        # (a curve handed over, from edgemtp profile: its own long curve, if it has one)
-        long_ctx = min(LONG_CONTEXT, backend.max_context - top - 1)
+        # 512 rows (latency.curve_pair), and t(T) at the cache's length is read off the line
+        # through both (a curve handed over, from edgemtp profile: its own long curve, if any)
         if config.latency is not None:
             self.latency = config.latency
         else:
             with _MEASURING:  # concurrent first generations (a server): one measures, on an
                 if key not in memory:  # otherwise idle model; the others wait and read it
-                    short = cached_latency(backend, sizes, context=SHORT_CONTEXT,
-                                           topk=self.width)
-                    if long_ctx >= 4 * SHORT_CONTEXT:
-                        long = cached_latency(backend, sizes, context=long_ctx,
-                                              topk=self.width)
-                        if long.context > short.context:
-                            short = replace(short, long=long)
-                    memory[key] = short
+                    memory[key] = curve_pair(lambda ctx: cached_latency(
+                        backend, sizes, context=ctx, topk=self.width), backend, sizes)
             self.latency = memory[key]
         self.latency_long = self.latency.long
         # whole drafters cost host time every step they are kept current (~0.2-0.5 ms on a
