@@ -449,3 +449,59 @@ def test_auto_reads_its_curve_at_the_cache_length(setup, monkeypatch):
     assert LatencyCurve.from_dict({"block_sizes": [1, 2], "seconds": [0.1, 0.2]}).context == 64
     with pytest.raises(ConfigError, match="long curve must be over more cached rows"):
         LatencyCurve((1, 2), (0.1, 0.2), 512, LatencyCurve((1, 2), (0.1, 0.2), 64))
+
+
+class PacedSession(RecordingSession):
+    """A session whose forwards take the curve's time (the real forward, then a wait), so
+    the time auto measures per step is the curve's, as on a device where blocks cost that."""
+
+    def __init__(self, inner, sizes, curve):
+        super().__init__(inner, sizes)
+        self.curve = curve
+
+    def forward(self, input_ids, *args, **kw):
+        t0 = time.perf_counter()
+        out = super().forward(input_ids, *args, **kw)
+        if self.inner.cache_len > len(input_ids):  # decode steps, not prefill
+            time.sleep(max(self.curve(len(input_ids)) - (time.perf_counter() - t0), 0.0))
+        return out
+
+
+class PacedBackend(RecordingBackend):
+    def __init__(self, inner, curve):
+        super().__init__(inner)
+        self.curve = curve
+
+    def session(self):
+        return PacedSession(self.inner.session(), self.sizes, self.curve)
+
+
+def test_tries_of_whole_drafters_spend_at_most_their_share_of_the_time(setup):
+    """A curve where whole drafters (hybrid, LADE, k = 2) are weighed and a 10-position block
+    costs 3 plain steps, on a backend whose steps really take that long: their tries commit
+    a token or two and lose. What all tries lost is summed over the model's generations, and
+    no drafter is tried while it exceeds try_share of the time decoded; a budget already
+    spent means no tries at all. Lossless either way."""
+    from edgemtp.drafters.auto import WHOLE_MIN_T1, AutoDrafter
+
+    backend, prompts, refs = setup
+    t1 = 1.5 * WHOLE_MIN_T1
+    curve = LatencyCurve((1, 2, 10, 30), (t1, 1.3 * t1, 3 * t1, 7 * t1))
+    config = GenerationConfig(drafter="auto", bc=30, max_new_tokens=96, latency=curve)
+    paced = PacedBackend(backend, curve)
+    whole = ("hybrid", "lade", "probe k=2")
+    memory = {}
+    outs, picked = _generations(paced, prompts[:4], config, memory)
+    assert outs == refs[:4]
+    tried = sum(n for p in picked for k, n in p.items() if k.startswith(whole))
+    assert tried >= 1, picked  # tries happen (the budget starts unspent)
+    cost = memory["auto-try-cost"]
+    decode = sum(curve(t) for t in paced.sizes)  # what the steps took at least
+    assert decode <= cost["time"] <= 3 * decode, (cost, decode)
+    # the gate held before every try; the last try adds at most one block's loss
+    assert cost["lost"] <= AutoDrafter.try_share * cost["time"] + curve(30), cost
+    # the same fresh start with the budget spent: nothing is tried
+    memory = {"auto-try-cost": {"time": 1.0, "lost": 1.0}}
+    outs, picked = _generations(paced, prompts[:4], config, memory)
+    assert outs == refs[:4]
+    assert not [k for p in picked for k in p if k.startswith(whole)], picked

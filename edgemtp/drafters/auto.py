@@ -35,7 +35,11 @@ Two more kinds of candidate come from whole drafters:
   now and then while an optimistic estimate of it could still beat the best choice; a try
   that commits fewer tokens per second than plain decoding would have doubles the wait
   before that drafter's next try (up to ``try_backoff`` times ``try_every`` steps, counted
-  over the model's generations), one that does not resets it. Mask-only steps back off the
+  over the model's generations), one that does not resets it. All tries together spend at
+  most ``try_share`` of the decoding time: what a try cost beyond the plain steps that would
+  have committed its tokens (a winning try earns that back) is summed over the model's
+  generations, and no drafter is tried while the sum exceeds that share of the time decoded
+  so far. Mask-only steps back off the
   same way while the probing they make possible does not win the step after (unless a
   2-position block costs what one does).
   Every one of them observes every step, so its n-gram pool, stored distributions and mask
@@ -175,6 +179,7 @@ class AutoDrafter:
     try_every = 16     # steps between tries of a whole drafter not run lately
     try_backoff = 16   # a drafter whose try lost waits 2x longer for its next, up to this
     #                    many times try_every (scaled as try_every is)
+    try_share = 0.005  # the most of the decoding time all tries together may lose
     decay = 0.98  # weight of a lookup chain's record per newer chain of its n-gram length
     host_ema = 0.1     # weight of the newest step in the host-time estimates
     refresh = 8        # steps between recomputations of the lookup-chain rate table
@@ -310,6 +315,12 @@ class AutoDrafter:
         self._backoff = {w.name: memory.setdefault(("auto-try", w.name), {"gap": 0, "at": 0})
                          for w in self.wholes}
         self._trying: WholeDrafter | None = None  # the whole drafter on trial this step
+        # seconds decoded and seconds lost by tries (over the plain steps that would have
+        # committed their tokens), over the model's generations: SmolLM2 fp32 on 2 cores tried
+        # hybrid and LADE about 5 times a 128-token answer, each try 5-20 ms dearer than plain,
+        # which took writing (little to look up) from a 2 % gain to parity
+        self._try_cost = memory.setdefault("auto-try-cost", {"time": 0.0, "lost": 0.0})
+        self._tried_tokens: int | None = None  # tokens the last step committed, if a try
         self._whole: tuple[WholeDrafter, int] | None = None  # running now, and its feature
         self._embeds_from = self.k2[0].drafter if self.k2 else self.embeds  # prefill's masks
         self.choices: dict[int, int] = {}  # plan BC -> steps, for reports
@@ -476,7 +487,8 @@ class AutoDrafter:
         (the context they read is auto's own), so drafters that cannot win cost the host
         nothing."""
         hope = None
-        trying = self._steps - self._tried >= self._try_every
+        trying = (self._steps - self._tried >= self._try_every
+                  and self._try_cost["lost"] <= self.try_share * self._try_cost["time"])
         clock = self._clock["steps"]
         plain_rate = 1.0 / (self._latl[1] + self._host("plain"))
         for w in self.wholes:
@@ -551,6 +563,12 @@ class AutoDrafter:
             h = self.host.get(kind)
             self.host[kind] = extra if h is None else h + self.host_ema * (extra - h)
             self._host_max, self._host_plain = max(self.host.values()), self.host.get("plain", 0.0)
+            c = self._try_cost
+            c["time"] += now - self._t_step
+            if self._tried_tokens is not None:  # signed: a try that won earns its cost back
+                c["lost"] += (now - self._t_step
+                              - self._tried_tokens * (self._latl[1] + self._host_plain))
+                self._tried_tokens = None
         self._t_step = now
         self._at_context(len(self.index.tokens))
         # the index holds the context up to the root: a chain guesses what follows it
@@ -621,6 +639,7 @@ class AutoDrafter:
             ran.record(f, len(new_tokens), self._last[1])
             self._whole = None
             if ran is self._trying:  # a try: did it beat plain decoding's expected rate?
+                self._tried_tokens = len(new_tokens)
                 b = self._backoff[ran.name]
                 cost = self._lat_at(self._last[1]) + self._host(ran.name)
                 won = len(new_tokens) / cost >= 1.0 / (self._latl[1] + self._host("plain"))
