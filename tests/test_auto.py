@@ -505,3 +505,21 @@ def test_tries_of_whole_drafters_spend_at_most_their_share_of_the_time(setup):
     outs, picked = _generations(paced, prompts[:4], config, memory)
     assert outs == refs[:4]
     assert not [k for p in picked for k in p if k.startswith(whole)], picked
+
+
+def test_auto_learns_how_much_dearer_blocks_really_are(setup):
+    """A device whose compute is twice as slow as its curve says (a busy SMT sibling, a
+    throttled core: memory-bound plain steps keep their time, blocks do not): auto learns the
+    slope of t(T) - t(1) from its lookup and probing steps and reads the curve with it. On a
+    device that runs at its curve the slope stays near 1. Lossless either way."""
+    backend, prompts, refs = setup
+    curve = LatencyCurve((1, 2, 4, 8, 16), (3e-3, 3.6e-3, 4.5e-3, 6e-3, 9e-3))
+    slow = LatencyCurve(curve.sizes, tuple(3e-3 + 2 * (s - 3e-3) for s in curve.seconds))
+    config = GenerationConfig(drafter="auto", bc=16, max_new_tokens=96, latency=curve)
+    for real, lo, hi in ((slow, 1.5, 2.6), (curve, 0.75, 1.35)):
+        memory = {}
+        outs, picked = _generations(PacedBackend(backend, real), prompts[:6], config, memory)
+        assert outs == refs[:6]
+        steps = sum(p.get("pld", 0) + p.get("probe", 0) for p in picked)
+        assert steps >= 10, picked
+        assert lo <= memory["auto-slope"]["a"] <= hi, (memory["auto-slope"], real.seconds)

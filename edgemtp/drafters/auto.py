@@ -11,7 +11,10 @@ per second::
 
 ``t(T)`` is the device's forward latency curve at the current cache length (measured once
 per loaded model over 64 and over 512 cached rows and read off the line through both, as
-attention grows with the cache; or both read from an ``edgemtp profile`` file) plus the
+attention grows with the cache; or both read from an ``edgemtp profile`` file), its rise
+``t(T) - t(1)`` scaled by a compute slope learned from the lookup and probing steps that
+ran (what a block really cost beyond a plain step, over what the curve says: a core's compute
+can slow for minutes while its memory reads do not), plus the
 host time of a step, measured while generating as the
 time between steps minus ``t(T)``, for plain and speculative steps apart (a speculative step
 binds new shapes and drafts; it is charged at least a plain step's host time). The measured
@@ -182,6 +185,8 @@ class AutoDrafter:
     try_share = 0.005  # the most of the decoding time all tries together may lose
     decay = 0.98  # weight of a lookup chain's record per newer chain of its n-gram length
     host_ema = 0.1     # weight of the newest step in the host-time estimates
+    slope_ema = 0.05   # weight of the newest lookup / probing step in the compute slope
+    slope_range = (0.7, 3.0)  # the slope's bounds
     refresh = 8        # steps between recomputations of the lookup-chain rate table
     stand_every = 4    # steps between STAND trees while they lose (grown each step they win),
     stand_max = 64     # doubled after every losing tree up to this
@@ -252,6 +257,17 @@ class AutoDrafter:
             self._lat_row = (np.maximum(long - self._lat0, 0.0)
                              / (self.latency_long.context - self.latency.context))
         self._lat_bucket = 0  # the cache length (in CONTEXT_STEP rows) _lat is for
+        self._lat_ctx = self._lat  # the curve at that length, before the slope
+        # the compute slope: how many times the curve's t(T) - t(1) a block really costs
+        # beyond a plain step, learned from lookup and probing steps (little host work of their
+        # own) and kept over the model's generations. A core's compute slows while its memory
+        # reads do not (a neighbour on its SMT sibling, thermal throttling): on this VM t(8)
+        # went from 6.1 to 7.9 ms for minutes at a time while t(1) stayed 2.6-2.7 (SmolLM2
+        # int4), and one additive correction per kind of step could not make both a 2-row and
+        # an 8-row chain right
+        self._slope = memory.setdefault("auto-slope", {"a": 1.0})
+        self._slope_at = 1.0  # the slope _lat was computed with
+        self._apply_slope()
         # the same as Python floats, for the per-step scalar arithmetic (numpy scalars are
         # slower, and cold after a forward that streamed the weights through the caches)
         self._latl: list[float] = self._lat.tolist()
@@ -415,9 +431,32 @@ class AutoDrafter:
             return
         self._lat_bucket = bucket
         extra = max(bucket * CONTEXT_STEP - self._lat_from, 0)
-        self._lat = self._lat0 + extra * self._lat_row
+        self._lat_ctx = self._lat0 + extra * self._lat_row
+        self._apply_slope()
+
+    def _apply_slope(self) -> None:
+        # t(T) = t(1) + slope * (curve(T) - curve(1)) at the cache's length; the tables that
+        # read it recomputed
+        a, ctx = self._slope["a"], self._lat_ctx
+        self._slope_at = a
+        self._lat = ctx if a == 1.0 else ctx[1] + a * (ctx - ctx[1])
         self._latl = self._lat.tolist()
         self._chain_table = None
+
+    def _learn_slope(self, t: int, seconds: float) -> None:
+        # a block of t rows took ``seconds``: its cost beyond a plain step (as plain steps
+        # measure it) over the curve's t(T) - t(1) at this length
+        ctx = self._lat_ctx
+        t = min(t, len(ctx) - 1)
+        t1 = float(ctx[1])
+        d = float(ctx[t]) - t1
+        if d < 0.05 * t1:
+            return  # the curve says a block this size costs a plain step: nothing to learn
+        lo, hi = self.slope_range
+        r = min(max((seconds - t1 - self._host_plain) / d, lo), hi)
+        a = self._slope["a"] = self._slope["a"] + self.slope_ema * (r - self._slope["a"])
+        if abs(a - self._slope_at) > 0.02 * self._slope_at:
+            self._apply_slope()
 
     def _lat_at(self, t: float) -> float:
         return self._latl[min(max(int(round(t)), 1), len(self._latl) - 1)]
@@ -553,6 +592,8 @@ class AutoDrafter:
         now = time.perf_counter()
         if self._t_step is not None:  # the last step's host time beyond its forward
             kind, t = self._last
+            if t > 1 and kind in ("pld", "probe", "mask"):
+                self._learn_slope(t, now - self._t_step)
             lat = self._lat_at(t)
             extra = now - self._t_step - lat
             # signed, so it also corrects a curve that overstates t(T) (measured under a
