@@ -453,27 +453,29 @@ def test_auto_reads_its_curve_at_the_cache_length(setup, monkeypatch):
 
 class PacedSession(RecordingSession):
     """A session whose forwards take the curve's time (the real forward, then a wait), so
-    the time auto measures per step is the curve's, as on a device where blocks cost that."""
+    the time auto measures per step is the curve's, as on a device where blocks cost that;
+    ``block_extra`` seconds more for every block of more than one row."""
 
-    def __init__(self, inner, sizes, curve):
+    def __init__(self, inner, sizes, curve, block_extra=0.0):
         super().__init__(inner, sizes)
-        self.curve = curve
+        self.curve, self.block_extra = curve, block_extra
 
     def forward(self, input_ids, *args, **kw):
         t0 = time.perf_counter()
         out = super().forward(input_ids, *args, **kw)
         if self.inner.cache_len > len(input_ids):  # decode steps, not prefill
-            time.sleep(max(self.curve(len(input_ids)) - (time.perf_counter() - t0), 0.0))
+            cost = self.curve(len(input_ids)) + (self.block_extra if len(input_ids) > 1 else 0)
+            time.sleep(max(cost - (time.perf_counter() - t0), 0.0))
         return out
 
 
 class PacedBackend(RecordingBackend):
-    def __init__(self, inner, curve):
+    def __init__(self, inner, curve, block_extra=0.0):
         super().__init__(inner)
-        self.curve = curve
+        self.curve, self.block_extra = curve, block_extra
 
     def session(self):
-        return PacedSession(self.inner.session(), self.sizes, self.curve)
+        return PacedSession(self.inner.session(), self.sizes, self.curve, self.block_extra)
 
 
 def test_tries_of_whole_drafters_spend_at_most_their_share_of_the_time(setup):
@@ -510,15 +512,19 @@ def test_tries_of_whole_drafters_spend_at_most_their_share_of_the_time(setup):
 def test_auto_learns_how_much_dearer_blocks_really_are(setup):
     """A device whose compute is twice as slow as its curve says (a busy SMT sibling, a
     throttled core: memory-bound plain steps keep their time, blocks do not): auto learns the
-    slope of t(T) - t(1) from its lookup and probing steps and reads the curve with it. On a
-    device that runs at its curve the slope stays near 1. Lossless either way."""
+    slope of t(T) - t(1) from its lookup and probing steps and reads the curve with it, also
+    where every block carries a fixed extra cost (the fit's intercept, not slope). On a device
+    that runs at its curve the slope stays near 1. Lossless either way."""
     backend, prompts, refs = setup
     curve = LatencyCurve((1, 2, 4, 8, 16), (3e-3, 3.6e-3, 4.5e-3, 6e-3, 9e-3))
     slow = LatencyCurve(curve.sizes, tuple(3e-3 + 2 * (s - 3e-3) for s in curve.seconds))
     config = GenerationConfig(drafter="auto", bc=16, max_new_tokens=96, latency=curve)
-    for real, lo, hi in ((slow, 1.5, 2.6), (curve, 0.75, 1.35)):
+    # (an average of cost / rise instead of the fit: 2.28 and 1.66 with the extra cost)
+    for real, extra, lo, hi in ((slow, 0.0, 1.6, 2.4), (slow, 1e-3, 1.6, 2.4),
+                                (curve, 0.0, 0.8, 1.25), (curve, 1e-3, 0.8, 1.25)):
         memory = {}
-        outs, picked = _generations(PacedBackend(backend, real), prompts[:6], config, memory)
+        outs, picked = _generations(PacedBackend(backend, real, extra), prompts[:6], config,
+                                    memory)
         assert outs == refs[:6]
         steps = sum(p.get("pld", 0) + p.get("probe", 0) for p in picked)
         assert steps >= 10, picked

@@ -171,11 +171,12 @@ def _compare(model, model_path: str, prompts: list, a, hf_ref: dict | None,
     for _, config in configs:
         model.generate(prompts[0], config.with_(max_new_tokens=min(16, a.max_new_tokens)))
     # interleaved: every method on a prompt before the next prompt, so a change in the
-    # machine's load touches every method alike
+    # machine's load touches every method alike; who goes first rotates with the prompt
     results = {label: [] for label, _ in configs}
     runs = tqdm(total=len(configs) * len(prompts), desc="generating", unit="run", file=sys.stderr)
-    for p in prompts:
-        for label, config in configs:
+    for i, p in enumerate(prompts):
+        k = i % len(configs)
+        for label, config in configs[k:] + configs[:k]:
             t0 = time.perf_counter()
             r = model.generate(p, config)
             results[label].append((r, r.stats.new_tokens / (time.perf_counter() - t0)))

@@ -12,9 +12,9 @@ per second::
 ``t(T)`` is the device's forward latency curve at the current cache length (measured once
 per loaded model over 64 and over 512 cached rows and read off the line through both, as
 attention grows with the cache; or both read from an ``edgemtp profile`` file), its rise
-``t(T) - t(1)`` scaled by a compute slope learned from the lookup and probing steps that
-ran (what a block really cost beyond a plain step, over what the curve says: a core's compute
-can slow for minutes while its memory reads do not), plus the
+``t(T) - t(1)`` scaled by a compute slope: the slope of a weighted line fit of what lookup
+and probing blocks really cost beyond a plain step against the curve's rise for their size
+(a core's compute can slow for minutes while its memory reads do not), plus the
 host time of a step, measured while generating as the
 time between steps minus ``t(T)``, for plain and speculative steps apart (a speculative step
 binds new shapes and drafts; it is charged at least a plain step's host time). The measured
@@ -185,7 +185,8 @@ class AutoDrafter:
     try_share = 0.005  # the most of the decoding time all tries together may lose
     decay = 0.98  # weight of a lookup chain's record per newer chain of its n-gram length
     host_ema = 0.1     # weight of the newest step in the host-time estimates
-    slope_ema = 0.05   # weight of the newest lookup / probing step in the compute slope
+    slope_ema = 0.01   # weight of the newest lookup / probing step in the compute slope
+    #                    (each older one counts 1 - slope_ema less; 0: no slope, the curve as is)
     slope_range = (0.7, 3.0)  # the slope's bounds
     refresh = 8        # steps between recomputations of the lookup-chain rate table
     stand_every = 4    # steps between STAND trees while they lose (grown each step they win),
@@ -265,7 +266,11 @@ class AutoDrafter:
         # went from 6.1 to 7.9 ms for minutes at a time while t(1) stayed 2.6-2.7 (SmolLM2
         # int4), and one additive correction per kind of step could not make both a 2-row and
         # an 8-row chain right
-        self._slope = memory.setdefault("auto-slope", {"a": 1.0})
+        # (a weighted least-squares line through (curve rise, cost beyond a plain step): its
+        # intercept is the host work a speculative step adds, which divided into the cost
+        # would have inflated the slope of 2-row chains most)
+        self._slope = memory.setdefault("auto-slope", {"a": 1.0, "w": 0.0, "x": 0.0, "y": 0.0,
+                                                       "xx": 0.0, "xy": 0.0})
         self._slope_at = 1.0  # the slope _lat was computed with
         self._apply_slope()
         # the same as Python floats, for the per-step scalar arithmetic (numpy scalars are
@@ -444,17 +449,25 @@ class AutoDrafter:
         self._chain_table = None
 
     def _learn_slope(self, t: int, seconds: float) -> None:
-        # a block of t rows took ``seconds``: its cost beyond a plain step (as plain steps
-        # measure it) over the curve's t(T) - t(1) at this length
+        # a block of t rows took ``seconds``: the point (the curve's t(T) - t(1) at this
+        # length, its cost beyond a plain step as plain steps measure it) joins the line fit,
+        # each point weighted 1 - slope_ema less than the next
         ctx = self._lat_ctx
         t = min(t, len(ctx) - 1)
         t1 = float(ctx[1])
-        d = float(ctx[t]) - t1
-        if d < 0.05 * t1:
+        x = float(ctx[t]) - t1
+        if x < 0.05 * t1:
             return  # the curve says a block this size costs a plain step: nothing to learn
+        y = seconds - t1 - self._host_plain
+        y = min(max(y, -0.5 * t1), 4.0 * x + t1)  # a pause cannot swing the fit
+        s, k = self._slope, 1.0 - self.slope_ema
+        for key, v in (("w", 1.0), ("x", x), ("y", y), ("xx", x * x), ("xy", x * y)):
+            s[key] = k * s[key] + v
+        var = s["w"] * s["xx"] - s["x"] ** 2
+        if s["w"] < 4.0 or var <= (0.2 * s["x"]) ** 2:
+            return  # too few blocks, or all of one size: no slope to tell from an intercept
         lo, hi = self.slope_range
-        r = min(max((seconds - t1 - self._host_plain) / d, lo), hi)
-        a = self._slope["a"] = self._slope["a"] + self.slope_ema * (r - self._slope["a"])
+        a = s["a"] = min(max((s["w"] * s["xy"] - s["x"] * s["y"]) / var, lo), hi)
         if abs(a - self._slope_at) > 0.02 * self._slope_at:
             self._apply_slope()
 
@@ -592,7 +605,7 @@ class AutoDrafter:
         now = time.perf_counter()
         if self._t_step is not None:  # the last step's host time beyond its forward
             kind, t = self._last
-            if t > 1 and kind in ("pld", "probe", "mask"):
+            if t > 1 and kind in ("pld", "probe", "mask") and self.slope_ema > 0:
                 self._learn_slope(t, now - self._t_step)
             lat = self._lat_at(t)
             extra = now - self._t_step - lat
