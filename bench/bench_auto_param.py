@@ -37,9 +37,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     name, _, vals = a.param.partition("=")
-    if not hasattr(auto.AutoDrafter, name) or not vals:
-        p.error(f"--param takes NAME=V1,V2 with NAME an AutoDrafter attribute, got {a.param!r}")
-    values = [float(v) for v in vals.split(",")]
+    try:
+        values = [float(v) for v in vals.split(",")]
+    except ValueError:
+        values = []
+    if not hasattr(auto.AutoDrafter, name) or not values:
+        p.error(f"--param takes NAME=V1,V2 with NAME an AutoDrafter attribute and numbers, "
+                f"got {a.param!r}")
     tasks = prompts_by_category(gguf_path(None), a.per_category, False)
     greedy = Model.load(a.package, threads=a.threads)
     models = [Model.load(a.package, threads=a.threads) for _ in values]

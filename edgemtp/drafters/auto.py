@@ -265,17 +265,13 @@ class AutoDrafter:
         # reads do not (a neighbour on its SMT sibling, thermal throttling): on this VM t(8)
         # went from 6.1 to 7.9 ms for minutes at a time while t(1) stayed 2.6-2.7 (SmolLM2
         # int4), and one additive correction per kind of step could not make both a 2-row and
-        # an 8-row chain right
-        # (a weighted least-squares line through (curve rise, cost beyond a plain step): its
-        # intercept is the host work a speculative step adds, which divided into the cost
-        # would have inflated the slope of 2-row chains most)
+        # an 8-row chain right. The slope of a weighted least-squares line through (curve
+        # rise, cost beyond a plain step): its intercept is the host work a speculative step
+        # adds, which divided into the cost would have inflated the slope of 2-row chains most
         self._slope = memory.setdefault("auto-slope", {"a": 1.0, "w": 0.0, "x": 0.0, "y": 0.0,
                                                        "xx": 0.0, "xy": 0.0})
         self._slope_at = 1.0  # the slope _lat was computed with
-        self._apply_slope()
-        # the same as Python floats, for the per-step scalar arithmetic (numpy scalars are
-        # slower, and cold after a forward that streamed the weights through the caches)
-        self._latl: list[float] = self._lat.tolist()
+        self._apply_slope()  # sets _lat and _latl
         # a try of a whole drafter that is not winning costs a block of its narrowest budget
         # instead of a plain step: tried more rarely where that block costs more (a 2-core CPU
         # running int4 weights: ~3x at 10 positions), every try_every steps where it is flat
@@ -445,7 +441,9 @@ class AutoDrafter:
         a, ctx = self._slope["a"], self._lat_ctx
         self._slope_at = a
         self._lat = ctx if a == 1.0 else ctx[1] + a * (ctx - ctx[1])
-        self._latl = self._lat.tolist()
+        # the same as Python floats, for the per-step scalar arithmetic (numpy scalars are
+        # slower, and cold after a forward that streamed the weights through the caches)
+        self._latl: list[float] = self._lat.tolist()
         self._chain_table = None
 
     def _learn_slope(self, t: int, seconds: float) -> None:
