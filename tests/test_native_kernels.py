@@ -1,9 +1,10 @@
 """The native decoder's int4 kernels compute the same bits on every machine: decoder.c's
 q4_gemm on random weights and activations (tests/c/q4_kernels.c), built for this machine
-(-march=native: AVX-512 VNNI where the CPU has it), as portable C, and for 64-bit Arm with
-and without dot products, run under qemu where a cross compiler and qemu-aarch64 are
-installed (apt: gcc-aarch64-linux-gnu qemu-user; .ci/run installs them where it can). A
-package's outputs then do not depend on the machine that decodes it, and the Arm kernel
+(-march=native: AVX-512 VNNI where the CPU has it, else AVX2), for AVX2 alone, as portable
+C, and for 64-bit Arm with and without dot products, run under qemu where a cross compiler
+and qemu-aarch64 are installed (apt: gcc-aarch64-linux-gnu qemu-user; .ci/run installs them
+where it can). A package's outputs then do not depend on the machine that decodes it, and
+the Arm kernel
 (Jetson Orin, Raspberry Pi 5), which no machine here runs natively, is checked bit for bit
 against the x86 ones."""
 
@@ -24,7 +25,7 @@ def _run(cc: str, flags: list[str], out: Path, runner: list[str] = ()) -> tuple[
     run = subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     head, _, body = run.stdout.partition("\n")
-    assert head.startswith("kernel ") and len(body.split()) == 7 * 3 * 16
+    assert head.startswith("kernel ") and len(body.split()) == 11 * 3 * 16
     return int(head.split()[1]), body
 
 
@@ -40,6 +41,26 @@ def test_this_machines_kernel_matches_portable_c(reference, tmp_path):
     kernel, body = _run(shutil.which("cc") or "gcc", ["-march=native"], tmp_path / "native")
     assert reference[0] == 0
     assert body == reference[1], f"kernel {kernel} differs from the portable C one"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                     if ln.startswith("flags")), []))
+
+
+def test_avx2_kernel_matches_portable_c(reference, tmp_path):
+    # the kernel for x86 CPUs without AVX-512 VNNI (AMD Zen 2/3, Intel before Ice Lake),
+    # checked on every x86 machine that can run it, VNNI or not
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    kernel, body = _run(shutil.which("cc") or "gcc", ["-mavx2", "-mfma", "-mf16c"],
+                        tmp_path / "avx2")
+    assert kernel == 3
+    assert body == reference[1], "the AVX2 kernel differs from the portable C one"
 
 
 def test_arm_dot_product_kernel_matches_x86(reference, tmp_path):

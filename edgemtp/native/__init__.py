@@ -228,7 +228,8 @@ def decoder_kernel() -> str | None:
     lib = decoder_lib()
     if lib is None:
         return None
-    kind = {1: "AVX-512 VNNI", 2: "Arm dot-product"}.get(lib.decoder_kernel(), "portable C")
+    kind = {1: "AVX-512 VNNI", 2: "Arm dot-product", 3: "AVX2"}.get(lib.decoder_kernel(),
+                                                                 "portable C")
     return (f"{kind} int4 kernel, "
             f"{lib.decoder_threads()} OpenMP thread(s)")
 

@@ -44,7 +44,10 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define Q4_VNNI 1
 #endif
-#if defined(Q4_VNNI) || defined(__FMA__) || defined(__F16C__)
+#if !defined(Q4_VNNI) && defined(__AVX2__) && defined(__FMA__)
+#define Q4_AVX2 1  /* AVX2 without VNNI: AMD Zen 2/3, Intel Haswell to Comet Lake */
+#endif
+#if defined(Q4_VNNI) || defined(__FMA__) || defined(__F16C__) || defined(Q4_AVX2)
 #include <immintrin.h>
 #endif
 #if !defined(Q4_VNNI) && defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
@@ -203,8 +206,10 @@ static void quant_row(const float *x, int K, int8_t *aq, float *as, int32_t *asu
 
 /* rows of a block whose products share one unpacking of a weight block: 8 with AVX-512
    VNNI (32 vector registers hold 8 rows' sums and the unpacked block; SmolLM2, 2 threads:
-   unpacking again for rows 5-8 had made t(5) - t(4) = 1.9 ms against ~0.6 ms a row), else 4 */
-#ifdef Q4_VNNI
+   unpacking again for rows 5-8 had made t(5) - t(4) = 1.9 ms against ~0.6 ms a row) and
+   with AVX2 (SmolLM2 on a 2-core AMD EPYC: t(8) 12.3-12.8 ms with 4, 11.2-11.3 with 8), else
+   4 */
+#if defined(Q4_VNNI) || defined(Q4_AVX2)
 #define Q4_TILE 8
 #else
 #define Q4_TILE 4
@@ -245,6 +250,51 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                 }
             }
             for (int i = 0; i < tn; i++) _mm512_storeu_ps(y + (size_t)(t0 + i) * ldy + 16 * g, f[i]);
+#elif defined(Q4_AVX2)
+            /* each half h of a chunk holds 8 columns' 32-bit lanes; _mm256_maddubs_epi16
+               multiplies the unsigned nibbles by the int8 activations and adds neighbouring
+               pairs into int16 (|15 * 127 * 2| = 3810: exact), eight of those summed stay
+               exact in int16 (30480 < 32767), and _mm256_madd_epi16 by ones adds the pairs
+               into the 32-bit lane: the same integer sum as the VNNI kernel's */
+            const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+            __m256 f[Q4_TILE][2];
+            for (int i = 0; i < Q4_TILE; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 256;
+                __m256i u[2][8];
+                for (int h = 0; h < 2; h++)
+                    for (int c = 0; c < 4; c++) {
+                        __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * c + 32 * h));
+                        u[h][2 * c] = _mm256_and_si256(v, m4);
+                        u[h][2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
+                const float *sc = m->sc + ((size_t)g * nb + b) * 16;
+                const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
+                const __m128i zz = _mm_loadu_si128((const __m128i *)(m->zp + ((size_t)g * nb + b) * 16));
+                const __m256i z0 = _mm256_cvtepu8_epi32(zz), z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zz, 8));
+                for (int i = 0; i < tn; i++) {
+                    int t = t0 + i;
+                    const int8_t *a = aq + (size_t)t * Kp + b * 32;
+                    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+                    for (int k = 0; k < 8; k++) {
+                        int32_t ak;
+                        memcpy(&ak, a + 4 * k, 4);
+                        __m256i x = _mm256_set1_epi32(ak);
+                        a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(u[0][k], x));
+                        a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(u[1][k], x));
+                    }
+                    __m256i sm = _mm256_set1_epi32(asum[t * nb + b]);
+                    __m256 sa = _mm256_set1_ps(as[t * nb + b]);
+                    __m256i c0 = _mm256_sub_epi32(_mm256_madd_epi16(a0, ones), _mm256_mullo_epi32(z0, sm));
+                    __m256i c1 = _mm256_sub_epi32(_mm256_madd_epi16(a1, ones), _mm256_mullo_epi32(z1, sm));
+                    f[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_mul_ps(s0, sa), f[i][0]);
+                    f[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_mul_ps(s1, sa), f[i][1]);
+                }
+            }
+            for (int i = 0; i < tn; i++) {
+                _mm256_storeu_ps(y + (size_t)(t0 + i) * ldy + 16 * g, f[i][0]);
+                _mm256_storeu_ps(y + (size_t)(t0 + i) * ldy + 16 * g + 8, f[i][1]);
+            }
 #elif defined(Q4_SDOT)
             /* a 32-bit lane of chunk c's 16-byte quarter q holds column 4q + lane's four
                weights of inputs 8c .. 8c + 3 (low nibbles) and 8c + 4 .. 8c + 7 (high): one
@@ -960,13 +1010,15 @@ int decoder_threads(void) {
 #endif
 }
 
-/* which int4 kernel this build runs: 1 the AVX-512 VNNI one, 2 the Arm dot-product one, 0
-   the portable C one (the same bits, see tests/test_native_backend.py) */
+/* which int4 kernel this build runs: 1 the AVX-512 VNNI one, 2 the Arm dot-product one, 3
+   the AVX2 one, 0 the portable C one (the same bits, see tests/test_native_kernels.py) */
 int decoder_kernel(void) {
 #ifdef Q4_VNNI
     return 1;
 #elif defined(Q4_SDOT)
     return 2;
+#elif defined(Q4_AVX2)
+    return 3;
 #else
     return 0;
 #endif

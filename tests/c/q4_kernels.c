@@ -9,7 +9,7 @@ static uint32_t rng = 12345;
 static uint32_t next(void) { rng = rng * 1664525u + 1013904223u; return rng >> 8; }
 
 int main(void) {
-    enum { G = 3, NB = 5, T = 7 };
+    enum { G = 3, NB = 5, T = 11 };
     static uint8_t w[G * NB * 256], zp[G * NB * 16];
     static float sc[G * NB * 16], x[T * NB * 32], y[T * G * 16], as[T * NB];
     static int8_t aq[T * NB * 32];
