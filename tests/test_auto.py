@@ -395,6 +395,34 @@ def test_prefill_carries_masks_only_where_probing_could_pay(setup):
             assert rows[-1] >= 1, f"a flat curve should probe from the first step: {rows}"
 
 
+def test_auto_leaves_the_prompt_rows_out_once_stand_trees_stop_paying(setup):
+    # the prompt rows' LM head and top-K feed only the stored distributions STAND trees and
+    # the hybrids read; on a backend that can leave rows out (the native one), auto asks for
+    # them while STAND trees are still grown often, and no longer once they keep losing
+    backend, prompts, refs = setup
+    asked = []  # per prefill: whether it left the prompt rows out
+
+    class RowsFrom(RecordingSession):
+        rows_from = True  # (the torch session computes every row; the engine's ask is noted)
+
+        def forward(self, input_ids, *args, rows_from=None, **kw):
+            if self.inner.cache_len == 0:
+                asked.append(rows_from is not None)
+            return self.inner.forward(input_ids, *args, **kw)
+
+    class Rec(RecordingBackend):
+        def session(self):
+            return RowsFrom(self.inner.session(), self.sizes)
+
+    memory = {}
+    config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=96, latency=STEEP)
+    outs = [Generation(Rec(backend), config, ids, memory=memory).run().token_ids
+            for ids in prompts[:4]]
+    assert outs == refs[:4]
+    assert asked[0] is False and asked[-1] is True, asked
+    assert memory["auto-stand-gap"]["gap"] > 16
+
+
 def test_auto_reads_its_curve_at_the_cache_length(setup, monkeypatch):
     """A block's cost grows with the cache it attends to, faster for more rows (SmolLM2 fp32
     on 2 cores: t(8) - t(1) = 9.7 ms over 64 cached rows, 16.4 ms over 800). auto measures

@@ -380,17 +380,22 @@ class AutoDrafter:
 
     @property
     def prompt_rows(self) -> bool:
-        """Whether the prefill's prompt rows' outputs are read (the stored distributions a
-        hybrid shares, the whole drafters); without, only the mask rows' candidates are (see
-        Engine._prefill)."""
-        return self._dists or bool(self.wholes)
+        """Whether the prefill's prompt rows' outputs are read: the stored distributions at
+        the prompt's positions, which STAND trees and the hybrids read, by the rule decode
+        steps record them (while STAND trees are still grown often; at the start every whole
+        drafter is asleep and reads none of them). Without, only the last prompt row's and
+        the mask rows' outputs are computed, where the backend can leave rows out (the native
+        one, Engine._prefill): on SmolLM2 int4 (AVX2) the LM head and top-K over every prompt
+        row had made the prefill ~25 % longer, and `auto` lost to plain decoding on prompts
+        of 200-800 tokens (bench/results/auto_prompt_rows_cpu.md)."""
+        return self._dists and self._stand_gap["gap"] <= self.stand_record
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)
         self.context = ContextModel(self.context.dists.k, MAX_NGRAM, native=True)
         self.context.extend(prompt_ids)
         self.index = self.context.index
-        self.topk, self._record = self.topk_max, self._dists
+        self.topk, self._record = self.topk_max, self.prompt_rows
         self._at_context(len(prompt_ids))
         for w in self.wholes:
             if isinstance(w.drafter, HybridDrafter):
