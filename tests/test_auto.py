@@ -83,12 +83,13 @@ def test_auto_uses_prompt_lookup_when_a_short_chain_pays(setup):
     assert be > 1.1, f"one-token lookup chains should be accepted often here, BE {be:.3f}"
 
 
-def test_auto_probes_when_wide_blocks_are_cheap(setup):
+def test_auto_probes_when_wide_blocks_are_cheap(setup, clock):
     backend, prompts, refs = setup
     config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=96, latency=FLAT)
     memory = {}
-    _run(backend, prompts, config, memory)  # learn the acceptance of this model
-    results, sizes = _run(backend, prompts, config, memory)
+    paced = PacedBackend(backend, FLAT, clock)  # (steps cost the curve on auto's clock)
+    _run(paced, prompts, config, memory)  # learn the acceptance of this model
+    results, sizes = _run(paced, prompts, config, memory)
     assert [r.token_ids for r in results] == refs
     be = sum(r.stats.new_tokens for r in results) / sum(r.stats.forward_calls for r in results)
     assert be > 1.2, f"auto should probe with a flat latency curve, got BE {be:.3f}"
@@ -367,27 +368,29 @@ def test_latency_is_measured_on_a_small_session(setup, stories_pkg):
     assert torch_session.rows < setup[0].session().rows  # grows if a block needs more
 
 
-def test_prefill_carries_masks_only_where_probing_could_pay(setup):
+def test_prefill_carries_masks_only_where_probing_could_pay(setup, clock):
     # mask rows in the prefill feed only a probing step: under a curve where none can pay
     # they are prefill work for nothing; under a flat one, once acceptance is known, they come
+    # (decode steps paced on auto's virtual clock: with the wall clock, a loaded CI machine's
+    # real forwards and drafting had outweighed the flat curve's 10 ms steps)
     backend, prompts, _ = setup
     prefills = []
 
-    class Prefills(RecordingSession):
+    class Prefills(PacedSession):
         def forward(self, input_ids, *args, **kw):
             if self.inner.cache_len == 0:
                 prefills.append(len(input_ids))
-            return self.inner.forward(input_ids, *args, **kw)
+            return super().forward(input_ids, *args, **kw)
 
-    class Rec(RecordingBackend):
+    class Rec(PacedBackend):
         def session(self):
-            return Prefills(self.inner.session(), self.sizes)
+            return Prefills(self.inner.session(), self.sizes, self.curve, 0.0, self.clock)
 
     for curve, extra in ((STEEP, 0), (FLAT, None)):
-        memory, prefills[:] = {}, []
+        memory, prefills[:], clock.now = {}, [], 0.0
         config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=32, latency=curve)
         for ids in prompts[:4]:
-            Generation(Rec(backend), config, ids, memory=memory).run()
+            Generation(Rec(backend, curve, clock), config, ids, memory=memory).run()
         rows = [p - len(ids) for p, ids in zip(prefills, prompts[:4])]
         if extra == 0:
             assert rows == [0, 0, 0, 0], rows
