@@ -47,7 +47,7 @@
 #if !defined(Q4_VNNI) && defined(__AVX2__) && defined(__FMA__)
 #define Q4_AVX2 1  /* AVX2 without VNNI: AMD Zen 2/3, Intel Haswell to Comet Lake */
 #endif
-#if defined(Q4_VNNI) || defined(__FMA__) || defined(__F16C__) || defined(Q4_AVX2)
+#if defined(Q4_VNNI) || defined(__FMA__) || defined(__F16C__)  /* (Q4_AVX2 implies FMA) */
 #include <immintrin.h>
 #endif
 #if !defined(Q4_VNNI) && defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
@@ -270,8 +270,10 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                     }
                 const float *sc = m->sc + ((size_t)g * nb + b) * 16;
                 const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
-                const __m128i zz = _mm_loadu_si128((const __m128i *)(m->zp + ((size_t)g * nb + b) * 16));
-                const __m256i z0 = _mm256_cvtepu8_epi32(zz), z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zz, 8));
+                const __m128i zz = _mm_loadu_si128(
+                    (const __m128i *)(m->zp + ((size_t)g * nb + b) * 16));
+                const __m256i z0 = _mm256_cvtepu8_epi32(zz);
+                const __m256i z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zz, 8));
                 for (int i = 0; i < tn; i++) {
                     int t = t0 + i;
                     const int8_t *a = aq + (size_t)t * Kp + b * 32;
@@ -285,10 +287,14 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                     }
                     __m256i sm = _mm256_set1_epi32(asum[t * nb + b]);
                     __m256 sa = _mm256_set1_ps(as[t * nb + b]);
-                    __m256i c0 = _mm256_sub_epi32(_mm256_madd_epi16(a0, ones), _mm256_mullo_epi32(z0, sm));
-                    __m256i c1 = _mm256_sub_epi32(_mm256_madd_epi16(a1, ones), _mm256_mullo_epi32(z1, sm));
-                    f[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_mul_ps(s0, sa), f[i][0]);
-                    f[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_mul_ps(s1, sa), f[i][1]);
+                    __m256i c0 = _mm256_sub_epi32(_mm256_madd_epi16(a0, ones),
+                                                  _mm256_mullo_epi32(z0, sm));
+                    __m256i c1 = _mm256_sub_epi32(_mm256_madd_epi16(a1, ones),
+                                                  _mm256_mullo_epi32(z1, sm));
+                    f[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_mul_ps(s0, sa),
+                                              f[i][0]);
+                    f[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_mul_ps(s1, sa),
+                                              f[i][1]);
                 }
             }
             for (int i = 0; i < tn; i++) {
