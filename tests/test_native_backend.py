@@ -189,7 +189,7 @@ def test_gqa_head_dim_64_rows_are_bitwise_the_same_in_any_block(gqa_pkg, kv):
             assert np.array_equal(a.logits, c.logits), step
             tree_s.commit([0]), plain_s.commit([0])
     finally:
-        b.lib.decoder_set_group_min_p(512)
+        b.lib.decoder_set_group_min_p(-2)
 
 
 def _tree_rows_equal_plain(backend, size):
@@ -392,20 +392,23 @@ def gqa_pkg(tmp_path_factory):
 
 @pytest.mark.parametrize("threads,kv", [(1, "fp16"), (2, "fp16"), (2, "int8")])
 def test_grouped_attention_is_bitwise_the_rows_path(gqa_pkg, threads, kv):
-    """A one-row step over a long cache runs attention in three passes split by KV group,
-    key slice and value lanes (decoder.c attend_groups) instead of by query head: the same
-    chains, so the same bits. Compared here at cache lengths from a ragged 203 on (neither 16
-    nor the 128-key slice divides it), between two-row blocks, with the path forced on and
-    off."""
+    """A step over a long cache runs attention in three passes split by KV group, key slice
+    and value lanes (decoder.c attend_groups) instead of by query head: the same chains, so
+    the same bits. Blocks of more rows convert each key block and value slice to floats once
+    and carry the value sums between slices. Compared here at cache lengths from a ragged 203
+    on (neither 16, the 64-row value slice nor the 128-key slice divides it), for one-row
+    steps, two-row blocks and trees of 7 and 21 rows (ancestors beyond the leading run, mask
+    rows), with the path forced on and off."""
     b = NativeBackend(str(gqa_pkg), threads=threads, kv_cache=kv)
     rng = np.random.default_rng(threads)
     embeds = rng.standard_normal((2, b.hidden_size)).astype(np.float32) * 0.1
     s, _ = _prefill(b, rng.integers(0, b.vocab_size, 203))
     blocks = [(np.ones((1, 1), bool), 1), (np.tril(np.ones((2, 2), bool)), 2),
-              (np.eye(2, dtype=bool), 2)]
+              (np.eye(2, dtype=bool), 2), (_random_tree(rng, 7, b.vocab_size, 2)[1], 7),
+              (_random_tree(rng, 21, b.vocab_size, 2)[1], 21)]
     try:
-        for step in range(12):
-            mask, t = blocks[step % 3]
+        for step in range(15):
+            mask, t = blocks[step % 5]
             ids = rng.integers(0, b.vocab_size, t)
             ids[-1] = b.vocab_size + step % 2 if step % 4 == 3 else ids[-1]  # a mask row
             got = {}
@@ -417,7 +420,7 @@ def test_grouped_attention_is_bitwise_the_rows_path(gqa_pkg, threads, kv):
             assert np.array_equal(got[-1].topk_logprobs, got[0].topk_logprobs), step
             s.commit([0])
     finally:
-        b.lib.decoder_set_group_min_p(512)
+        b.lib.decoder_set_group_min_p(-2)
 
 
 @pytest.fixture(scope="module")

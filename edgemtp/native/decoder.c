@@ -448,7 +448,7 @@ static inline __attribute__((always_inline)) void qk_tile(
         for (int e = 0; e < D; e++) {
             v8 lo = loadkv(kh, blk + e * 16, q8), hi = loadkv(kh, blk + e * 16 + 8, q8);
             for (int r = 0; r < n; r++) {
-                v8 qe = (v8){0} + q[r][e];
+                v8 qe = (v8){0} + q[r][e];  /* (kept: bcast8 here made t(10) 3 % slower) */
                 a[r][0] = fma8(qe, lo, a[r][0]);
                 a[r][1] = fma8(qe, hi, a[r][1]);
             }
@@ -463,6 +463,56 @@ static inline __attribute__((always_inline)) void qk_tile(
                 int j = p - p0;
                 out[r][p - k0] = a[r][j >> 3][j & 7] * scale;
             }
+    }
+}
+
+/* the same scores as qk_tile, for the keys [lo, hi) of the one 16-key block at p0, read from
+   kf: that block's keys as floats (kf[e * 16 + j], converted exactly from the cache's half
+   floats or int8 codes, so every chain is qk_tile's to the bit); ksb: the block's 16 key
+   scales (int8 cache) or NULL. out[r][p - k0]. */
+#define RTF 6  /* rows a pass over a float key block (12 sums, 2 keys, 1 query: 15 AVX
+                     registers; with 4 rows the compiler re-read the keys from memory for each
+                     row, and two loads a cycle bounded it) */
+static inline __attribute__((always_inline)) void qk_tile_f(
+        const int n, const float *const *q, const float *kf, const float *ksb, int D, int p0,
+        int lo, int hi, int k0, float scale, float *const *out) {
+    v8 a[RTF][2];
+    for (int r = 0; r < n; r++) a[r][0] = a[r][1] = (v8){0};
+    for (int e = 0; e < D; e++) {
+        v8 l8 = load8(kf + e * 16), h8 = load8(kf + e * 16 + 8);
+        for (int r = 0; r < n; r++) {
+            v8 qe = bcast8(q[r][e]);
+            a[r][0] = fma8(qe, l8, a[r][0]);
+            a[r][1] = fma8(qe, h8, a[r][1]);
+        }
+    }
+    if (ksb) {
+        v8 s0 = load8(ksb), s1 = load8(ksb + 8);
+        for (int r = 0; r < n; r++) { a[r][0] = a[r][0] * s0; a[r][1] = a[r][1] * s1; }
+    }
+    if (lo == p0 && hi == p0 + 16) {  /* a whole block: the same products, 8 at a time */
+        for (int r = 0; r < n; r++) {
+            store8(out[r] + (p0 - k0), a[r][0] * scale);
+            store8(out[r] + (p0 - k0) + 8, a[r][1] * scale);
+        }
+        return;
+    }
+    for (int r = 0; r < n; r++)
+        for (int p = lo; p < hi; p++) {
+            int j = p - p0;
+            out[r][p - k0] = a[r][j >> 3][j & 7] * scale;
+        }
+}
+
+static void qk_rows_f(int n, const float *const *q, const float *kf, const float *ksb, int D,
+                      int p0, int lo, int hi, int k0, float scale, float *const *out) {
+    switch (n) {
+    case 1: qk_tile_f(1, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
+    case 2: qk_tile_f(2, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
+    case 3: qk_tile_f(3, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
+    case 4: qk_tile_f(4, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
+    case 5: qk_tile_f(5, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
+    default: qk_tile_f(RTF, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
     }
 }
 
@@ -603,16 +653,17 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
 static inline __attribute__((always_inline)) void pv_heads32(
         const int nj, const int q8, const float *const *x, const float *inv, float *const *o,
         const void *vv, const float *vs, int D, int cap, int e0, int n0, int n, int P,
-        const int *an) {
+        const int *an, int i0, const float *const *from) {
     v8 acc[3][4];
-    for (int j = 0; j < nj; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = (v8){0};
-    for (int i = 0; i < n; i++) {
+    for (int j = 0; j < nj; j++)
+        for (int c = 0; c < 4; c++) acc[j][c] = from ? load8(from[j] + 8 * c) : (v8){0};
+    for (int i = i0; i < n; i++) {
         int row = i < n0 ? i : P + an[i - n0];
         size_t v = vidx(row, e0, D, cap);
         v8 v0 = loadkv(vv, v, q8), v1 = loadkv(vv, v + 8, q8);
         v8 v2 = loadkv(vv, v + 16, q8), v3 = loadkv(vv, v + 24, q8);
         for (int j = 0; j < nj; j++) {
-            v8 p = (v8){0} + (q8 ? x[j][i] * vs[row] : x[j][i]);
+            v8 p = bcast8(q8 ? x[j][i] * vs[row] : x[j][i]);
             acc[j][0] = fma8(p, v0, acc[j][0]); acc[j][1] = fma8(p, v1, acc[j][1]);
             acc[j][2] = fma8(p, v2, acc[j][2]); acc[j][3] = fma8(p, v3, acc[j][3]);
         }
@@ -621,58 +672,122 @@ static inline __attribute__((always_inline)) void pv_heads32(
         for (int c = 0; c < 4; c++) store8(o[j] + e0 + 8 * c, acc[j][c] * inv[j]);
 }
 
+/* (i0, from: the list from entry i0 on, each head's chains started from from[j]'s 32 lanes;
+   0, NULL: the whole list from zero) */
 static void pv_heads(int nj, const float *const *x, const float *inv, float *const *o,
                      const void *vv, const float *vs, int D, int cap, int e0, int n0, int n,
-                     int P, const int *an) {
+                     int P, const int *an, int i0, const float *const *from) {
     if (vs) {
         switch (nj) {
-        case 1: pv_heads32(1, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
-        case 2: pv_heads32(2, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
-        default: pv_heads32(3, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
+        case 1: pv_heads32(1, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
+        case 2: pv_heads32(2, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
+        default: pv_heads32(3, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
         }
         return;
     }
     switch (nj) {
-    case 1: pv_heads32(1, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
-    case 2: pv_heads32(2, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
-    default: pv_heads32(3, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an); break;
+    case 1: pv_heads32(1, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
+    case 2: pv_heads32(2, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
+    default: pv_heads32(3, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
     }
 }
 
-/* a one-row step's attention over a long cache, in three work-shared passes, each a
-   different split of the same arithmetic so that the two threads of a one-row step share it
-   evenly (by heads alone, 9 heads went 5:4) and a KV head's keys and values are read once
-   for all the query heads of its group:
+/* pv_heads32's chains over the cache rows [i0, i1) of one slice, for nj heads: the rows'
+   value lanes [e0, e0 + 32) read as floats from vf (vf[(i - i0) * 32 + l], converted exactly
+   from the cache), each head's 32 running sums loaded from and stored back to acc[j]; ps:
+   the slice's value scales (int8 cache, vs[i - i0]) or NULL */
+static inline __attribute__((always_inline)) void pv_slice32(
+        const int nj, const float *const *x, const float *vf, const float *ps, int i0, int i1,
+        float *const *acc) {
+    v8 a[3][4];
+    for (int j = 0; j < nj; j++)
+        for (int c = 0; c < 4; c++) a[j][c] = load8(acc[j] + 8 * c);
+    for (int i = i0; i < i1; i++) {
+        const float *vr = vf + (size_t)(i - i0) * 32;
+        v8 v0 = load8(vr), v1 = load8(vr + 8), v2 = load8(vr + 16), v3 = load8(vr + 24);
+        for (int j = 0; j < nj; j++) {
+            v8 p = bcast8(ps ? x[j][i] * ps[i - i0] : x[j][i]);
+            a[j][0] = fma8(p, v0, a[j][0]); a[j][1] = fma8(p, v1, a[j][1]);
+            a[j][2] = fma8(p, v2, a[j][2]); a[j][3] = fma8(p, v3, a[j][3]);
+        }
+    }
+    for (int j = 0; j < nj; j++)
+        for (int c = 0; c < 4; c++) store8(acc[j] + 8 * c, a[j][c]);
+}
+
+static void pv_slice(int nj, const float *const *x, const float *vf, const float *ps, int i0,
+                     int i1, float *const *acc) {
+    switch (nj) {
+    case 1: pv_slice32(1, x, vf, ps, i0, i1, acc); break;
+    case 2: pv_slice32(2, x, vf, ps, i0, i1, acc); break;
+    default: pv_slice32(3, x, vf, ps, i0, i1, acc); break;
+    }
+}
+
+/* a block's attention over a long cache, in three work-shared passes, each a different
+   split of the same arithmetic so that the two threads of a one-row step share it evenly (by
+   heads alone, 9 heads went 5:4) and a KV head's keys and values are read and converted once
+   for all the query heads of its group and all the block's rows:
    1. cache scores, a task per (KV group, slice of SLICE keys): the group's query heads x the
-      block's rows as the rows of qk_rows, so each key block is converted once for all;
+      block's rows as the rows of qk_rows; past RT rows each key block is first converted to
+      floats (wk) and read from there by every RTF rows' pass;
    2. a task per (block row, query head): the block's scores and the softmax (row_softmax);
-   3. p @ V, a task per (block row, KV group, 32 value lanes): each value row loaded once for
-      the group's heads.
+   3. p @ V: one row, a task per (KV group, 32 value lanes), each value row loaded once for
+      the group's heads; more rows, a task per (KV group, 32 lanes, run of rows), the cache's
+      value rows PSL at a time converted to floats once for the run's rows and heads.
+   Before the float copies, the block path read each key block once per query head and 4
+   rows: SmolLM2 int4, 2 threads, both builds in one process alternated forward by forward
+   (15 pairs), t(10) at P = 2000 31.2 -> 28.1 ms, t(30) 93.9 -> 79.9; at P = 300 t(10) and
+   t(30) ~2 % faster; at P < 256 no difference (group_min_p_block).
    Every score, weight and output lane is computed by the same chain as attend_rows computes
    it (lanes and keys are independent; only the split changes), so the block's rows are the
    same bits either way; tests compare the two paths bitwise. Called by every thread of the
    parallel region (orphaned work-sharing loops). S: T * H rows of stride floats. */
 #define SLICE 128
+#define PSL 64  /* cache rows whose value lanes a p @ V task converts at once (T > 1) */
 static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int P,
-                          const int *lead, const int *nanc, const int *anc, const void *kt,
+                          const int *lead, const int *nanc, const int *anc, int na,
+                          const void *kt,
                           const float *kst, const void *vc, const float *vst, int D, int cap,
-                          float scale, float *S, int stride, float *att, int ldatt) {
+                          float scale, float *S, int stride, float *att, int ldatt, float *wk) {
     const int grp = H / Hkv, nsl = (P + SLICE - 1) / SLICE, rows = T * grp, q8 = kst != NULL;
 #pragma omp for schedule(static)
     for (int job = 0; job < Hkv * nsl; job++) {
         int g = job / nsl, k0 = job % nsl * SLICE, k1 = k0 + SLICE < P ? k0 + SLICE : P;
         const void *kh = kv_at(kt, (size_t)g * D * cap, q8);
         const float *ks = q8 ? kst + (size_t)g * cap : NULL;
-        for (int r0 = 0; r0 < rows; r0 += RT) {
-            int n = rows - r0 < RT ? rows - r0 : RT;
+        if (rows <= RT) {  /* one pass of qk_rows: each key block converted once already */
             const float *q[RT];
             float *out[RT];
-            for (int r = 0; r < n; r++) {
-                int t = (r0 + r) / grp, hh = g * grp + (r0 + r) % grp;
+            for (int r = 0; r < rows; r++) {
+                int t = r / grp, hh = g * grp + r % grp;
                 q[r] = qkv + (size_t)t * Nqkv + hh * D;
                 out[r] = S + ((size_t)t * H + hh) * stride + k0;
             }
-            qk_rows(n, q, kh, ks, D, k0, k1, scale, out);
+            qk_rows(rows, q, kh, ks, D, k0, k1, scale, out);
+            continue;
+        }
+        /* more rows: each key block converted to floats once (exactly), then read by every
+           RT rows' pass from the first-level cache */
+        float *kf = wk;
+        for (int b = k0 >> 4; b <= (k1 - 1) >> 4; b++) {
+            const size_t blk = (size_t)b * D * 16;
+            if (q8)
+                for (int i = 0; i < D * 16; i += 8) store8(kf + i, loadkv(kh, blk + i, 1));
+            else
+                for (int i = 0; i < D * 16; i += 8) store8(kf + i, loadkv(kh, blk + i, 0));
+            int p0 = b * 16, lo = p0 < k0 ? k0 : p0, hi = p0 + 16 > k1 ? k1 : p0 + 16;
+            for (int r0 = 0; r0 < rows; r0 += RTF) {
+                int n = rows - r0 < RTF ? rows - r0 : RTF;
+                const float *q[RTF];
+                float *out[RTF];
+                for (int r = 0; r < n; r++) {
+                    int t = (r0 + r) / grp, hh = g * grp + (r0 + r) % grp;
+                    q[r] = qkv + (size_t)t * Nqkv + hh * D;
+                    out[r] = S + ((size_t)t * H + hh) * stride + k0;
+                }
+                qk_rows_f(n, q, kf, ks ? ks + p0 : NULL, D, p0, lo, hi, k0, scale, out);
+            }
         }
     }
 #pragma omp for schedule(static)
@@ -681,26 +796,88 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
         int g = hh / grp;
         row_softmax(qkv + (size_t)t * Nqkv + hh * D, kv_at(kt, (size_t)g * D * cap, q8),
                     q8 ? kst + (size_t)g * cap : NULL, D, P, lead[t], nanc[t],
-                    anc + (size_t)t * T, scale, S + (size_t)job * stride);
+                    anc + (size_t)t * na, scale, S + (size_t)job * stride);
     }
     const int nec = D / 32;
+    if (T == 1) {
 #pragma omp for schedule(static)
-    for (int job = 0; job < T * Hkv * nec; job++) {
-        int t = job / (Hkv * nec), g = job / nec % Hkv, e0 = job % nec * 32;
-        int n0 = P + lead[t], n = n0 + nanc[t], n8 = (n + 7) / 8 * 8;
+        for (int job = 0; job < Hkv * nec; job++) {
+            int g = job / nec, e0 = job % nec * 32;
+            int n0 = P + lead[0], n = n0 + nanc[0], n8 = (n + 7) / 8 * 8;
+            const void *vv = kv_at(vc, (size_t)g * cap * D, q8);
+            const float *vs = q8 ? vst + ((size_t)g * nec + e0 / 32) * cap : NULL;
+            for (int j0 = 0; j0 < grp; j0 += 3) {
+                int nj = grp - j0 < 3 ? grp - j0 : 3;
+                const float *x[3];
+                float inv[3], *o[3];
+                for (int j = 0; j < nj; j++) {
+                    int hh = g * grp + j0 + j;
+                    x[j] = S + (size_t)hh * stride;
+                    inv[j] = x[j][n8];
+                    o[j] = att + hh * D;
+                }
+                pv_heads(nj, x, inv, o, vv, vs, D, cap, e0, n0, n, P, anc, 0, NULL);
+            }
+        }
+        return;
+    }
+    /* more rows: a task per (KV group, 32 value lanes, run of block rows); the cache's value
+       rows go PSL at a time, converted to floats once (exactly) for all the task's rows and
+       heads, each chain's 32 sums kept in wk between slices; then each row's own block rows
+       continue its chains, as pv_heads does */
+    int team = 1;
+#ifdef _OPENMP
+    team = omp_get_num_threads();
+#endif
+    int tr = Hkv * nec >= team ? T : (T * Hkv * nec + team - 1) / team;  /* rows a task */
+    if (tr < 1) tr = 1;
+    const int ntr = (T + tr - 1) / tr;
+#pragma omp for schedule(static)
+    for (int job = 0; job < Hkv * nec * ntr; job++) {
+        int g = job / (nec * ntr), e0 = job / ntr % nec * 32;
+        int ta = job % ntr * tr, tb = ta + tr < T ? ta + tr : T;
         const void *vv = kv_at(vc, (size_t)g * cap * D, q8);
         const float *vs = q8 ? vst + ((size_t)g * nec + e0 / 32) * cap : NULL;
-        for (int j0 = 0; j0 < grp; j0 += 3) {
-            int nj = grp - j0 < 3 ? grp - j0 : 3;
-            const float *x[3];
-            float inv[3], *o[3];
-            for (int j = 0; j < nj; j++) {
-                int hh = g * grp + j0 + j;
-                x[j] = S + ((size_t)t * H + hh) * stride;
-                inv[j] = x[j][n8];
-                o[j] = att + (size_t)t * ldatt + hh * D;
+        float *vf = wk, *acc = wk + PSL * 32;  /* acc: [(t - ta) * grp + j][32] */
+        memset(acc, 0, sizeof(float) * (size_t)(tb - ta) * grp * 32);
+        for (int s0 = 0; s0 < P; s0 += PSL) {
+            int s1 = s0 + PSL < P ? s0 + PSL : P;
+            for (int i = s0; i < s1; i++) {
+                size_t v = vidx(i, e0, D, cap);
+                float *vr = vf + (size_t)(i - s0) * 32;
+                if (q8)
+                    for (int c = 0; c < 4; c++) store8(vr + 8 * c, loadkv(vv, v + 8 * c, 1));
+                else
+                    for (int c = 0; c < 4; c++) store8(vr + 8 * c, loadkv(vv, v + 8 * c, 0));
             }
-            pv_heads(nj, x, inv, o, vv, vs, D, cap, e0, n0, n, P, anc + (size_t)t * T);
+            for (int t = ta; t < tb; t++)
+                for (int j0 = 0; j0 < grp; j0 += 3) {
+                    int nj = grp - j0 < 3 ? grp - j0 : 3;
+                    const float *x[3];
+                    float *ap[3];
+                    for (int j = 0; j < nj; j++) {
+                        x[j] = S + ((size_t)t * H + g * grp + j0 + j) * stride;
+                        ap[j] = acc + ((size_t)(t - ta) * grp + j0 + j) * 32;
+                    }
+                    pv_slice(nj, x, vf, vs ? vs + s0 : NULL, s0, s1, ap);
+                }
+        }
+        for (int t = ta; t < tb; t++) {
+            int n0 = P + lead[t], n = n0 + nanc[t], n8 = (n + 7) / 8 * 8;
+            for (int j0 = 0; j0 < grp; j0 += 3) {
+                int nj = grp - j0 < 3 ? grp - j0 : 3;
+                const float *x[3], *from[3];
+                float inv[3], *o[3];
+                for (int j = 0; j < nj; j++) {
+                    int hh = g * grp + j0 + j;
+                    x[j] = S + ((size_t)t * H + hh) * stride;
+                    inv[j] = x[j][n8];
+                    o[j] = att + (size_t)t * ldatt + hh * D;
+                    from[j] = acc + ((size_t)(t - ta) * grp + j0 + j) * 32;
+                }
+                pv_heads(nj, x, inv, o, vv, vs, D, cap, e0, n0, n, P, anc + (size_t)t * na, P,
+                         from);
+            }
         }
     }
 }
@@ -749,7 +926,17 @@ static void row_out(const float *lg, int V, int k, int64_t *argmax, int64_t *ids
 }
 
 /* scratch floats a call of T rows needs (see decoder_forward) */
-#define GROUP_MAX_T 1  /* the widest block attend_groups runs (see group_min_p) */
+#define GROUP_MAX_T 64  /* the widest block attend_groups runs (see group_min_p) */
+#define GROUP_ROWS 16   /* block rows one attend_groups call takes (its scores S stay in the
+                           second-level caches: 60 rows at once made t(60) 8 % slower than
+                           attend_rows at P = 2000) */
+
+/* a thread's working floats in attend_groups: a key block, or a value slice and the sums */
+static size_t group_wk(const Model *M, int gt) {
+    size_t kb = (size_t)M->D * 16, vb = PSL * 32 + (size_t)gt * (M->H / M->Hkv) * 32;
+    return (kb > vb ? kb : vb) + 16;
+}
+static size_t group_scratch(const Model *M, int gt, int cap, int threads);
 
 size_t decoder_scratch(const Model *M, int T, int cap) {
     int d = M->d, D = M->D;
@@ -764,19 +951,36 @@ size_t decoder_scratch(const Model *M, int T, int cap) {
 #ifdef _OPENMP
     threads = M->threads > 0 ? M->threads : omp_get_max_threads();
 #endif
+    int gt = T < GROUP_ROWS ? T : GROUP_ROWS;
     return per_row * T + (size_t)rows * Vp + (size_t)threads * RT * (cap + T + 24)
-           + (size_t)GROUP_MAX_T * M->H * (cap + GROUP_MAX_T + 24) + 64;  /* attend_groups' */
+           + group_scratch(M, gt, cap, threads) + 64;
+}
+
+/* attend_groups' floats for blocks of up to gt rows: the scores S and each thread's wk */
+static size_t group_scratch(const Model *M, int gt, int cap, int threads) {
+    return (size_t)gt * M->H * (cap + gt + 24) + (size_t)threads * group_wk(M, gt);
 }
 
 /* the shortest cache at which a block of T <= GROUP_MAX_T rows takes attend_groups rather
    than attend_rows (the same bits either way; below it the passes' two extra barriers a
-   layer cost more than the balance wins). One row only: from two rows attend_rows already
-   shares each key block's loads over the rows and was faster. SmolLM2 int4, P = 2000,
-   interleaved, order alternated: T = 1 4.93 -> 4.43 ms (2 threads), 8.09 -> 7.12 (1 thread);
-   T = 2 6.62 -> 6.97. < 0: never. Tests set it to compare the paths. */
+   layer cost more than the balance wins), for one-row steps. SmolLM2 int4, P = 2000,
+   interleaved, order alternated: T = 1 4.93 -> 4.43 ms (2 threads), 8.09 -> 7.12 (1 thread).
+   < 0: never. Tests set it to compare the paths. */
 static int group_min_p = 512;
+/* the same for blocks of group_min_t .. GROUP_MAX_T rows. Attention alone, both paths in
+   one process alternated forward by forward (9 pairs; SmolLM2 int4, 2 threads, a 2-core Zen 3
+   whose pairs of one build against itself differ by up to 5-10 %): at P = 700, T = 4 .. 60,
+   groups/rows 0.80-0.89; at P = 300 0.86-0.97 from T = 8; at P = 2000 0.96-1.04; T = 2, 3
+   1.03-1.27 at P = 300-700 (so rows). Below 256 cached rows the whole steps measured alike
+   (within 2 %, P = 20 .. 200). */
+static int group_min_p_block = 256, group_min_t = 4;
 
-void decoder_set_group_min_p(int p) { group_min_p = p; }
+/* both thresholds and every block size (tests: 0 always, -1 never); -2: the defaults */
+void decoder_set_group_min_p(int p) {
+    group_min_p = p == -2 ? 512 : p;
+    group_min_p_block = p == -2 ? 256 : p;
+    group_min_t = p == -2 ? 4 : 2;
+}
 
 
 /* one block of T rows after the cache's len committed rows; its K/V land in the cache at rows
@@ -830,6 +1034,8 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
 #endif
         float *sc = sc_all + (size_t)tid * RT * (cap + T + 24);
         float *S = sc_all + (size_t)threads * RT * (cap + T + 24);  /* attend_groups' */
+        const int gt = T < GROUP_ROWS ? T : GROUP_ROWS;
+        float *wk = S + (size_t)gt * H * (cap + gt + 24) + (size_t)tid * group_wk(M, gt);
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
             embed_row(M, X->ids[t], X->mask_embeds, X->n_mask, x + (size_t)t * d);
@@ -886,9 +1092,14 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                them, so a KV head's rows stay in its cache for its query heads; more: dynamic,
                as a causal block's later rows have more keys. Which thread computes a task
                changes no bit of it. */
-            if (T <= GROUP_MAX_T && group_min_p >= 0 && P >= group_min_p && D % 32 == 0) {
-                attend_groups(qkv, Nqkv, H, Hkv, T, P, lead, nanc, anc, kt, kst, vc, vst, D,
-                              cap, M->scale, S, P + T + 24, att, pad32(H * D));
+            const int min_p = T == 1 ? group_min_p : T >= group_min_t ? group_min_p_block : -1;
+            if (T <= GROUP_MAX_T && min_p >= 0 && P >= min_p && D % 32 == 0) {
+                for (int c0 = 0; c0 < T; c0 += GROUP_ROWS)  /* rows are independent here */
+                    attend_groups(qkv + (size_t)c0 * Nqkv, Nqkv, H, Hkv,
+                                  T - c0 < GROUP_ROWS ? T - c0 : GROUP_ROWS, P, lead + c0,
+                                  nanc + c0, anc + (size_t)c0 * T, T, kt, kst, vc, vst, D, cap,
+                                  M->scale, S, P + T + 24, att + (size_t)c0 * pad32(H * D),
+                                  pad32(H * D), wk);
             } else if (tiles == 1) {
 #pragma omp for schedule(static)
                 for (int hh = 0; hh < H; hh++) {

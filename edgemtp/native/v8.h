@@ -13,6 +13,7 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) {
     v8 v;
@@ -22,9 +23,17 @@ static inline v8 load8(const float *p) {
 
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
+/* x in every lane (a broadcast; "(v8){0} + x" costs an add and a shuffle, and turns -0 into
+   +0) */
+static inline v8 bcast8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
 static inline v8 max8(v8 a, v8 b) {  /* lanes of b where b > a, else a */
+#ifdef __AVX__
+    return __builtin_ia32_maxps256(b, a);  /* vmaxps b, a: b > a ? b : a, lane by lane */
+#else
     vi8 m = b > a;
     return (v8)(((vi8)b & m) | ((vi8)a & ~m));
+#endif
 }
 
 /* e^x to ~2e-7 relative, 8 lanes at once, branch-free: 2^(x log2 e) split into an integer
@@ -43,7 +52,7 @@ static inline v8 vexp(v8 x) {
     p = p * f + 6.9314718055994531e-1f;
     p = p * f + 1.0f;
     vi8 n = __builtin_convertvector(r, vi8);
-    return (v8)((vi8)p + n * (1 << 23));
+    return (v8)((vi8)p + (vi8)((vu8)n << 23));  /* n * 2^23 mod 2^32, by a shift */
 }
 
 static inline float fexp(float x) {  /* vexp on one lane (tails and scalars) */
