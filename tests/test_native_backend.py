@@ -350,6 +350,30 @@ def test_a_graph_it_would_read_wrong_is_refused_at_load(int4_pkg, tmp_path):
     assert r.returncode == 0 and "--backend auto, CPU): native" in r.stdout, r.stderr
 
 
+@pytest.mark.parametrize("kv", ["fp16", "int8"])
+def test_a_causal_block_is_bitwise_the_tokens_decoded_one_at_a_time(int4_pkg, kv):
+    # a prefill (and a causal block after a cache) scores the keys its rows share for 4 rows
+    # at once (decoder.c attend_rows); a row's logits must still be the bits plain decoding
+    # computes for that token alone
+    b = NativeBackend(str(int4_pkg), threads=2, kv_cache=kv)
+    ids = np.random.default_rng(8).integers(0, b.vocab_size, 45)
+    for start in (0, 19):  # an empty cache, then a causal block of 26 rows after 19
+        blk, one = b.session(), b.session()
+        if start:
+            for x in (blk, one):
+                x.forward(ids[:start], np.arange(start), np.tril(np.ones((start,) * 2, bool)),
+                          None)
+                x.commit(np.arange(start))
+        n = len(ids) - start
+        got = blk.forward(ids[start:], start + np.arange(n), np.tril(np.ones((n, n), bool)),
+                          None, full_logits=True)
+        for i in range(n):
+            r = one.forward(ids[start + i:start + i + 1], np.array([start + i]),
+                            np.ones((1, 1), bool), None, full_logits=True)
+            one.commit([0])
+            assert np.array_equal(got.logits[i], r.logits[0]), (start, i)
+
+
 def test_a_prefill_can_leave_the_prompt_rows_out(backend):
     # plain decoding and auto (no hybrid sharing stored distributions) read only the last
     # prompt row and the mask rows: the engine asks the rows before them for no LM head

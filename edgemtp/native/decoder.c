@@ -536,16 +536,16 @@ static void qk_rows(int n, const float *const *q, const void *kh, const float *k
     }
 }
 
-/* the rest of one query row's attention weights, its cache scores s[0 .. P) already in
-   place: the scores of the block's keys (rows 0 .. lead - 1 contiguous after the cache, then
-   the ancestors anc[0 .. na)), then s <- exp(s - max) over the whole list and, in the slot
-   after the list's last 8-lane vector, 1 / sum. The one code for every path (attend_rows,
+/* the rest of one query row's attention weights, its scores s[0 .. done) already in place
+   (done >= P): the scores of the block's keys (rows 0 .. lead - 1 contiguous after the cache,
+   from done on, then the ancestors anc[0 .. na)), then s <- exp(s - max) over the whole list
+   and, in the slot after the list's last 8-lane vector, 1 / sum. The one code for every path (attend_rows,
    attend_groups), so a row's weights are the same bits wherever it is computed. */
 static void row_softmax(const float *q, const void *kh, const float *ks, int D, int P,
-                        int lead, int na, const int *anc, float scale, float *x) {
+                        int lead, int na, const int *anc, float scale, float *x, int done) {
     int n0 = P + lead, n = n0 + na;
-    float *sr = x + P;
-    qk_rows(1, &q, kh, ks, D, P, n0, scale, &sr);
+    float *sr = x + done;
+    qk_rows(1, &q, kh, ks, D, done, n0, scale, &sr);
     for (int a = 0; a < na; a++) {  /* the block's other ancestors: the same chains */
         int c = P + anc[a];
         float acc = 0.f;
@@ -628,10 +628,15 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
         q[r] = qkv + (size_t)(t0 + r) * Nqkv + hh * D;
         s[r] = sc + (size_t)r * stride;
     }
-    qk_rows(rt, q, kh, ks, D, 0, P, scale, s);
+    /* the keys every row of the tile has (the cache, then the block's shortest leading run:
+       in a causal prefill, row t0's) scored for the rows together */
+    int m = lead[t0];
+    for (int r = 1; r < rt; r++) m = lead[t0 + r] < m ? lead[t0 + r] : m;
+    qk_rows(rt, q, kh, ks, D, 0, P + m, scale, s);
     for (int r = 0; r < rt; r++) {
         int t = t0 + r;
-        row_softmax(q[r], kh, ks, D, P, lead[t], nanc[t], anc + (size_t)t * T, scale, s[r]);
+        row_softmax(q[r], kh, ks, D, P, lead[t], nanc[t], anc + (size_t)t * T, scale, s[r],
+                    P + m);
     }
     for (int r = 0; r < rt; r++) {
         int t = t0 + r, n0 = P + lead[t], n = n0 + nanc[t];
@@ -796,7 +801,7 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
         int g = hh / grp;
         row_softmax(qkv + (size_t)t * Nqkv + hh * D, kv_at(kt, (size_t)g * D * cap, q8),
                     q8 ? kst + (size_t)g * cap : NULL, D, P, lead[t], nanc[t],
-                    anc + (size_t)t * na, scale, S + (size_t)job * stride);
+                    anc + (size_t)t * na, scale, S + (size_t)job * stride, P);
     }
     const int nec = D / 32;
     if (T == 1) {
