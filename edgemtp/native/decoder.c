@@ -740,10 +740,8 @@ static void pv_slice(int nj, const float *const *x, const float *vf, const float
    3. p @ V: one row, a task per (KV group, 32 value lanes), each value row loaded once for
       the group's heads; more rows, a task per (KV group, 32 lanes, run of rows), the cache's
       value rows PSL at a time converted to floats once for the run's rows and heads.
-   Before the float copies, the block path read each key block once per query head and 4
-   rows: SmolLM2 int4, 2 threads, both builds in one process alternated forward by forward
-   (15 pairs), t(10) at P = 2000 31.2 -> 28.1 ms, t(30) 93.9 -> 79.9; at P = 300 t(10) and
-   t(30) ~2 % faster; at P < 256 no difference (group_min_p_block).
+   Against attend_rows (each key block converted once per query head and 4 rows), see
+   group_min_p_block for the measurements.
    Every score, weight and output lane is computed by the same chain as attend_rows computes
    it (lanes and keys are independent; only the split changes), so the block's rows are the
    same bits either way; tests compare the two paths bitwise. Called by every thread of the
@@ -977,7 +975,8 @@ static int group_min_p = 512;
    whose pairs of one build against itself differ by up to 5-10 %): at P = 700, T = 4 .. 60,
    groups/rows 0.80-0.89; at P = 300 0.86-0.97 from T = 8; at P = 2000 0.96-1.04; T = 2, 3
    1.03-1.27 at P = 300-700 (so rows). Below 256 cached rows the whole steps measured alike
-   (within 2 %, P = 20 .. 200). */
+   (within 2 %, P = 20 .. 200). Whole steps against the build before, paired in one process,
+   stayed within that machine's noise (+-10 % at P = 700 and 2000). */
 static int group_min_p_block = 256, group_min_t = 4;
 
 /* both thresholds and every block size (tests: 0 always, -1 never); -2: the defaults */
