@@ -37,8 +37,7 @@ SHARED_GGUF = (ROOT.parent / "shared" / "models" / "SmolLM2-135M-Instruct-GGUF"
 def _child(kind: str, path: str, lengths: list[int], threads: int) -> dict[int, float]:
     """Seconds of one prefill per length, after one warm-up prefill of each length."""
     if kind == "native":
-        sys.path.insert(0, str(ROOT))
-        from runtimes.native_backend import NativeBackend
+        from edgemtp.runtimes.native_backend import NativeBackend
         b = NativeBackend(path, threads=threads)
 
         def run(ids):

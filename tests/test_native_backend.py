@@ -496,3 +496,21 @@ def test_other_llama_style_families_run_natively_and_losslessly(family_pkgs, fam
             for bc in (10, 30):
                 got = model.generate(prompt, max_new_tokens=40, drafter=drafter, bc=bc)
                 assert got.token_ids == want, (family, drafter, bc)
+
+
+def test_bench_prefill_runs_and_leaves_out_what_is_missing(int4_pkg, tmp_path):
+    # the prefill bench on a real package, in its subprocesses; a peer whose file is not
+    # there is left out in one line, and no native package is exit 2
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_prefill.py"
+    r = subprocess.run([sys.executable, str(bench), "--lengths", "8,24", "--rounds", "1",
+                        "--native", str(int4_pkg), "--genai", str(tmp_path / "none"),
+                        "--gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "onnxruntime-genai int4: left out" in r.stdout and "llama.cpp Q4_1: left out" in r.stdout
+    data = json.loads(next(tmp_path.glob("prefill_*_cpu.json")).read_text())
+    assert set(data["median_s"]) == {"edgemtp native int4"}
+    assert all(v > 0 for v in data["median_s"]["edgemtp native int4"].values())
+    r = subprocess.run([sys.executable, str(bench), "--native", str(tmp_path / "no-pkg")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
