@@ -199,6 +199,7 @@ def test_batch_invariant_runs_every_step_as_one_shape_and_stays_lossless(stories
         TorchBackend.from_model(hf, batch_invariant=True, static_cache=False)
 
 
+@pytest.mark.slow  # ~70 s on 2 cores (float64 attention in fp16 on the CPU): CI runs it
 def test_batch_invariant_fp16_speculation_equals_its_plain_decoding():
     """fp16 on CPU shows what fp16 GPU kernels do: a row's logits in a block differ in the
     last bits from the same row alone, and on a random-weight model (flat distributions,
