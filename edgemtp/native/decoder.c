@@ -546,8 +546,9 @@ static void qk_rows(int n, const float *const *q, const void *kh, const float *k
 /* the rest of one query row's attention weights, its scores s[0 .. done) already in place
    (done >= P): the scores of the block's keys (rows 0 .. lead - 1 contiguous after the cache,
    from done on, then the ancestors anc[0 .. na)), then s <- exp(s - max) over the whole list
-   and, in the slot after the list's last 8-lane vector, 1 / sum. The one code for every path (attend_rows,
-   attend_groups), so a row's weights are the same bits wherever it is computed. */
+   and, in the slot after the list's last 8-lane vector, 1 / sum. The one code for every path
+   (attend_rows, attend_groups), so a row's weights are the same bits wherever it is
+   computed. */
 static void row_softmax(const float *q, const void *kh, const float *ks, int D, int P,
                         int lead, int na, const int *anc, float scale, float *x, int done) {
     int n0 = P + lead, n = n0 + na;
