@@ -508,11 +508,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         from edgemtp.tools.profile import read_profile
 
         rec = read_profile(args.profile)[0]
-        parser.commands[args.command].set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
-                                                   mask_tokens=int(rec["mask_tokens"]),
-                                                   heads=rec.get("heads"),
-                                                   tree_cost=rec.get("tree_cost", "budget"))
+        sub = parser.commands[args.command]
+        own = {k: sub.get_default(k) for k in ("mask_tokens", "heads", "tree_cost")}
+        sub.set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
+                         mask_tokens=int(rec["mask_tokens"]), heads=rec.get("heads"),
+                         tree_cost=rec.get("tree_cost", "budget"))
         args = parser.parse_args(argv)
+        if args.drafter != rec["drafter"]:
+            # another drafter named on the command line: the settings the profile found for
+            # its own drafter (masks, heads, a measured tree cost) do not carry over to it
+            sub.set_defaults(**own)
+            args = parser.parse_args(argv)
     return args
 
 

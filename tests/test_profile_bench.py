@@ -92,6 +92,11 @@ def test_generate_takes_a_measured_tree_cost_from_the_profile(stories_path, tmp_
     assert (out["drafter"], out["bc"], out["tree_cost"]) == ("hybrid", 10, "measured")
     forced = json.loads(cli(*base, "--tree-cost", "budget").stdout)
     assert forced["tree_cost"] == "budget" and forced["token_ids"] == out["token_ids"]
+    # another drafter on the command line: the hybrid's measured tree cost does not follow
+    # it (probing has no trees; it was a usage error once a profile recommended a hybrid)
+    other = json.loads(cli(*base, "--drafter", "probe", "--bc", "8").stdout)
+    assert (other["drafter"], other["bc"], other["tree_cost"]) == ("probe", 8, "budget")
+    assert other["token_ids"] == out["token_ids"]
 
 
 LATENCY = {"block_sizes": [1, 10], "seconds": [0.001, 0.002]}
