@@ -351,7 +351,7 @@ def test_residual_graph_feeds_its_own_argmax_like_teacher_forcing():
 
 
 @pytest.mark.parametrize("engine", ["C", "onnxruntime", "torch"])
-@pytest.mark.parametrize("bc", [10, 30, pytest.param(60, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("bc", [10, *(pytest.param(b, marks=pytest.mark.slow) for b in (30, 60))])
 def test_heads_equal_transformers_greedy(trained, stories_refs, bc, engine, monkeypatch):
     import edgemtp.runtimes.heads as rh
     from edgemtp import native

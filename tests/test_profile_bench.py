@@ -71,6 +71,7 @@ def test_profile_recommends_the_fastest_measured_plan(profiled):
     assert ("--tree-cost measured" in stdout) == (rec.get("tree_cost") == "measured")
 
 
+@pytest.mark.slow  # ~20 s; the fixed profile of the next test covers flags over a profile
 def test_generate_takes_the_profile_and_flags_still_win(stories_path, profiled):
     path, _ = profiled
     rec = json.loads(path.read_text())["recommendation"]
