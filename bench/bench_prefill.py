@@ -96,7 +96,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    lengths = [int(x) for x in a.lengths.split(",")]
+    try:
+        lengths = [int(x) for x in a.lengths.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        ap.error(f"--lengths takes prompt lengths >= 1, comma-separated; got {a.lengths!r}")
     if a.child:
         print(json.dumps(_child(a.child[0], a.child[1], lengths, a.threads)))
         return 0

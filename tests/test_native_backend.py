@@ -514,3 +514,6 @@ def test_bench_prefill_runs_and_leaves_out_what_is_missing(int4_pkg, tmp_path):
     r = subprocess.run([sys.executable, str(bench), "--native", str(tmp_path / "no-pkg")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, str(bench), "--lengths", "12,abc"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--lengths takes" in r.stderr and "Traceback" not in r.stderr
