@@ -176,6 +176,9 @@ class NativeBackend:
         if dtype is not None and dtype != m["dtype"]:
             raise ConfigError(f"{where} holds {m['dtype']} weights and a package's dtype is "
                               f"fixed at export; drop --dtype {dtype}")
+        if kv_cache == "int8" and int(m["head_dim"]) > 256:
+            raise ConfigError(f"--kv-cache int8 takes heads of up to 256 dimensions; {where} "
+                              f"has {m['head_dim']}: use --kv-cache fp16")
         self.vocab_size, self.hidden_size = m["vocab_size"], m["hidden_size"]
         self.eos_token_ids = tuple(int(e) for e in m["eos_token_ids"])
         self.topk = min(int(m["topk"]), 64)

@@ -72,6 +72,12 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 static inline size_t kidx(int p, int e, int D) {
     return ((size_t)(p >> 4) * D + e) * 16 + (p & 15);
 }
+/* the same for an int8 key cache: blocks of 16 keys, in each the dimension pairs (e, e + 1)
+   of the 16 keys side by side ([D / 2][16][2]), as one integer multiply-add of 16-bit pairs
+   (vpmaddwd) takes them */
+static inline size_t kidx8(int p, int e, int D) {
+    return ((size_t)(p >> 4) * D + (e & ~1)) * 16 + (size_t)(p & 15) * 2 + (e & 1);
+}
 
 /* where value position p's lane e sits in a head's value cache: lanes in chunks of 32 (vw),
    each chunk its own [cap][32] run, so attend_groups' pass over 32 lanes of every position
@@ -128,8 +134,14 @@ static inline v8 loadh8(const kv_t *p) {
    int8 with one scale per KV head (ks [L][H_kv][cap]: amax / 127, the row rounded to nearest),
    a value row as int8 with one scale per 32-lane chunk (vs [L][H_kv][D / 32][cap]). A row is
    quantized once, from its own values only, when it is written, so plain decoding and a
-   block see the same int8 rows. A key's score is (fma chain over e of q[e] * k8[e]) * ks *
-   scale; a value row enters p @ V as fma(p * vs, v8, acc): the same operations in every path. */
+   block see the same int8 rows. Scores are integer dot products: the query row (one head)
+   is rounded to int16 with its own scale qs (amax / 32767, q_pairs), and a key's score is
+   ((float)(sum over e of q16[e] * k8[e]) * ks) * (qs * scale). The sum is exact in int32
+   (|sum| <= D * 32767 * 127 < 2^31 for D <= 256), so it is the same number whatever order or
+   kernel computes it: no chain order to keep, and integer multiply-adds of 16-bit pairs
+   (AVX2's vpmaddwd) do 16 products a cycle where the float chains did 8 and converted every
+   code first. A value row enters p @ V as fma(p * vs, v8, acc): the same operations in every
+   path. */
 static inline v8 loadq8(const int8_t *p) {  /* 8 int8 -> 8 floats, exact */
 #ifdef __AVX2__
     return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -439,30 +451,129 @@ static void embed_row(const Model *M, int64_t id, const float *mask_embeds, int 
 /* attention of one query head of one row: keys = cache rows [0, n0) then the block rows
    listed in anc (cache rows base + anc[i]); sc: scratch of at least n0 + n_anc + 8 floats */
 #define RT 4  /* block rows whose attention over the cache one task computes together */
+#define RTI 6  /* rows a pass of the int8 cache's integer scores (12 sums, 2 keys, 1 query: 15
+                  AVX registers) */
+#define QP_MAX 128  /* int16 pairs of a query row (int8 cache): heads of up to 256 dimensions */
 
-/* scores of key positions [k0, k1) for n query rows q[r] (n <= RT, a constant where inlined):
-   out[r][p - k0] = scale * (fma chain over e of q[r][e] * K[p][e], from 0). Whole blocks of
-   16 are computed (lanes past k1 are read, never written): each lane is its own chain. An
-   int8 cache (q8, a constant where inlined): the chain over the codes, times the key's scale
-   ks[p], then times scale. */
+/* one query row (one head) for the int8 cache's integer scores: its int16 codes, two to an
+   int32 (dimension e in the low half, e + 1 in the high), q * (32767 / amax) rounded to
+   nearest even; returns the codes' scale amax / 32767 (0 for a zero row, whose codes are 0).
+   The same bits wherever a row is computed: they depend on the row's own values only, and
+   the vector and scalar roundings are the same (round to nearest even). */
+static float q_pairs(const float *q, int D, int32_t *qp) {
+    float m = 0.f;
+    for (int e = 0; e < D; e++) m = fabsf(q[e]) > m ? fabsf(q[e]) : m;
+    if (m == 0.f) {
+        memset(qp, 0, sizeof(int32_t) * (size_t)(D / 2));
+        return 0.f;
+    }
+    const float inv = 32767.f / m;
+    int e = 0;
+#ifdef __AVX2__
+    const __m256i hi = _mm256_set1_epi32(32767), lo = _mm256_set1_epi32(-32767);
+    for (; e + 16 <= D; e += 16) {
+        __m256i a = _mm256_cvtps_epi32((__m256)(load8(q + e) * bcast8(inv)));
+        __m256i b = _mm256_cvtps_epi32((__m256)(load8(q + e + 8) * bcast8(inv)));
+        a = _mm256_max_epi32(_mm256_min_epi32(a, hi), lo);
+        b = _mm256_max_epi32(_mm256_min_epi32(b, hi), lo);
+        __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
+        _mm256_storeu_si256((__m256i *)(qp + e / 2), w);
+    }
+#endif
+    for (; e < D; e += 2) {
+        long a = lrintf(q[e] * inv), b = lrintf(q[e + 1] * inv);
+        int32_t c0 = a > 32767 ? 32767 : a < -32767 ? -32767 : (int32_t)a;
+        int32_t c1 = b > 32767 ? 32767 : b < -32767 ? -32767 : (int32_t)b;
+        qp[e / 2] = (int32_t)((uint32_t)(uint16_t)c0 | (uint32_t)(uint16_t)c1 << 16);
+    }
+    return m / 32767.f;
+}
+
+/* the exact integer dot of a query row's pairs with cached key p (int8 cache, kidx8) */
+static inline int32_t qk_dot8(const int32_t *qp, const int8_t *kh, int p, int D) {
+    int32_t acc = 0;
+    for (int e = 0; e < D; e += 2) {
+        const int8_t *k = kh + kidx8(p, e, D);
+        acc += (int32_t)(int16_t)(uint16_t)qp[e / 2] * k[0]
+             + (int32_t)(int16_t)((uint32_t)qp[e / 2] >> 16) * k[1];
+    }
+    return acc;
+}
+
+/* the int8 cache's scores of keys [k0, k1) for n (<= RTI, a constant where inlined) query
+   rows: out[r][p - k0] = ((float)dot_r(p) * ks[p]) * qsc[r], qp[r] the rows' pairs (q_pairs),
+   qsc[r] = qs * scale. Whole blocks of 16 keys (lanes past k1 read, never written). */
+static inline __attribute__((always_inline)) void qk_tile8(
+        const int n, const int32_t *const *qp, const float *qsc, const int8_t *kh,
+        const float *ks, int D, int k0, int k1, float *const *out) {
+    for (int b = k0 >> 4; b <= (k1 - 1) >> 4; b++) {
+        const int8_t *blk = kh + (size_t)b * D * 16;
+        v8 f[RTI][2];
+#ifdef __AVX2__
+        __m256i a[RTI][2];
+        for (int r = 0; r < n; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
+        for (int e2 = 0; e2 < D / 2; e2++) {
+            __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + e2 * 32)));
+            __m256i hi = _mm256_cvtepi8_epi16(
+                _mm_loadu_si128((const __m128i *)(blk + e2 * 32 + 16)));
+            for (int r = 0; r < n; r++) {
+                __m256i qq = _mm256_set1_epi32(qp[r][e2]);
+                a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(lo, qq));
+                a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(hi, qq));
+            }
+        }
+        for (int r = 0; r < n; r++) {
+            f[r][0] = (v8)_mm256_cvtepi32_ps(a[r][0]);
+            f[r][1] = (v8)_mm256_cvtepi32_ps(a[r][1]);
+        }
+#else
+        for (int r = 0; r < n; r++) {
+            int32_t acc[16] = {0};
+            for (int e2 = 0; e2 < D / 2; e2++) {
+                const int32_t lo = (int16_t)(uint16_t)qp[r][e2];
+                const int32_t hi = (int16_t)((uint32_t)qp[r][e2] >> 16);
+                const int8_t *k = blk + e2 * 32;
+                for (int j = 0; j < 16; j++) acc[j] += lo * k[2 * j] + hi * k[2 * j + 1];
+            }
+            for (int j = 0; j < 16; j++) f[r][j >> 3][j & 7] = (float)acc[j];
+        }
+#endif
+        const v8 s0 = load8(ks + b * 16), s1 = load8(ks + b * 16 + 8);
+        int p0 = b * 16, lo_p = p0 < k0 ? k0 : p0, hi_p = p0 + 16 > k1 ? k1 : p0 + 16;
+        for (int r = 0; r < n; r++) {
+            const v8 c = bcast8(qsc[r]);
+            v8 o0 = f[r][0] * s0 * c, o1 = f[r][1] * s1 * c;
+            if (lo_p == p0 && hi_p == p0 + 16) {
+                store8(out[r] + (p0 - k0), o0);
+                store8(out[r] + (p0 - k0) + 8, o1);
+                continue;
+            }
+            for (int p = lo_p; p < hi_p; p++) {
+                int j = p - p0;
+                out[r][p - k0] = j < 8 ? o0[j] : o1[j - 8];
+            }
+        }
+    }
+}
+
+/* scores of key positions [k0, k1) for n query rows q[r] (n <= RT, a constant where inlined)
+   over a half-float cache: out[r][p - k0] = scale * (fma chain over e of q[r][e] * K[p][e],
+   from 0). Whole blocks of 16 are computed (lanes past k1 are read, never written): each lane
+   is its own chain. */
 static inline __attribute__((always_inline)) void qk_tile(
-        const int n, const int q8, const float *const *q, const void *kh, const float *ks,
-        int D, int k0, int k1, float scale, float *const *out) {
+        const int n, const float *const *q, const kv_t *kh, int D, int k0, int k1, float scale,
+        float *const *out) {
     for (int b = k0 >> 4; b <= (k1 - 1) >> 4; b++) {
         const size_t blk = (size_t)b * D * 16;
         v8 a[RT][2];
         for (int r = 0; r < n; r++) a[r][0] = a[r][1] = (v8){0};
         for (int e = 0; e < D; e++) {
-            v8 lo = loadkv(kh, blk + e * 16, q8), hi = loadkv(kh, blk + e * 16 + 8, q8);
+            v8 lo = loadh8(kh + blk + e * 16), hi = loadh8(kh + blk + e * 16 + 8);
             for (int r = 0; r < n; r++) {
                 v8 qe = (v8){0} + q[r][e];  /* (kept: bcast8 here made t(10) 3 % slower) */
                 a[r][0] = fma8(qe, lo, a[r][0]);
                 a[r][1] = fma8(qe, hi, a[r][1]);
             }
-        }
-        if (q8) {
-            v8 s0 = load8(ks + b * 16), s1 = load8(ks + b * 16 + 8);
-            for (int r = 0; r < n; r++) { a[r][0] = a[r][0] * s0; a[r][1] = a[r][1] * s1; }
         }
         int p0 = b * 16, lo_p = p0 < k0 ? k0 : p0, hi_p = p0 + 16 > k1 ? k1 : p0 + 16;
         for (int r = 0; r < n; r++)
@@ -475,14 +586,13 @@ static inline __attribute__((always_inline)) void qk_tile(
 
 /* the same scores as qk_tile, for the keys [lo, hi) of the one 16-key block at p0, read from
    kf: that block's keys as floats (kf[e * 16 + j], converted exactly from the cache's half
-   floats or int8 codes, so every chain is qk_tile's to the bit); ksb: the block's 16 key
-   scales (int8 cache) or NULL. out[r][p - k0]. */
+   floats, so every chain is qk_tile's to the bit). out[r][p - k0]. */
 #define RTF 6  /* rows a pass over a float key block (12 sums, 2 keys, 1 query: 15 AVX
                      registers; with 4 rows the compiler re-read the keys from memory for each
                      row, and two loads a cycle bounded it) */
 static inline __attribute__((always_inline)) void qk_tile_f(
-        const int n, const float *const *q, const float *kf, const float *ksb, int D, int p0,
-        int lo, int hi, int k0, float scale, float *const *out) {
+        const int n, const float *const *q, const float *kf, int D, int p0, int lo, int hi,
+        int k0, float scale, float *const *out) {
     v8 a[RTF][2];
     for (int r = 0; r < n; r++) a[r][0] = a[r][1] = (v8){0};
     for (int e = 0; e < D; e++) {
@@ -492,10 +602,6 @@ static inline __attribute__((always_inline)) void qk_tile_f(
             a[r][0] = fma8(qe, l8, a[r][0]);
             a[r][1] = fma8(qe, h8, a[r][1]);
         }
-    }
-    if (ksb) {
-        v8 s0 = load8(ksb), s1 = load8(ksb + 8);
-        for (int r = 0; r < n; r++) { a[r][0] = a[r][0] * s0; a[r][1] = a[r][1] * s1; }
     }
     if (lo == p0 && hi == p0 + 16) {  /* a whole block: the same products, 8 at a time */
         for (int r = 0; r < n; r++) {
@@ -511,35 +617,43 @@ static inline __attribute__((always_inline)) void qk_tile_f(
         }
 }
 
-static void qk_rows_f(int n, const float *const *q, const float *kf, const float *ksb, int D,
+static void qk_rows_f(int n, const float *const *q, const float *kf, int D,
                       int p0, int lo, int hi, int k0, float scale, float *const *out) {
     switch (n) {
-    case 1: qk_tile_f(1, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
-    case 2: qk_tile_f(2, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
-    case 3: qk_tile_f(3, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
-    case 4: qk_tile_f(4, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
-    case 5: qk_tile_f(5, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
-    default: qk_tile_f(RTF, q, kf, ksb, D, p0, lo, hi, k0, scale, out); break;
+    case 1: qk_tile_f(1, q, kf, D, p0, lo, hi, k0, scale, out); break;
+    case 2: qk_tile_f(2, q, kf, D, p0, lo, hi, k0, scale, out); break;
+    case 3: qk_tile_f(3, q, kf, D, p0, lo, hi, k0, scale, out); break;
+    case 4: qk_tile_f(4, q, kf, D, p0, lo, hi, k0, scale, out); break;
+    case 5: qk_tile_f(5, q, kf, D, p0, lo, hi, k0, scale, out); break;
+    default: qk_tile_f(RTF, q, kf, D, p0, lo, hi, k0, scale, out); break;
     }
 }
 
-static void qk_rows(int n, const float *const *q, const void *kh, const float *ks, int D,
-                    int k0, int k1, float scale, float *const *out) {
+/* the scores of keys [k0, k1) for n query rows: qk_tile over a half-float cache (n <= RT),
+   or (ks set) qk_tile8 over an int8 cache (n <= RTI), from the rows' int16 pairs qp[r] and qsc[r] = their
+   scale * scale (q_pairs, made once a layer for each row and head) */
+static void qk_rows(int n, const float *const *q, const int32_t *const *qp, const float *qsc,
+                    const void *kh, const float *ks, int D, int k0, int k1, float scale,
+                    float *const *out) {
     if (k1 <= k0) return;
     if (ks) {  /* constant row counts, so the accumulators stay in registers */
+        const int8_t *k8 = (const int8_t *)kh;
         switch (n) {
-        case 1: qk_tile(1, 1, q, kh, ks, D, k0, k1, scale, out); break;
-        case 2: qk_tile(2, 1, q, kh, ks, D, k0, k1, scale, out); break;
-        case 3: qk_tile(3, 1, q, kh, ks, D, k0, k1, scale, out); break;
-        default: qk_tile(RT, 1, q, kh, ks, D, k0, k1, scale, out); break;
+        case 1: qk_tile8(1, qp, qsc, k8, ks, D, k0, k1, out); break;
+        case 2: qk_tile8(2, qp, qsc, k8, ks, D, k0, k1, out); break;
+        case 3: qk_tile8(3, qp, qsc, k8, ks, D, k0, k1, out); break;
+        case 4: qk_tile8(4, qp, qsc, k8, ks, D, k0, k1, out); break;
+        case 5: qk_tile8(5, qp, qsc, k8, ks, D, k0, k1, out); break;
+        default: qk_tile8(RTI, qp, qsc, k8, ks, D, k0, k1, out); break;
         }
         return;
     }
+    const kv_t *kf = (const kv_t *)kh;
     switch (n) {
-    case 1: qk_tile(1, 0, q, kh, ks, D, k0, k1, scale, out); break;
-    case 2: qk_tile(2, 0, q, kh, ks, D, k0, k1, scale, out); break;
-    case 3: qk_tile(3, 0, q, kh, ks, D, k0, k1, scale, out); break;
-    default: qk_tile(RT, 0, q, kh, ks, D, k0, k1, scale, out); break;
+    case 1: qk_tile(1, q, kf, D, k0, k1, scale, out); break;
+    case 2: qk_tile(2, q, kf, D, k0, k1, scale, out); break;
+    case 3: qk_tile(3, q, kf, D, k0, k1, scale, out); break;
+    default: qk_tile(RT, q, kf, D, k0, k1, scale, out); break;
     }
 }
 
@@ -549,16 +663,20 @@ static void qk_rows(int n, const float *const *q, const void *kh, const float *k
    and, in the slot after the list's last 8-lane vector, 1 / sum. The one code for every path
    (attend_rows, attend_groups), so a row's weights are the same bits wherever it is
    computed. */
-static void row_softmax(const float *q, const void *kh, const float *ks, int D, int P,
-                        int lead, int na, const int *anc, float scale, float *x, int done) {
+static void row_softmax(const float *q, const int32_t *qp, float qsc, const void *kh,
+                        const float *ks, int D, int P, int lead, int na, const int *anc,
+                        float scale, float *x, int done) {
     int n0 = P + lead, n = n0 + na;
     float *sr = x + done;
-    qk_rows(1, &q, kh, ks, D, done, n0, scale, &sr);
+    qk_rows(1, &q, &qp, &qsc, kh, ks, D, done, n0, scale, &sr);
     for (int a = 0; a < na; a++) {  /* the block's other ancestors: the same chains */
         int c = P + anc[a];
+        if (ks) {  /* the same exact integer dot, then the same two products */
+            x[n0 + a] = ((float)qk_dot8(qp, (const int8_t *)kh, c, D) * ks[c]) * qsc;
+            continue;
+        }
         float acc = 0.f;
-        for (int e = 0; e < D; e++) acc = fmaf(q[e], kvf(kh, kidx(c, e, D), ks != NULL), acc);
-        if (ks) acc = acc * ks[c];
+        for (int e = 0; e < D; e++) acc = fmaf(q[e], kvf(kh, kidx(c, e, D), 0), acc);
         x[n0 + a] = acc * scale;
     }
     int n8 = (n + 7) / 8 * 8, i;
@@ -623,28 +741,36 @@ static inline __attribute__((always_inline)) void pv_row(
    block rows in anc[t]: exactly the list plain decoding has once those rows are committed.
    The cache part is computed for the rt rows together (each key block read once per task),
    every score and sum with the same operations in the same order as for a row alone.
-   kh, vv: the head's keys and values, ks, vs: their scales (NULL: half floats).
-   sc: scratch of rt * (P + T + 24) floats. */
+   kh, vv: the head's keys and values, ks, vs: their scales (NULL: half floats); QP, QS: the
+   int8 cache's query pairs and their scales, row t's head hh at QP + (t * H + hh) * D / 2 and
+   QS[t * H + hh] (q_pairs). sc: scratch of rt * (P + T + 24) floats. */
 static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int P, int T,
                         const int *lead, const int *nanc, const int *anc, const void *kh,
                         const float *ks, const void *vv, const float *vs, int D, int cap,
+                        const int32_t *QP, const float *QS, int H,
                         float scale, float *sc, float *att, int ldatt) {
     const int stride = P + T + 24;
     const float *q[RT];
+    const int32_t *qp[RT] = {0};
+    float qsc[RT] = {0};
     float *s[RT];
     for (int r = 0; r < rt; r++) {
         q[r] = qkv + (size_t)(t0 + r) * Nqkv + hh * D;
         s[r] = sc + (size_t)r * stride;
+        if (ks) {
+            qp[r] = QP + ((size_t)(t0 + r) * H + hh) * (D / 2);
+            qsc[r] = QS[(size_t)(t0 + r) * H + hh];
+        }
     }
     /* the keys every row of the tile has (the cache, then the block's shortest leading run:
        in a causal prefill, row t0's) scored for the rows together */
     int m = lead[t0];
     for (int r = 1; r < rt; r++) m = lead[t0 + r] < m ? lead[t0 + r] : m;
-    qk_rows(rt, q, kh, ks, D, 0, P + m, scale, s);
+    qk_rows(rt, q, qp, qsc, kh, ks, D, 0, P + m, scale, s);
     for (int r = 0; r < rt; r++) {
         int t = t0 + r;
-        row_softmax(q[r], kh, ks, D, P, lead[t], nanc[t], anc + (size_t)t * T, scale, s[r],
-                    P + m);
+        row_softmax(q[r], qp[r], qsc[r], kh, ks, D, P, lead[t], nanc[t], anc + (size_t)t * T,
+                    scale, s[r], P + m);
     }
     for (int r = 0; r < rt; r++) {
         int t = t0 + r, n0 = P + lead[t], n = n0 + nanc[t];
@@ -760,6 +886,7 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
                           const int *lead, const int *nanc, const int *anc, int na,
                           const void *kt,
                           const float *kst, const void *vc, const float *vst, int D, int cap,
+                          const int32_t *QP, const float *QS,
                           float scale, float *S, int stride, float *att, int ldatt, float *wk) {
     const int grp = H / Hkv, nsl = (P + SLICE - 1) / SLICE, rows = T * grp, q8 = kst != NULL;
 #pragma omp for schedule(static)
@@ -767,26 +894,35 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
         int g = job / nsl, k0 = job % nsl * SLICE, k1 = k0 + SLICE < P ? k0 + SLICE : P;
         const void *kh = kv_at(kt, (size_t)g * D * cap, q8);
         const float *ks = q8 ? kst + (size_t)g * cap : NULL;
-        if (rows <= RT) {  /* one pass of qk_rows: each key block converted once already */
-            const float *q[RT];
-            float *out[RT];
-            for (int r = 0; r < rows; r++) {
-                int t = r / grp, hh = g * grp + r % grp;
-                q[r] = qkv + (size_t)t * Nqkv + hh * D;
-                out[r] = S + ((size_t)t * H + hh) * stride + k0;
+        if (rows <= RT || q8) {  /* passes of qk_rows: one converts each key block once
+                                       already; an int8 cache's integer scores read the codes
+                                       as they are (its slice of keys stays in the first-level
+                                       cache between passes) */
+            const int step = q8 ? RTI : RT;
+            for (int r0 = 0; r0 < rows; r0 += step) {
+                int n = rows - r0 < step ? rows - r0 : step;
+                const float *q[RTI];
+                const int32_t *qp[RTI] = {0};
+                float qsc[RTI] = {0}, *out[RTI];
+                for (int r = 0; r < n; r++) {
+                    int t = (r0 + r) / grp, hh = g * grp + (r0 + r) % grp;
+                    q[r] = qkv + (size_t)t * Nqkv + hh * D;
+                    out[r] = S + ((size_t)t * H + hh) * stride + k0;
+                    if (q8) {
+                        qp[r] = QP + ((size_t)t * H + hh) * (D / 2);
+                        qsc[r] = QS[(size_t)t * H + hh];
+                    }
+                }
+                qk_rows(n, q, qp, qsc, kh, ks, D, k0, k1, scale, out);
             }
-            qk_rows(rows, q, kh, ks, D, k0, k1, scale, out);
             continue;
         }
-        /* more rows: each key block converted to floats once (exactly), then read by every
-           RT rows' pass from the first-level cache */
+        /* more rows over half floats: each key block converted to floats once (exactly),
+           then read by every RTF rows' pass from the first-level cache */
         float *kf = wk;
         for (int b = k0 >> 4; b <= (k1 - 1) >> 4; b++) {
             const size_t blk = (size_t)b * D * 16;
-            if (q8)
-                for (int i = 0; i < D * 16; i += 8) store8(kf + i, loadkv(kh, blk + i, 1));
-            else
-                for (int i = 0; i < D * 16; i += 8) store8(kf + i, loadkv(kh, blk + i, 0));
+            for (int i = 0; i < D * 16; i += 8) store8(kf + i, loadh8((const kv_t *)kh + blk + i));
             int p0 = b * 16, lo = p0 < k0 ? k0 : p0, hi = p0 + 16 > k1 ? k1 : p0 + 16;
             for (int r0 = 0; r0 < rows; r0 += RTF) {
                 int n = rows - r0 < RTF ? rows - r0 : RTF;
@@ -797,7 +933,7 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
                     q[r] = qkv + (size_t)t * Nqkv + hh * D;
                     out[r] = S + ((size_t)t * H + hh) * stride + k0;
                 }
-                qk_rows_f(n, q, kf, ks ? ks + p0 : NULL, D, p0, lo, hi, k0, scale, out);
+                qk_rows_f(n, q, kf, D, p0, lo, hi, k0, scale, out);
             }
         }
     }
@@ -805,9 +941,10 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
     for (int job = 0; job < T * H; job++) {
         int t = job / H, hh = job % H;
         int g = hh / grp;
-        row_softmax(qkv + (size_t)t * Nqkv + hh * D, kv_at(kt, (size_t)g * D * cap, q8),
-                    q8 ? kst + (size_t)g * cap : NULL, D, P, lead[t], nanc[t],
-                    anc + (size_t)t * na, scale, S + (size_t)job * stride, P);
+        row_softmax(qkv + (size_t)t * Nqkv + hh * D,
+                    q8 ? QP + (size_t)job * (D / 2) : NULL, q8 ? QS[job] : 0.f,
+                    kv_at(kt, (size_t)g * D * cap, q8), q8 ? kst + (size_t)g * cap : NULL, D, P,
+                    lead[t], nanc[t], anc + (size_t)t * na, scale, S + (size_t)job * stride, P);
     }
     const int nec = D / 32;
     if (T == 1) {
@@ -957,7 +1094,7 @@ size_t decoder_scratch(const Model *M, int T, int cap) {
     int Vp = M->lm->G * 16;
     int rows = T < LM_ROWS ? T : LM_ROWS;
     size_t per_row = (size_t)2 * d + Nqkv + pad32(M->H * D) + Ngu + pad32(M->F) + d
-                     + Kmax / 4 + 2 * (Kmax / 32);
+                     + (size_t)M->H * (D / 2 + 1) + Kmax / 4 + 2 * (Kmax / 32);
     int threads = 1;
 #ifdef _OPENMP
     threads = M->threads > 0 ? M->threads : omp_get_max_threads();
@@ -1001,6 +1138,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
     const int T = X->T, d = M->d, D = M->D, H = M->H, Hkv = M->Hkv, F = M->F;
     const int P = C->len, cap = C->cap, grp = H / Hkv, half = D / 2;
     if (P + T > cap) return -1;
+    if (C->ks && (D % 2 || D > 2 * QP_MAX)) return -3;  /* the int8 cache's integer scores */
     const int Nqkv = M->qkv[0].G * 16, Ngu = M->gu[0].G * 16, Vp = M->lm->G * 16;
     int Kmax = pad32(d > F ? d : F);
     if (pad32(H * D) > Kmax) Kmax = pad32(H * D);
@@ -1016,7 +1154,9 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
     float *gu = att + (size_t)T * pad32(H * D);    /* [T][Ngu] */
     float *mm = gu + (size_t)T * Ngu;              /* [T][pad32(F)] */
     float *y = mm + (size_t)T * pad32(F);          /* [T][d] */
-    int8_t *aq = (int8_t *)(y + (size_t)T * d);    /* [T][Kmax] */
+    int32_t *QP = (int32_t *)(y + (size_t)T * d);  /* [T][H][D / 2] int8 cache: q_pairs */
+    float *QS = (float *)(QP + (size_t)T * H * (D / 2));  /* [T][H] their scale * scale */
+    int8_t *aq = (int8_t *)(QS + (size_t)T * H);   /* [T][Kmax] */
     float *as = (float *)(aq + (size_t)T * Kmax);  /* [T][Kmax/32] */
     int32_t *asum = (int32_t *)(as + (size_t)T * (Kmax / 32));
     float *lg = (float *)(asum + (size_t)T * (Kmax / 32));   /* [LM_ROWS][Vp] */
@@ -1076,6 +1216,10 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                         rms_norm(r + h * D, (h < H ? M->q_norm : M->k_norm) + (size_t)l * D, D,
                                  M->eps, r + h * D);
                 rotate(r, H + Hkv, D, M->cos + p * half, M->sin + p * half);
+                if (q8)  /* the query heads' int16 pairs for the integer scores */
+                    for (int hh = 0; hh < H; hh++)
+                        QS[(size_t)t * H + hh] =
+                            q_pairs(r + hh * D, D, QP + ((size_t)t * H + hh) * (D / 2)) * M->scale;
                 for (int g = 0; g < Hkv; g++) {
                     const float *k = r + (H + g) * D, *v = r + (H + Hkv + g) * D;
                     if (q8) {
@@ -1083,7 +1227,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                         int8_t *vh = (int8_t *)vc + (size_t)g * cap * D;
                         float sk = q8_scale(k, D);
                         kst[(size_t)g * cap + P + t] = sk;
-                        for (int e = 0; e < D; e++) kh[kidx(P + t, e, D)] = q8_code(k[e], sk);
+                        for (int e = 0; e < D; e++) kh[kidx8(P + t, e, D)] = q8_code(k[e], sk);
                         const int w = vw(D);
                         for (int c = 0; c < nch; c++) {
                             float sv = q8_scale(v + c * w, w);
@@ -1110,8 +1254,9 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                     attend_groups(qkv + (size_t)c0 * Nqkv, Nqkv, H, Hkv,
                                   T - c0 < GROUP_ROWS ? T - c0 : GROUP_ROWS, P, lead + c0,
                                   nanc + c0, anc + (size_t)c0 * T, T, kt, kst, vc, vst, D, cap,
-                                  M->scale, S, P + T + 24, att + (size_t)c0 * pad32(H * D),
-                                  pad32(H * D), wk);
+                                  QP + (size_t)c0 * H * (D / 2), QS + (size_t)c0 * H, M->scale,
+                                  S, P + T + 24, att + (size_t)c0 * pad32(H * D), pad32(H * D),
+                                  wk);
             } else if (tiles == 1) {
 #pragma omp for schedule(static)
                 for (int hh = 0; hh < H; hh++) {
@@ -1120,8 +1265,8 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                                 kv_at(kt, (size_t)g * D * cap, q8),
                                 q8 ? kst + (size_t)g * cap : NULL,
                                 kv_at(vc, (size_t)g * cap * D, q8),
-                                q8 ? vst + (size_t)g * nch * cap : NULL, D, cap, M->scale, sc,
-                                att, pad32(H * D));
+                                q8 ? vst + (size_t)g * nch * cap : NULL, D, cap, QP, QS, H,
+                                M->scale, sc, att, pad32(H * D));
                 }
             } else {
 #pragma omp for schedule(dynamic, 1)
@@ -1131,8 +1276,8 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                                 anc, kv_at(kt, (size_t)g * D * cap, q8),
                                 q8 ? kst + (size_t)g * cap : NULL,
                                 kv_at(vc, (size_t)g * cap * D, q8),
-                                q8 ? vst + (size_t)g * nch * cap : NULL, D, cap, M->scale, sc,
-                                att, pad32(H * D));
+                                q8 ? vst + (size_t)g * nch * cap : NULL, D, cap, QP, QS, H,
+                                M->scale, sc, att, pad32(H * D));
                 }
             }
             const int ka = pad32(H * D), nba = ka / 32;
@@ -1212,7 +1357,7 @@ void decoder_commit(const Model *M, Cache *C, const int64_t *rows, int n) {
                 if (q8) {
                     int8_t *kq = (int8_t *)kt, *vq = (int8_t *)vc;
                     for (int e = 0; e < D; e++) {
-                        kq[kidx(dst, e, D)] = kq[kidx(src, e, D)];
+                        kq[kidx8(dst, e, D)] = kq[kidx8(src, e, D)];
                         vq[vidx(dst, e, D, cap)] = vq[vidx(src, e, D, cap)];
                     }
                     C->ks[lg * cap + dst] = C->ks[lg * cap + src];
