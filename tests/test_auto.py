@@ -426,6 +426,35 @@ def test_auto_leaves_the_prompt_rows_out_once_stand_trees_stop_paying(setup):
     assert memory["auto-stand-gap"]["gap"] > 16
 
 
+def test_auto_leaves_the_prompt_rows_out_where_the_prompt_is_long_for_the_answer(setup):
+    # a fresh model reads the prompt rows (STAND trees may pay), unless their LM head and
+    # top-K (a fifth of a prefill row, read off the curve) would cost more than a tenth of
+    # the answer's plain decoding: the same prompt, 96 new tokens against 4
+    backend, prompts, refs = setup
+    asked = []
+
+    class RowsFrom(RecordingSession):
+        rows_from = True
+
+        def forward(self, input_ids, *args, rows_from=None, **kw):
+            if self.inner.cache_len == 0:
+                asked.append(rows_from is not None)
+            return self.inner.forward(input_ids, *args, **kw)
+
+    class Rec(RecordingBackend):
+        def session(self):
+            return RowsFrom(self.inner.session(), self.sizes)
+
+    ids = prompts[0]
+    # STEEP: t(1) 0.2 s, ~0.33 s a row at 60; 96 new tokens allow ~29 prompt rows, 4 none
+    assert 2 <= len(ids) <= 28, len(ids)
+    for new, left_out in ((96, False), (4, True)):
+        config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=new, latency=STEEP)
+        out = Generation(Rec(backend), config, ids, memory={}).run().token_ids
+        assert out == refs[0][:new]
+        assert asked[-1] is left_out, (new, asked)
+
+
 def test_auto_reads_its_curve_at_the_cache_length(setup, monkeypatch):
     """A block's cost grows with the cache it attends to, faster for more rows (SmolLM2 fp32
     on 2 cores: t(8) - t(1) = 9.7 ms over 64 cached rows, 16.4 ms over 800). auto measures

@@ -94,6 +94,9 @@ MASK_ONLY_2 = Plan((-1,), 2)  # the same with 2 masks: candidates for a k = 2 pl
 WHOLE_MIN_T1 = 0.004  # seconds: t(1) below which whole drafters and STAND trees are not weighed
 STAND_NODES = 16  # widest STAND tree auto grows (its best prefix is what runs)
 CONTEXT_STEP = 32    # cache rows between recomputations of the curve at the current length
+LM_ROW_SHARE = 0.2   # a prefill row's cost that is its LM head and top-K (SmolLM2: a fifth of
+                     # its multiply-adds; Llama-3.2-1B ~0.21, Qwen3-0.6B ~0.26)
+PROMPT_ROWS_BUDGET = 0.1  # the most of an answer's plain decoding the prompt rows may cost
 _MEASURING = threading.Lock()  # one latency measurement at a time in a process
 
 
@@ -238,6 +241,8 @@ class AutoDrafter:
         self.hybrids = [w for w in self.wholes if w.name.startswith("hybrid")]
         if self.k2:
             self.mask_tokens = 2  # prefill carries 2 masks: a k = 2 plan may run first
+        self._max_new = config.max_new_tokens
+        self._rows_cheap = True  # (set per generation by start)
         # ranks at which true tokens appeared among the mask's pruned candidates; starts from
         # a pessimistic prior (a few misses), so an unknown model decodes plainly first
         self.rank_hits = memory.setdefault(("auto-ranks", self.width),
@@ -387,16 +392,31 @@ class AutoDrafter:
         the mask rows' outputs are computed, where the backend can leave rows out (the native
         one, Engine._prefill): on SmolLM2 int4 (AVX2) the LM head and top-K over every prompt
         row had made the prefill ~25 % longer, and `auto` lost to plain decoding on prompts
-        of 200-800 tokens (bench/results/auto_prompt_rows_cpu.md)."""
-        return self._dists and self._stand_gap["gap"] <= self.stand_record
+        of 200-800 tokens (bench/results/auto_prompt_rows_cpu.md). Nor where the prompt is
+        long for the answer asked (_prompt_rows_cheap)."""
+        return (self._dists and self._stand_gap["gap"] <= self.stand_record
+                and self._rows_cheap)
+
+    def _prompt_rows_cheap(self, rows: int) -> bool:
+        # the prompt rows' LM head and top-K cost about LM_ROW_SHARE of a prefill row each (a
+        # block's per-row cost, read off the curve at this length); they are asked for only
+        # while that stays under PROMPT_ROWS_BUDGET of the answer's plain decoding (up to
+        # max_new_tokens steps). SmolLM2 int4, a 769-token summarization prompt, 116 new
+        # tokens: the rows made a fresh model's first prefill 1.73 s against 1.41 s, while
+        # its whole decode took 0.75-0.84 s
+        lat = self._latl
+        top = len(lat) - 1
+        row = (lat[top] - lat[top // 2]) / max(top - top // 2, 1)
+        return rows * LM_ROW_SHARE * row <= PROMPT_ROWS_BUDGET * self._max_new * lat[1]
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)
         self.context = ContextModel(self.context.dists.k, MAX_NGRAM, native=True)
         self.context.extend(prompt_ids)
         self.index = self.context.index
-        self.topk, self._record = self.topk_max, self.prompt_rows
         self._at_context(len(prompt_ids))
+        self._rows_cheap = self._prompt_rows_cheap(len(prompt_ids))
+        self.topk, self._record = self.topk_max, self.prompt_rows
         for w in self.wholes:
             if isinstance(w.drafter, HybridDrafter):
                 w.drafter.shared = self.context
