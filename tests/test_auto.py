@@ -398,13 +398,9 @@ def test_prefill_carries_masks_only_where_probing_could_pay(setup, clock):
             assert rows[-1] >= 1, f"a flat curve should probe from the first step: {rows}"
 
 
-def test_auto_leaves_the_prompt_rows_out_once_stand_trees_stop_paying(setup):
-    # the prompt rows' LM head and top-K feed only the stored distributions STAND trees and
-    # the hybrids read; on a backend that can leave rows out (the native one), auto asks for
-    # them while STAND trees are still grown often, and no longer once they keep losing
-    backend, prompts, refs = setup
-    asked = []  # per prefill: whether it left the prompt rows out
-
+def _rows_asked(asked):
+    """A RecordingBackend whose sessions can leave prompt rows out, each prefill's ask noted
+    in ``asked`` (True: the prompt rows left out)."""
     class RowsFrom(RecordingSession):
         rows_from = True  # (the torch session computes every row; the engine's ask is noted)
 
@@ -416,6 +412,17 @@ def test_auto_leaves_the_prompt_rows_out_once_stand_trees_stop_paying(setup):
     class Rec(RecordingBackend):
         def session(self):
             return RowsFrom(self.inner.session(), self.sizes)
+
+    return Rec
+
+
+def test_auto_leaves_the_prompt_rows_out_once_stand_trees_stop_paying(setup):
+    # the prompt rows' LM head and top-K feed only the stored distributions STAND trees and
+    # the hybrids read; on a backend that can leave rows out (the native one), auto asks for
+    # them while STAND trees are still grown often, and no longer once they keep losing
+    backend, prompts, refs = setup
+    asked = []  # per prefill: whether it left the prompt rows out
+    Rec = _rows_asked(asked)
 
     memory = {}
     config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=96, latency=STEEP)
@@ -432,18 +439,7 @@ def test_auto_leaves_the_prompt_rows_out_where_the_prompt_is_long_for_the_answer
     # the answer's plain decoding: the same prompt, 96 new tokens against 4
     backend, prompts, refs = setup
     asked = []
-
-    class RowsFrom(RecordingSession):
-        rows_from = True
-
-        def forward(self, input_ids, *args, rows_from=None, **kw):
-            if self.inner.cache_len == 0:
-                asked.append(rows_from is not None)
-            return self.inner.forward(input_ids, *args, **kw)
-
-    class Rec(RecordingBackend):
-        def session(self):
-            return RowsFrom(self.inner.session(), self.sizes)
+    Rec = _rows_asked(asked)
 
     ids = prompts[0]
     # STEEP: t(1) 0.2 s, ~0.33 s a row at 60; 96 new tokens allow ~29 prompt rows, 4 none
