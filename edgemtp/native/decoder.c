@@ -194,6 +194,7 @@ typedef struct {
 #define LM_ROWS 16  /* rows of logits computed at once (bounds the scratch for a prefill) */
 
 static int pad32(int k) { return (k + 31) / 32 * 32; }
+static size_t pad8(size_t k) { return (k + 7) / 8 * 8; }
 
 /* ---- int8 activations, per row and block of 32 ---- */
 static void quant_row(const float *x, int K, int8_t *aq, float *as, int32_t *asum) {
@@ -630,8 +631,8 @@ static void qk_rows_f(int n, const float *const *q, const float *kf, int D,
 }
 
 /* the scores of keys [k0, k1) for n query rows: qk_tile over a half-float cache (n <= RT),
-   or (ks set) qk_tile8 over an int8 cache (n <= RTI), from the rows' int16 pairs qp[r] and qsc[r] = their
-   scale * scale (q_pairs, made once a layer for each row and head) */
+   or (ks set) qk_tile8 over an int8 cache (n <= RTI), from the rows' int16 pairs qp[r] and
+   qsc[r] = their scale * scale (q_pairs, made once a layer for each row and head) */
 static void qk_rows(int n, const float *const *q, const int32_t *const *qp, const float *qsc,
                     const void *kh, const float *ks, int D, int k0, int k1, float scale,
                     float *const *out) {
@@ -1100,7 +1101,7 @@ size_t decoder_scratch(const Model *M, int T, int cap) {
     threads = M->threads > 0 ? M->threads : omp_get_max_threads();
 #endif
     int gt = T < GROUP_ROWS ? T : GROUP_ROWS;
-    return per_row * T + (size_t)rows * Vp + (size_t)threads * RT * (cap + T + 24)
+    return per_row * T + 16 + (size_t)rows * Vp + (size_t)threads * RT * (cap + T + 24)
            + group_scratch(M, gt, cap, threads) + 64;
 }
 
@@ -1155,8 +1156,8 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
     float *mm = gu + (size_t)T * Ngu;              /* [T][pad32(F)] */
     float *y = mm + (size_t)T * pad32(F);          /* [T][d] */
     int32_t *QP = (int32_t *)(y + (size_t)T * d);  /* [T][H][D / 2] int8 cache: q_pairs */
-    float *QS = (float *)(QP + (size_t)T * H * (D / 2));  /* [T][H] their scale * scale */
-    int8_t *aq = (int8_t *)(QS + (size_t)T * H);   /* [T][Kmax] */
+    float *QS = (float *)(QP + pad8((size_t)T * H * (D / 2)));  /* [T][H] their scale * scale */
+    int8_t *aq = (int8_t *)(QS + pad8((size_t)T * H));  /* [T][Kmax] (32-byte aligned as before) */
     float *as = (float *)(aq + (size_t)T * Kmax);  /* [T][Kmax/32] */
     int32_t *asum = (int32_t *)(as + (size_t)T * (Kmax / 32));
     float *lg = (float *)(asum + (size_t)T * (Kmax / 32));   /* [LM_ROWS][Vp] */
