@@ -187,6 +187,11 @@ class AutoDrafter:
     #                    many times try_every (scaled as try_every is)
     try_share = 0.005  # the most of the decoding time all tries together may lose
     decay = 0.98  # weight of a lookup chain's record per newer chain of its n-gram length
+    # a lookup chain runs only where its expected rate beats the best so far by this factor:
+    # chains that expect a few per cent more than a plain step are a coin toss at this
+    # machine's noise, and their losses (a 2-row block costs 1.26-1.30x a plain step over
+    # 700 cached rows) held summarization under 1.0x (bench/results/auto_chain_margin_cpu.md)
+    chain_margin = 1.05
     host_ema = 0.1     # weight of the newest step in the host-time estimates
     slope_ema = 0.01   # weight of the newest lookup / probing step in the compute slope
     #                    (each older one counts 1 - slope_ema less; 0: no slope, the curve as is)
@@ -505,7 +510,7 @@ class AutoDrafter:
             if self._steps % self.refresh == 0 or self._chain_table is None:
                 self._chain_table = self._chain_rates(self._host("pld"))
             i, rate = self._chain_table[self._chain_n - 1][len(self._chain) - 1]
-            if rate > best_rate:
+            if rate > best_rate * self.chain_margin:
                 best, best_rate = ("pld", i), rate
         if self._cand is not None and self.plans:  # probing with m nodes (T = 2(m + 1))
             rates = self._probe_rates()
