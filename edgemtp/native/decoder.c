@@ -164,12 +164,15 @@ static inline const void *kv_at(const void *base, size_t i, const int q8) {
     return (const char *)base + i * (q8 ? 1 : 2);
 }
 
-/* the int8 scale of n values: amax / 127 (0 for a zero row, whose codes are 0) */
-static float q8_scale(const float *x, int n) {
+/* the largest magnitude of n values */
+static float amax(const float *x, int n) {
     float m = 0.f;
     for (int e = 0; e < n; e++) m = fabsf(x[e]) > m ? fabsf(x[e]) : m;
-    return m / 127.f;
+    return m;
 }
+
+/* the int8 scale of n values: amax / 127 (0 for a zero row, whose codes are 0) */
+static float q8_scale(const float *x, int n) { return amax(x, n) / 127.f; }
 static inline int8_t q8_code(float x, float s) {
     if (s == 0.f) return 0;
     long q = lrintf(x / s);
@@ -462,8 +465,7 @@ static void embed_row(const Model *M, int64_t id, const float *mask_embeds, int 
    The same bits wherever a row is computed: they depend on the row's own values only, and
    the vector and scalar roundings are the same (round to nearest even). */
 static float q_pairs(const float *q, int D, int32_t *qp) {
-    float m = 0.f;
-    for (int e = 0; e < D; e++) m = fabsf(q[e]) > m ? fabsf(q[e]) : m;
+    const float m = amax(q, D);
     if (m == 0.f) {
         memset(qp, 0, sizeof(int32_t) * (size_t)(D / 2));
         return 0.f;
