@@ -415,9 +415,11 @@ class NativeSession:
         q8 = b.kv_cache == "int8"
         el = np.int8 if q8 else np.float16
         self.k = np.zeros((L, Hkv, cap // 16, D, 16), el)
-        # values in 32-lane chunks, each its own [cap][32] run (see decoder.c vidx)
+        # values in 32-lane chunks, each its own [cap][32] run (see decoder.c vidx); int8:
+        # in each chunk the rows in pairs, lane by lane side by side (vidx8)
         vw = 32 if D % 32 == 0 else D
-        self.v = np.zeros((L, Hkv, D // vw, cap, vw), el)
+        self.v = np.zeros((L, Hkv, D // vw, cap // 2, vw, 2) if q8 else (L, Hkv, D // vw, cap, vw),
+                          el)
         # int8: a scale per key row and KV head, and per value row and 32-lane chunk
         self.ks = np.zeros((L, Hkv, cap), np.float32) if q8 else None
         self.vs = np.zeros((L, Hkv, D // vw, cap), np.float32) if q8 else None
@@ -451,7 +453,8 @@ class NativeSession:
             raise ConfigError(f"a block of {t} rows after {self.cache.len} cached ones overruns "
                               f"the KV cache ({self.rows} rows)")
         if t > self._work_t:
-            n = b.lib.decoder_scratch(ctypes.byref(b.model), t, self.cache.cap)
+            n = b.lib.decoder_scratch(ctypes.byref(b.model), t, self.cache.cap,
+                                         int(self.ks is not None))
             self._work, self._work_t = np.zeros(n, np.float32), t
         embeds = self._no_masks if mask_embeds is None else np.ascontiguousarray(
             mask_embeds, dtype=np.float32)

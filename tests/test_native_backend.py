@@ -166,6 +166,9 @@ def test_gqa_head_dim_64_rows_are_bitwise_the_same_in_any_block(gqa_pkg, kv):
     b.lib.decoder_set_group_min_p(0)
     try:
         _tree_rows_equal_plain(b, 30)
+        # lists that cross the int8 cache's first int32 flush (256 entries, decoder.c pv_int)
+        # in the block's rows, and in the cache's rows where the path is decoded alone
+        _tree_rows_equal_plain(b, 30, prompt_len=251)
         # a tree step whose accepted path is not a prefix of the block: commit moves its
         # rows down; the next step must see plain decoding's cache
         rng = np.random.default_rng(11)
@@ -192,19 +195,19 @@ def test_gqa_head_dim_64_rows_are_bitwise_the_same_in_any_block(gqa_pkg, kv):
         b.lib.decoder_set_group_min_p(-2)
 
 
-def _tree_rows_equal_plain(backend, size):
+def _tree_rows_equal_plain(backend, size, prompt_len=17):
     rng = np.random.default_rng(size)
-    prompt = rng.integers(0, backend.vocab_size, 17)
+    prompt = rng.integers(0, backend.vocab_size, prompt_len)
     embeds = rng.standard_normal((3, backend.hidden_size)).astype(np.float32) * 0.1
     parent, mask, depth, ids = _random_tree(rng, size, backend.vocab_size, 3)
     s, _ = _prefill(backend, prompt)
-    block = s.forward(ids, 17 + depth, mask, embeds, topk=8, full_logits=True)
+    block = s.forward(ids, prompt_len + depth, mask, embeds, topk=8, full_logits=True)
     for row in rng.choice(size, 6, replace=False):
         path = np.flatnonzero(mask[row])  # its ancestors and itself, in block order
         alone, _ = _prefill(backend, prompt)
         for j in path:  # plain decoding of the path, one row a step
-            out = alone.forward(ids[j:j + 1], np.array([17 + depth[j]]), np.ones((1, 1), bool),
-                                embeds, topk=8, full_logits=True)
+            out = alone.forward(ids[j:j + 1], np.array([prompt_len + depth[j]]),
+                                np.ones((1, 1), bool), embeds, topk=8, full_logits=True)
             alone.commit([0])
         assert np.array_equal(out.logits[0], block.logits[row])
         assert np.array_equal(out.topk_ids[0], block.topk_ids[row])
@@ -419,14 +422,15 @@ def test_grouped_attention_is_bitwise_the_rows_path(gqa_pkg, threads, kv):
     """A step over a long cache runs attention in three passes split by KV group, key slice
     and value lanes (decoder.c attend_groups) instead of by query head: the same chains, so
     the same bits. Blocks of more rows convert each key block and value slice to floats once
-    and carry the value sums between slices. Compared here at cache lengths from a ragged 203
-    on (neither 16, the 64-row value slice nor the 128-key slice divides it), for one-row
-    steps, two-row blocks and trees of 7 and 21 rows (ancestors beyond the leading run, mask
-    rows), with the path forced on and off."""
+    and carry the value sums between slices. Compared here at cache lengths from a ragged 247
+    on (neither 16, the 64-row value slice nor the 128-key slice divides it; the int8 cache's
+    lists cross their first int32 flush at 256 entries, in the block and then in the cache),
+    for one-row steps, two-row blocks and trees of 7 and 21 rows (ancestors beyond the leading
+    run, mask rows), with the path forced on and off."""
     b = NativeBackend(str(gqa_pkg), threads=threads, kv_cache=kv)
     rng = np.random.default_rng(threads)
     embeds = rng.standard_normal((2, b.hidden_size)).astype(np.float32) * 0.1
-    s, _ = _prefill(b, rng.integers(0, b.vocab_size, 203))
+    s, _ = _prefill(b, rng.integers(0, b.vocab_size, 247))
     blocks = [(np.ones((1, 1), bool), 1), (np.tril(np.ones((2, 2), bool)), 2),
               (np.eye(2, dtype=bool), 2), (_random_tree(rng, 7, b.vocab_size, 2)[1], 7),
               (_random_tree(rng, 21, b.vocab_size, 2)[1], 21)]

@@ -199,7 +199,7 @@ def heads_why_not() -> str | None:
 
 def _declare_decoder(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.decoder_scratch.restype, lib.decoder_scratch.argtypes = ctypes.c_size_t, [p, i32, i32]
+    lib.decoder_scratch.restype, lib.decoder_scratch.argtypes = ctypes.c_size_t, [p, i32, i32, i32]
     lib.decoder_forward.restype, lib.decoder_forward.argtypes = i32, [p, p, p, p]
     lib.decoder_commit.restype, lib.decoder_commit.argtypes = None, [p, p, p, i32]
     lib.decoder_threads.restype, lib.decoder_threads.argtypes = i32, []

@@ -91,6 +91,13 @@ static inline size_t vidx(int p, int e, int D, int cap) {
     const int w = vw(D);
     return ((size_t)(e / w) * cap + p) * w + e % w;
 }
+/* the same for an int8 value cache: in each chunk the rows go in pairs (p, p + 1), p even,
+   lane by lane side by side ([cap / 2][w][2]), as one integer multiply-add of 16-bit pairs
+   takes two rows' lanes (see pv_int) */
+static inline size_t vidx8(int p, int e, int D, int cap) {
+    const int w = vw(D);
+    return (size_t)(e / w) * cap * w + (size_t)(p & ~1) * w + (size_t)(e % w) * 2 + (p & 1);
+}
 
 
 typedef struct { int G, nb; const uint8_t *w; const float *sc; const uint8_t *zp; } Q4W;
@@ -140,26 +147,13 @@ static inline v8 loadh8(const kv_t *p) {
    (|sum| <= D * 32767 * 127 < 2^31 for D <= 256), so it is the same number whatever order or
    kernel computes it: no chain order to keep, and integer multiply-adds of 16-bit pairs
    (AVX2's vpmaddwd) do 16 products a cycle where the float chains did 8 and converted every
-   code first. A value row enters p @ V as fma(p * vs, v8, acc): the same operations in every
-   path. */
-static inline v8 loadq8(const int8_t *p) {  /* 8 int8 -> 8 floats, exact */
-#ifdef __AVX2__
-    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-    v8 r;
-    for (int l = 0; l < 8; l++) r[l] = (float)p[l];
-    return r;
-#endif
-}
-
-/* element i of a cache array of half floats (q8 = 0) or int8 (q8 = 1; a constant where
-   inlined) */
-static inline v8 loadkv(const void *base, size_t i, const int q8) {
-    return q8 ? loadq8((const int8_t *)base + i) : loadh8((const kv_t *)base + i);
-}
-static inline float kvf(const void *base, size_t i, const int q8) {
-    return q8 ? (float)((const int8_t *)base)[i] : h2f(((const kv_t *)base)[i]);
-}
+   code first. p @ V is integer too (pv_int): each row's weight times its chunk's value scale,
+   p * vs, is rounded to int16 with the list's own scale (amax / 32767, pv_weights), value
+   rows are stored in pairs (vidx8), and vpmaddwd sums two rows' products a lane at once into
+   int32, exact, flushed to a float sum every PV_FLUSH list entries (f + (float)sum * ws);
+   the output is f * (1 / sum of weights). Only the flush points and the float operations
+   fix the bits, and they are the same in every path. */
+/* the address of element i of a cache array of half floats (q8 = 0) or int8 (q8 = 1) */
 static inline const void *kv_at(const void *base, size_t i, const int q8) {
     return (const char *)base + i * (q8 ? 1 : 2);
 }
@@ -660,15 +654,208 @@ static void qk_rows(int n, const float *const *q, const int32_t *const *qp, cons
     }
 }
 
+/* --- the int8 cache's p @ V -------------------------------------------------------------
+   A (block row, query head)'s scratch: its list's floats in n + 24 slots (scores, then
+   weights, 1 / their sum at the slot after the last 8-lane vector, each value chunk's weight
+   scale in the slots after it), then, for an int8 cache, each value chunk's int16 weights,
+   wq_span(n) apiece (n: the cache rows plus the block's, an upper bound of the list). */
+#define PV_FLUSH 256  /* list entries summed in int32 between flushes: |sum| <= 256 * 32767 *
+                         127 < 2^31 */
+static size_t wq_span(int n) { return (size_t)(n + 8 + 15) / 16 * 16; }
+static size_t row_stride(int n, int nch, int q8) {
+    return (size_t)n + 24 + (q8 ? (size_t)nch * wq_span(n) / 2 : 0);
+}
+
+/* value chunk c's int16 weights of a row's list (n entries: rows 0 .. n0 - 1, then P + an[]):
+   w_i = x[i] * vs[row_i] (vs: the chunk's value scales) rounded to q = w * (32767 / amax),
+   to nearest even; wq[n] = 0 (a pair's partner past the list); returns amax / 32767 */
+static float pv_weights(const float *x, const float *vs, int n0, int n, int P, const int *an,
+                        int16_t *wq) {
+    float m = 0.f;
+    int i = 0;
+    v8 mv = {0};
+    for (; i + 8 <= n0; i += 8) mv = max8(mv, load8(x + i) * load8(vs + i));
+    for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
+    for (; i < n; i++) {
+        float w = x[i] * vs[i < n0 ? i : P + an[i - n0]];
+        m = w > m ? w : m;
+    }
+    wq[n] = 0;
+    if (m == 0.f) {
+        memset(wq, 0, sizeof(int16_t) * (size_t)n);
+        return 0.f;
+    }
+    const float inv = 32767.f / m;
+    i = 0;
+#ifdef __AVX2__
+    const __m256i hi = _mm256_set1_epi32(32767);
+    for (; i + 16 <= n0; i += 16) {
+        __m256i a = _mm256_cvtps_epi32((__m256)(load8(x + i) * load8(vs + i) * bcast8(inv)));
+        __m256i b = _mm256_cvtps_epi32(
+            (__m256)(load8(x + i + 8) * load8(vs + i + 8) * bcast8(inv)));
+        a = _mm256_min_epi32(a, hi);
+        b = _mm256_min_epi32(b, hi);
+        _mm_storeu_si128((__m128i *)(wq + i), _mm_packs_epi32(_mm256_castsi256_si128(a),
+                                                              _mm256_extracti128_si256(a, 1)));
+        _mm_storeu_si128((__m128i *)(wq + i + 8),
+                         _mm_packs_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    }
+#endif
+    for (; i < n; i++) {
+        long q = lrintf(x[i] * vs[i < n0 ? i : P + an[i - n0]] * inv);
+        wq[i] = (int16_t)(q > 32767 ? 32767 : q);
+    }
+    return m / 32767.f;
+}
+
+/* p @ V over an int8 cache, list entries [i0, i1), for nj (<= 3) heads and nv (<= 4) 8-lane
+   vectors of value lanes e .. e + 8 nv - 1 of one chunk (vp: the chunk, pair layout, w lanes):
+   ai[j]: each head's int32 sums since the last flush (read and written back), f[j]: its
+   float sums, which get f + (float)ai * ws[j] after every list entry i with (i + 1) a
+   multiple of PV_FLUSH (the caller flushes the rest after the list's last entry, pv_flush).
+   Entries i, i + 1 below n0 (i even) are cache rows i and i + 1: one pair; any other entry
+   is its row's pair with the partner's weight 0. Integer sums are exact: how entries are
+   paired or which kernel runs changes no bit. wq[j]: head j's int16 weights. */
+static inline __attribute__((always_inline)) void pv_int(
+        const int nj, const int nv, const int16_t *const *wq, const float *ws,
+        const int8_t *vp, int w, int e, int i0, int i1, int n0, int P, const int *an,
+        int32_t *const *ai, float *const *f) {
+    int i = i0;
+#ifdef __AVX2__
+    __m256i a[3][4];
+    for (int j = 0; j < nj; j++)
+        for (int k = 0; k < nv; k++) a[j][k] = _mm256_loadu_si256((const __m256i *)(ai[j] + 8 * k));
+#define PV_PAIR(blk, wsel)                                                                   \
+    do {                                                                                     \
+        __m256i ww[3];                                                                       \
+        for (int j = 0; j < nj; j++) ww[j] = _mm256_set1_epi32(wsel);                        \
+        for (int k = 0; k < nv; k++) {                                                       \
+            __m256i v = _mm256_cvtepi8_epi16(                                                \
+                _mm_loadu_si128((const __m128i *)((blk) + (size_t)(e + 8 * k) * 2)));        \
+            for (int j = 0; j < nj; j++)                                                     \
+                a[j][k] = _mm256_add_epi32(a[j][k], _mm256_madd_epi16(v, ww[j]));            \
+        }                                                                                    \
+    } while (0)
+#else
+#define PV_PAIR(blk, wsel)                                                                   \
+    do {                                                                                     \
+        for (int j = 0; j < nj; j++) {                                                       \
+            const int32_t ww = (wsel);                                                       \
+            const int32_t lo = (int16_t)(uint16_t)ww, hi = (int16_t)((uint32_t)ww >> 16);    \
+            for (int l = 0; l < 8 * nv; l++)                                                 \
+                ai[j][l] += lo * (blk)[(size_t)(e + l) * 2] + hi * (blk)[(size_t)(e + l) * 2 + 1]; \
+        }                                                                                    \
+    } while (0)
+#endif
+    while (i < i1) {
+        int end = (i / PV_FLUSH + 1) * PV_FLUSH;
+        if (end > i1) end = i1;
+        int pe = end < n0 ? end : n0;
+        if ((i & 1) && i < pe) {  /* an odd cache row: the second of its pair */
+            const int8_t *blk = vp + (size_t)(i - 1) * w;
+            PV_PAIR(blk, (int32_t)((uint32_t)(uint16_t)wq[j][i] << 16));
+            i++;
+        }
+        for (; i + 1 < pe; i += 2) {
+            const int8_t *blk = vp + (size_t)i * w;
+            int32_t pr;
+            PV_PAIR(blk, (memcpy(&pr, wq[j] + i, 4), pr));
+        }
+        for (; i < end; i++) {  /* the last cache row of an odd run, the block's rows */
+            const int row = i < n0 ? i : P + an[i - n0];
+            const int8_t *blk = vp + (size_t)(row & ~1) * w;
+            PV_PAIR(blk, (row & 1) ? (int32_t)((uint32_t)(uint16_t)wq[j][i] << 16)
+                                   : (int32_t)(uint16_t)wq[j][i]);
+        }
+        if (end % PV_FLUSH == 0) {
+            for (int j = 0; j < nj; j++) {
+                const v8 sc = bcast8(ws[j]);
+                for (int k = 0; k < nv; k++) {
+#ifdef __AVX2__
+                    v8 fa = (v8)_mm256_cvtepi32_ps(a[j][k]);
+                    a[j][k] = _mm256_setzero_si256();
+#else
+                    v8 fa;
+                    for (int l = 0; l < 8; l++) { fa[l] = (float)ai[j][8 * k + l]; ai[j][8 * k + l] = 0; }
+#endif
+                    store8(f[j] + 8 * k, load8(f[j] + 8 * k) + fa * sc);
+                }
+            }
+        }
+    }
+#undef PV_PAIR
+#ifdef __AVX2__
+    for (int j = 0; j < nj; j++)
+        for (int k = 0; k < nv; k++) _mm256_storeu_si256((__m256i *)(ai[j] + 8 * k), a[j][k]);
+#endif
+}
+
+/* pv_int for nj heads and nl (a multiple of 8, <= 32) lanes */
+static void pv_ints(int nj, int nl, const int16_t *const *wq, const float *ws, const int8_t *vp,
+                    int w, int e, int i0, int i1, int n0, int P, const int *an,
+                    int32_t *const *ai, float *const *f) {
+#define PV_NV(nj_) switch (nl / 8) {                                                         \
+    case 1: pv_int(nj_, 1, wq, ws, vp, w, e, i0, i1, n0, P, an, ai, f); break;              \
+    case 2: pv_int(nj_, 2, wq, ws, vp, w, e, i0, i1, n0, P, an, ai, f); break;              \
+    case 3: pv_int(nj_, 3, wq, ws, vp, w, e, i0, i1, n0, P, an, ai, f); break;              \
+    default: pv_int(nj_, 4, wq, ws, vp, w, e, i0, i1, n0, P, an, ai, f); break; }
+    switch (nj) {
+    case 1: PV_NV(1) break;
+    case 2: PV_NV(2) break;
+    default: PV_NV(3) break;
+    }
+#undef PV_NV
+}
+
+/* after a list of n entries: the sums since the last flush, if any, into f, then the output
+   o = f * inv (o may be f), nl lanes */
+static void pv_flush(int n, const int32_t *ai, float ws, float *f, float inv, float *o, int nl) {
+    for (int l = 0; l < nl; l += 8) {
+        v8 x = load8(f + l);
+        if (n % PV_FLUSH) {
+            v8 fa;
+            for (int k = 0; k < 8; k++) fa[k] = (float)ai[l + k];
+            x = x + fa * bcast8(ws);
+        }
+        store8(o + l, x * bcast8(inv));
+    }
+}
+
+/* p @ V of one (block row, query head) over an int8 cache, every chunk (attend_rows): x the
+   row's list floats (inv at x[n8], chunk c's weight scale at x[n8 + 1 + c]), wq its int16
+   weights, chunk c at wq + c * wspan */
+static void pv_row8(const float *x, const int16_t *wq, size_t wspan, float *o, const int8_t *vv,
+                    int D, int cap, int n0, int n, int P, const int *an) {
+    const int w = vw(D), n8 = (n + 7) / 8 * 8;
+    const float inv = x[n8];
+    for (int c = 0; c < D / w; c++) {
+        const int16_t *wc = wq + (size_t)c * wspan;
+        const float ws = x[n8 + 1 + c];
+        for (int e = 0; e < w; e += 32) {
+            int nl = w - e < 32 ? w - e : 32;
+            int32_t ai[32] = {0};
+            float *f = o + c * w + e, *fp = f;
+            int32_t *ap = ai;
+            for (int l = 0; l < nl; l++) f[l] = 0.f;
+            pv_ints(1, nl, &wc, &ws, vv + (size_t)c * cap * w, w, e, 0, n, n0, P, an, &ap, &fp);
+            pv_flush(n, ai, ws, f, inv, f, nl);
+        }
+    }
+}
+
 /* the rest of one query row's attention weights, its scores s[0 .. done) already in place
    (done >= P): the scores of the block's keys (rows 0 .. lead - 1 contiguous after the cache,
    from done on, then the ancestors anc[0 .. na)), then s <- exp(s - max) over the whole list
-   and, in the slot after the list's last 8-lane vector, 1 / sum. The one code for every path
-   (attend_rows, attend_groups), so a row's weights are the same bits wherever it is
+   and, in the slot after the list's last 8-lane vector, 1 / sum; an int8 cache (vs: the
+   group's value scales, [nch][cap]) and wq set: then each value chunk c's int16 weights at
+   wq + c * wspan and their scale in the slot after 1 / sum plus c (pv_weights; a one-row
+   step's grouped path computes them in its p @ V tasks instead). The one code for every
+   path (attend_rows, attend_groups), so a row's weights are the same bits wherever it is
    computed. */
 static void row_softmax(const float *q, const int32_t *qp, float qsc, const void *kh,
                         const float *ks, int D, int P, int lead, int na, const int *anc,
-                        float scale, float *x, int done) {
+                        float scale, float *x, int done, const float *vs, int cap,
+                        int16_t *wq, size_t wspan) {
     int n0 = P + lead, n = n0 + na;
     float *sr = x + done;
     qk_rows(1, &q, &qp, &qsc, kh, ks, D, done, n0, scale, &sr);
@@ -679,7 +866,7 @@ static void row_softmax(const float *q, const int32_t *qp, float qsc, const void
             continue;
         }
         float acc = 0.f;
-        for (int e = 0; e < D; e++) acc = fmaf(q[e], kvf(kh, kidx(c, e, D), 0), acc);
+        for (int e = 0; e < D; e++) acc = fmaf(q[e], h2f(((const kv_t *)kh)[kidx(c, e, D)]), acc);
         x[n0 + a] = acc * scale;
     }
     int n8 = (n + 7) / 8 * 8, i;
@@ -698,29 +885,27 @@ static void row_softmax(const float *q, const int32_t *qp, float qsc, const void
         sum += e;
     }
     x[n8] = 1.0f / sum8(sum);  /* (a slot past the row's list) */
+    if (vs && wq)
+        for (int c = 0; c < D / vw(D); c++)
+            x[n8 + 1 + c] = pv_weights(x, vs + (size_t)c * cap, n0, n, P, anc, wq + c * wspan);
 }
 
-/* p @ V of one block row and query head, its keys in list order, 64 value lanes a pass in
-   registers: lane e's sum is fma(p_i, v_i[e], acc) over the list, p_i = x[i] (an int8 cache:
-   x[i] * the scale of row i's chunk of lane e). x: the row's weights, inv: 1 / their sum. */
-static inline __attribute__((always_inline)) void pv_row(
-        const int q8, const float *x, float inv, float *o, const void *vv, const float *vs,
-        int D, int cap, int n0, int n, int P, const int *an) {
-    const int w = vw(D);
+/* p @ V of one block row and query head over a half-float cache, its keys in list order, 64
+   value lanes a pass in registers: lane e's sum is fma(x[i], v_i[e], acc) over the list. x:
+   the row's weights, inv: 1 / their sum. (An int8 cache: pv_row8.) */
+static void pv_row(const float *x, float inv, float *o, const kv_t *vv, int D, int cap, int n0,
+                   int n, int P, const int *an) {
     int e0 = 0;
     for (; e0 + 64 <= D; e0 += 64) {
         v8 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0}, o4 = {0}, o5 = {0}, o6 = {0}, o7 = {0};
-        const float *s0 = vs ? vs + (size_t)(e0 / w) * cap : NULL;
-        const float *s1 = vs ? vs + (size_t)((e0 + 32) / w) * cap : NULL;
         for (int i = 0; i < n; i++) {
             int row = i < n0 ? i : P + an[i - n0];
             size_t v = vidx(row, e0, D, cap), u = vidx(row, e0 + 32, D, cap);
-            v8 p = (v8){0} + (q8 ? x[i] * s0[row] : x[i]);
-            v8 pu = (v8){0} + (q8 ? x[i] * s1[row] : x[i]);
-            o0 = fma8(p, loadkv(vv, v, q8), o0);       o1 = fma8(p, loadkv(vv, v + 8, q8), o1);
-            o2 = fma8(p, loadkv(vv, v + 16, q8), o2);  o3 = fma8(p, loadkv(vv, v + 24, q8), o3);
-            o4 = fma8(pu, loadkv(vv, u, q8), o4);      o5 = fma8(pu, loadkv(vv, u + 8, q8), o5);
-            o6 = fma8(pu, loadkv(vv, u + 16, q8), o6); o7 = fma8(pu, loadkv(vv, u + 24, q8), o7);
+            v8 p = (v8){0} + x[i];
+            o0 = fma8(p, loadh8(vv + v), o0);       o1 = fma8(p, loadh8(vv + v + 8), o1);
+            o2 = fma8(p, loadh8(vv + v + 16), o2);  o3 = fma8(p, loadh8(vv + v + 24), o3);
+            o4 = fma8(p, loadh8(vv + u), o4);       o5 = fma8(p, loadh8(vv + u + 8), o5);
+            o6 = fma8(p, loadh8(vv + u + 16), o6);  o7 = fma8(p, loadh8(vv + u + 24), o7);
         }
         store8(o + e0, o0 * inv);      store8(o + e0 + 8, o1 * inv);
         store8(o + e0 + 16, o2 * inv); store8(o + e0 + 24, o3 * inv);
@@ -728,12 +913,10 @@ static inline __attribute__((always_inline)) void pv_row(
         store8(o + e0 + 48, o6 * inv); store8(o + e0 + 56, o7 * inv);
     }
     for (; e0 < D; e0 += 8) {  /* (D is a multiple of 8) */
-        const float *s0 = vs ? vs + (size_t)(e0 / w) * cap : NULL;
         v8 acc = {0};
         for (int i = 0; i < n; i++) {
             int row = i < n0 ? i : P + an[i - n0];
-            v8 p = (v8){0} + (q8 ? x[i] * s0[row] : x[i]);
-            acc = fma8(p, loadkv(vv, vidx(row, e0, D, cap), q8), acc);
+            acc = fma8((v8){0} + x[i], loadh8(vv + vidx(row, e0, D, cap)), acc);
         }
         store8(o + e0, acc * inv);
     }
@@ -752,7 +935,7 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
                         const float *ks, const void *vv, const float *vs, int D, int cap,
                         const int32_t *QP, const float *QS, int H,
                         float scale, float *sc, float *att, int ldatt) {
-    const int stride = P + T + 24;
+    const size_t stride = row_stride(P + T, D / vw(D), vs != NULL), wspan = wq_span(P + T);
     const float *q[RT];
     const int32_t *qp[RT] = {0};
     float qsc[RT] = {0};
@@ -773,7 +956,7 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
     for (int r = 0; r < rt; r++) {
         int t = t0 + r;
         row_softmax(q[r], qp[r], qsc[r], kh, ks, D, P, lead[t], nanc[t], anc + (size_t)t * T,
-                    scale, s[r], P + m);
+                    scale, s[r], P + m, vs, cap, (int16_t *)(s[r] + P + T + 24), wspan);
     }
     for (int r = 0; r < rt; r++) {
         int t = t0 + r, n0 = P + lead[t], n = n0 + nanc[t];
@@ -781,20 +964,21 @@ static void attend_rows(const float *qkv, int Nqkv, int hh, int t0, int rt, int 
         float *o = att + (size_t)t * ldatt + hh * D;
         float inv = x[(n + 7) / 8 * 8];
         if (vs)
-            pv_row(1, x, inv, o, vv, vs, D, cap, n0, n, P, anc + (size_t)t * T);
+            pv_row8(x, (const int16_t *)(s[r] + P + T + 24), wspan, o, (const int8_t *)vv, D,
+                    cap, n0, n, P, anc + (size_t)t * T);
         else
-            pv_row(0, x, inv, o, vv, vs, D, cap, n0, n, P, anc + (size_t)t * T);
+            pv_row(x, inv, o, (const kv_t *)vv, D, cap, n0, n, P, anc + (size_t)t * T);
     }
 }
 
 /* p @ V for nj (<= 3, a constant where inlined) query heads of one KV group and one block
    row, value lanes [e0, e0 + 32): each lane's sum runs over the row's list in list order,
    the same chain attend_rows computes, while each value row is loaded once for the nj
-   heads. x[j]: head j's weights, inv[j] its 1 / sum, o[j] its output row; vs: the chunk's
-   value scales (int8 cache, q8), as pv_row. */
+   heads (a half-float cache; an int8 one: pv_int). x[j]: head j's weights, inv[j] its 1 /
+   sum, o[j] its output row. */
 static inline __attribute__((always_inline)) void pv_heads32(
-        const int nj, const int q8, const float *const *x, const float *inv, float *const *o,
-        const void *vv, const float *vs, int D, int cap, int e0, int n0, int n, int P,
+        const int nj, const float *const *x, const float *inv, float *const *o,
+        const kv_t *vv, int D, int cap, int e0, int n0, int n, int P,
         const int *an, int i0, const float *const *from) {
     v8 acc[3][4];
     for (int j = 0; j < nj; j++)
@@ -802,10 +986,10 @@ static inline __attribute__((always_inline)) void pv_heads32(
     for (int i = i0; i < n; i++) {
         int row = i < n0 ? i : P + an[i - n0];
         size_t v = vidx(row, e0, D, cap);
-        v8 v0 = loadkv(vv, v, q8), v1 = loadkv(vv, v + 8, q8);
-        v8 v2 = loadkv(vv, v + 16, q8), v3 = loadkv(vv, v + 24, q8);
+        v8 v0 = loadh8(vv + v), v1 = loadh8(vv + v + 8);
+        v8 v2 = loadh8(vv + v + 16), v3 = loadh8(vv + v + 24);
         for (int j = 0; j < nj; j++) {
-            v8 p = bcast8(q8 ? x[j][i] * vs[row] : x[j][i]);
+            v8 p = bcast8(x[j][i]);
             acc[j][0] = fma8(p, v0, acc[j][0]); acc[j][1] = fma8(p, v1, acc[j][1]);
             acc[j][2] = fma8(p, v2, acc[j][2]); acc[j][3] = fma8(p, v3, acc[j][3]);
         }
@@ -817,29 +1001,20 @@ static inline __attribute__((always_inline)) void pv_heads32(
 /* (i0, from: the list from entry i0 on, each head's chains started from from[j]'s 32 lanes;
    0, NULL: the whole list from zero) */
 static void pv_heads(int nj, const float *const *x, const float *inv, float *const *o,
-                     const void *vv, const float *vs, int D, int cap, int e0, int n0, int n,
+                     const kv_t *vv, int D, int cap, int e0, int n0, int n,
                      int P, const int *an, int i0, const float *const *from) {
-    if (vs) {
-        switch (nj) {
-        case 1: pv_heads32(1, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
-        case 2: pv_heads32(2, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
-        default: pv_heads32(3, 1, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
-        }
-        return;
-    }
     switch (nj) {
-    case 1: pv_heads32(1, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
-    case 2: pv_heads32(2, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
-    default: pv_heads32(3, 0, x, inv, o, vv, vs, D, cap, e0, n0, n, P, an, i0, from); break;
+    case 1: pv_heads32(1, x, inv, o, vv, D, cap, e0, n0, n, P, an, i0, from); break;
+    case 2: pv_heads32(2, x, inv, o, vv, D, cap, e0, n0, n, P, an, i0, from); break;
+    default: pv_heads32(3, x, inv, o, vv, D, cap, e0, n0, n, P, an, i0, from); break;
     }
 }
 
 /* pv_heads32's chains over the cache rows [i0, i1) of one slice, for nj heads: the rows'
    value lanes [e0, e0 + 32) read as floats from vf (vf[(i - i0) * 32 + l], converted exactly
-   from the cache), each head's 32 running sums loaded from and stored back to acc[j]; ps:
-   the slice's value scales (int8 cache, vs[i - i0]) or NULL */
+   from the cache), each head's 32 running sums loaded from and stored back to acc[j] */
 static inline __attribute__((always_inline)) void pv_slice32(
-        const int nj, const float *const *x, const float *vf, const float *ps, int i0, int i1,
+        const int nj, const float *const *x, const float *vf, int i0, int i1,
         float *const *acc) {
     v8 a[3][4];
     for (int j = 0; j < nj; j++)
@@ -848,7 +1023,7 @@ static inline __attribute__((always_inline)) void pv_slice32(
         const float *vr = vf + (size_t)(i - i0) * 32;
         v8 v0 = load8(vr), v1 = load8(vr + 8), v2 = load8(vr + 16), v3 = load8(vr + 24);
         for (int j = 0; j < nj; j++) {
-            v8 p = bcast8(ps ? x[j][i] * ps[i - i0] : x[j][i]);
+            v8 p = bcast8(x[j][i]);
             a[j][0] = fma8(p, v0, a[j][0]); a[j][1] = fma8(p, v1, a[j][1]);
             a[j][2] = fma8(p, v2, a[j][2]); a[j][3] = fma8(p, v3, a[j][3]);
         }
@@ -857,12 +1032,12 @@ static inline __attribute__((always_inline)) void pv_slice32(
         for (int c = 0; c < 4; c++) store8(acc[j] + 8 * c, a[j][c]);
 }
 
-static void pv_slice(int nj, const float *const *x, const float *vf, const float *ps, int i0,
-                     int i1, float *const *acc) {
+static void pv_slice(int nj, const float *const *x, const float *vf, int i0, int i1,
+                     float *const *acc) {
     switch (nj) {
-    case 1: pv_slice32(1, x, vf, ps, i0, i1, acc); break;
-    case 2: pv_slice32(2, x, vf, ps, i0, i1, acc); break;
-    default: pv_slice32(3, x, vf, ps, i0, i1, acc); break;
+    case 1: pv_slice32(1, x, vf, i0, i1, acc); break;
+    case 2: pv_slice32(2, x, vf, i0, i1, acc); break;
+    default: pv_slice32(3, x, vf, i0, i1, acc); break;
     }
 }
 
@@ -882,16 +1057,105 @@ static void pv_slice(int nj, const float *const *x, const float *vf, const float
    Every score, weight and output lane is computed by the same chain as attend_rows computes
    it (lanes and keys are independent; only the split changes), so the block's rows are the
    same bits either way; tests compare the two paths bitwise. Called by every thread of the
-   parallel region (orphaned work-sharing loops). S: T * H rows of stride floats. */
+   parallel region (orphaned work-sharing loops). S: T * H rows of row_stride(nb) floats, nb
+   the longest list's bound (the cache rows plus the whole block's). */
 #define SLICE 128
 #define PSL 64  /* cache rows whose value lanes a p @ V task converts at once (T > 1) */
+
+/* attend_groups' p @ V over an int8 cache (pv_int): a task per (KV group, 32-lane chunk, run
+   of block rows); one row: the group's heads over the whole list at once; more rows: the
+   cache's rows PSL at a time (they stay in the first-level cache) for each of the run's rows
+   and heads, each chain's int32 and float sums kept in wk between slices, then each row's
+   own block rows. The same flush points and float operations as pv_row8: the same bits. A
+   one-row step's tasks weigh their heads' lists themselves (pv_weights, into wk: the six
+   tasks of SmolLM2's 3 groups x 2 chunks split evenly over two threads, its 9 softmax tasks
+   do not), more rows read the weights row_softmax wrote. */
+static void pv_groups8(int H, int Hkv, int T, int P, const int *lead, const int *nanc,
+                       const int *anc, int na, const int8_t *vc, const float *vst, int D, int cap,
+                       float *S, int nb, float *att, int ldatt, float *wk) {
+    const int grp = H / Hkv, nec = D / 32;
+    const size_t stride = row_stride(nb, nec, 1), wspan = wq_span(nb);
+    int team = 1;
+#ifdef _OPENMP
+    team = omp_get_num_threads();
+#endif
+    int tr = Hkv * nec >= team ? T : (T * Hkv * nec + team - 1) / team;  /* rows a task */
+    if (tr < 1) tr = 1;
+    const int ntr = (T + tr - 1) / tr;
+#pragma omp for schedule(static)
+    for (int job = 0; job < Hkv * nec * ntr; job++) {
+        int g = job / (nec * ntr), c = job / ntr % nec;
+        int ta = job % ntr * tr, tb = ta + tr < T ? ta + tr : T;
+        const int8_t *vp = vc + ((size_t)g * nec + c) * cap * 32;  /* the chunk, in pairs */
+        int32_t *ai = (int32_t *)wk;  /* [(t - ta) * grp + j][32] */
+        float *fs = wk + (size_t)tr * grp * 32;  /* the same, float sums */
+        float *ws1 = fs + (size_t)tr * grp * 32;  /* T = 1: the heads' weight scales */
+        int16_t *w1 = (int16_t *)(ws1 + pad8(grp));  /* and their weights, [j][wspan] */
+        if (T == 1)
+            for (int j = 0; j < grp; j++) {
+                const float *x = S + (size_t)(g * grp + j) * stride;
+                ws1[j] = pv_weights(x, vst + ((size_t)g * nec + c) * cap, P + lead[0],
+                                    P + lead[0] + nanc[0], P, anc, w1 + j * wspan);
+            }
+        memset(ai, 0, sizeof(int32_t) * (size_t)(tb - ta) * grp * 32);
+        memset(fs, 0, sizeof(float) * (size_t)(tb - ta) * grp * 32);
+        /* the list's cache rows, PSL at a time for every row and head (T > 1), or at once */
+        const int sl = T == 1 ? P : PSL;
+        for (int s0 = 0; s0 < P; s0 += sl) {
+            int s1 = s0 + sl < P ? s0 + sl : P;
+            for (int t = ta; t < tb; t++)
+                for (int j0 = 0; j0 < grp; j0 += 3) {
+                    int nj = grp - j0 < 3 ? grp - j0 : 3;
+                    const int16_t *w[3];
+                    float wsc[3], *f[3];
+                    int32_t *a[3];
+                    int n0 = P + lead[t], n8 = (n0 + nanc[t] + 7) / 8 * 8;
+                    for (int j = 0; j < nj; j++) {
+                        const float *x = S + ((size_t)t * H + g * grp + j0 + j) * stride;
+                        w[j] = T == 1 ? w1 + (j0 + j) * wspan
+                                      : (const int16_t *)(x + nb + 24) + c * wspan;
+                        wsc[j] = T == 1 ? ws1[j0 + j] : x[n8 + 1 + c];
+                        a[j] = ai + ((size_t)(t - ta) * grp + j0 + j) * 32;
+                        f[j] = fs + ((size_t)(t - ta) * grp + j0 + j) * 32;
+                    }
+                    pv_ints(nj, 32, w, wsc, vp, 32, 0, s0, s1, n0, P, anc + (size_t)t * na, a, f);
+                }
+        }
+        /* each row's own block rows, then the flush and the output */
+        for (int t = ta; t < tb; t++)
+            for (int j0 = 0; j0 < grp; j0 += 3) {
+                int nj = grp - j0 < 3 ? grp - j0 : 3;
+                const int16_t *w[3];
+                float wsc[3], *f[3];
+                int32_t *a[3];
+                int n0 = P + lead[t], n = n0 + nanc[t], n8 = (n + 7) / 8 * 8;
+                for (int j = 0; j < nj; j++) {
+                    const float *x = S + ((size_t)t * H + g * grp + j0 + j) * stride;
+                    w[j] = T == 1 ? w1 + (j0 + j) * wspan
+                                  : (const int16_t *)(x + nb + 24) + c * wspan;
+                    wsc[j] = T == 1 ? ws1[j0 + j] : x[n8 + 1 + c];
+                    a[j] = ai + ((size_t)(t - ta) * grp + j0 + j) * 32;
+                    f[j] = fs + ((size_t)(t - ta) * grp + j0 + j) * 32;
+                }
+                pv_ints(nj, 32, w, wsc, vp, 32, 0, P, n, n0, P, anc + (size_t)t * na, a, f);
+                for (int j = 0; j < nj; j++) {
+                    int hh = g * grp + j0 + j;
+                    const float *x = S + ((size_t)t * H + hh) * stride;
+                    pv_flush(n, a[j], wsc[j], f[j], x[n8], att + (size_t)t * ldatt + hh * D + c * 32,
+                             32);
+                }
+            }
+    }
+}
 static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int P,
                           const int *lead, const int *nanc, const int *anc, int na,
                           const void *kt,
                           const float *kst, const void *vc, const float *vst, int D, int cap,
                           const int32_t *QP, const float *QS,
-                          float scale, float *S, int stride, float *att, int ldatt, float *wk) {
+                          float scale, float *S, int nb, float *att, int ldatt, float *wk) {
     const int grp = H / Hkv, nsl = (P + SLICE - 1) / SLICE, rows = T * grp, q8 = kst != NULL;
+    const int nec = D / 32;  /* value chunks (D % 32 == 0 here) */
+    const size_t stride = row_stride(nb, nec, q8), wspan = wq_span(nb);
 #pragma omp for schedule(static)
     for (int job = 0; job < Hkv * nsl; job++) {
         int g = job / nsl, k0 = job % nsl * SLICE, k1 = k0 + SLICE < P ? k0 + SLICE : P;
@@ -944,19 +1208,25 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
     for (int job = 0; job < T * H; job++) {
         int t = job / H, hh = job % H;
         int g = hh / grp;
+        float *x = S + (size_t)job * stride;
         row_softmax(qkv + (size_t)t * Nqkv + hh * D,
                     q8 ? QP + (size_t)job * (D / 2) : NULL, q8 ? QS[job] : 0.f,
                     kv_at(kt, (size_t)g * D * cap, q8), q8 ? kst + (size_t)g * cap : NULL, D, P,
-                    lead[t], nanc[t], anc + (size_t)t * na, scale, S + (size_t)job * stride, P);
+                    lead[t], nanc[t], anc + (size_t)t * na, scale, x, P,
+                    q8 ? vst + (size_t)g * nec * cap : NULL, cap,
+                    T > 1 ? (int16_t *)(x + nb + 24) : NULL, wspan);
     }
-    const int nec = D / 32;
+    if (q8) {
+        pv_groups8(H, Hkv, T, P, lead, nanc, anc, na, (const int8_t *)vc, vst, D, cap, S, nb,
+                   att, ldatt, wk);
+        return;
+    }
     if (T == 1) {
 #pragma omp for schedule(static)
         for (int job = 0; job < Hkv * nec; job++) {
             int g = job / nec, e0 = job % nec * 32;
             int n0 = P + lead[0], n = n0 + nanc[0], n8 = (n + 7) / 8 * 8;
-            const void *vv = kv_at(vc, (size_t)g * cap * D, q8);
-            const float *vs = q8 ? vst + ((size_t)g * nec + e0 / 32) * cap : NULL;
+            const kv_t *vv = (const kv_t *)vc + (size_t)g * cap * D;
             for (int j0 = 0; j0 < grp; j0 += 3) {
                 int nj = grp - j0 < 3 ? grp - j0 : 3;
                 const float *x[3];
@@ -967,7 +1237,7 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
                     inv[j] = x[j][n8];
                     o[j] = att + hh * D;
                 }
-                pv_heads(nj, x, inv, o, vv, vs, D, cap, e0, n0, n, P, anc, 0, NULL);
+                pv_heads(nj, x, inv, o, vv, D, cap, e0, n0, n, P, anc, 0, NULL);
             }
         }
         return;
@@ -987,8 +1257,7 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
     for (int job = 0; job < Hkv * nec * ntr; job++) {
         int g = job / (nec * ntr), e0 = job / ntr % nec * 32;
         int ta = job % ntr * tr, tb = ta + tr < T ? ta + tr : T;
-        const void *vv = kv_at(vc, (size_t)g * cap * D, q8);
-        const float *vs = q8 ? vst + ((size_t)g * nec + e0 / 32) * cap : NULL;
+        const kv_t *vv = (const kv_t *)vc + (size_t)g * cap * D;
         float *vf = wk, *acc = wk + PSL * 32;  /* acc: [(t - ta) * grp + j][32] */
         memset(acc, 0, sizeof(float) * (size_t)(tb - ta) * grp * 32);
         for (int s0 = 0; s0 < P; s0 += PSL) {
@@ -996,10 +1265,7 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
             for (int i = s0; i < s1; i++) {
                 size_t v = vidx(i, e0, D, cap);
                 float *vr = vf + (size_t)(i - s0) * 32;
-                if (q8)
-                    for (int c = 0; c < 4; c++) store8(vr + 8 * c, loadkv(vv, v + 8 * c, 1));
-                else
-                    for (int c = 0; c < 4; c++) store8(vr + 8 * c, loadkv(vv, v + 8 * c, 0));
+                for (int c = 0; c < 4; c++) store8(vr + 8 * c, loadh8(vv + v + 8 * c));
             }
             for (int t = ta; t < tb; t++)
                 for (int j0 = 0; j0 < grp; j0 += 3) {
@@ -1010,7 +1276,7 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
                         x[j] = S + ((size_t)t * H + g * grp + j0 + j) * stride;
                         ap[j] = acc + ((size_t)(t - ta) * grp + j0 + j) * 32;
                     }
-                    pv_slice(nj, x, vf, vs ? vs + s0 : NULL, s0, s1, ap);
+                    pv_slice(nj, x, vf, s0, s1, ap);
                 }
         }
         for (int t = ta; t < tb; t++) {
@@ -1026,7 +1292,7 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
                     o[j] = att + (size_t)t * ldatt + hh * D;
                     from[j] = acc + ((size_t)(t - ta) * grp + j0 + j) * 32;
                 }
-                pv_heads(nj, x, inv, o, vv, vs, D, cap, e0, n0, n, P, anc + (size_t)t * na, P,
+                pv_heads(nj, x, inv, o, vv, D, cap, e0, n0, n, P, anc + (size_t)t * na, P,
                          from);
             }
         }
@@ -1082,14 +1348,19 @@ static void row_out(const float *lg, int V, int k, int64_t *argmax, int64_t *ids
                            second-level caches: 60 rows at once made t(60) 8 % slower than
                            attend_rows at P = 2000) */
 
-/* a thread's working floats in attend_groups: a key block, or a value slice and the sums */
-static size_t group_wk(const Model *M, int gt) {
-    size_t kb = (size_t)M->D * 16, vb = PSL * 32 + (size_t)gt * (M->H / M->Hkv) * 32;
+/* a thread's working floats in attend_groups: a key block, or a value slice and the sums
+   (an int8 cache: int32 and float sums, and a one-row step's weights of lists up to nb) */
+static size_t group_wk(const Model *M, int gt, int nb, int q8) {
+    const size_t grp = M->H / M->Hkv;
+    size_t kb = (size_t)M->D * 16, vb = PSL * 32 + (size_t)gt * grp * 64;
+    if (q8) vb += pad8(grp) + grp * wq_span(nb) / 2;
     return (kb > vb ? kb : vb) + 16;
 }
-static size_t group_scratch(const Model *M, int gt, int cap, int threads);
+static size_t group_scratch(const Model *M, int gt, int cap, int threads, int q8);
 
-size_t decoder_scratch(const Model *M, int T, int cap) {
+/* the floats decoder_forward's work must hold for blocks of up to T rows and a cache of cap
+   rows (q8: an int8 cache) */
+size_t decoder_scratch(const Model *M, int T, int cap, int q8) {
     int d = M->d, D = M->D;
     int Nqkv = M->qkv[0].G * 16, Ngu = M->gu[0].G * 16, Kmax = pad32(d > M->F ? d : M->F);
     int Kattn = pad32(M->H * D);
@@ -1102,14 +1373,17 @@ size_t decoder_scratch(const Model *M, int T, int cap) {
 #ifdef _OPENMP
     threads = M->threads > 0 ? M->threads : omp_get_max_threads();
 #endif
-    int gt = T < GROUP_ROWS ? T : GROUP_ROWS;
-    return per_row * T + 16 + (size_t)rows * Vp + (size_t)threads * RT * (cap + T + 24)
-           + group_scratch(M, gt, cap, threads) + 64;
+    int gt = T < GROUP_ROWS ? T : GROUP_ROWS, nch = D / vw(D);
+    return per_row * T + 16 + (size_t)rows * Vp
+           + (size_t)threads * RT * row_stride(cap + T, nch, q8)
+           + group_scratch(M, gt, cap + T, threads, q8) + 64;
 }
 
-/* attend_groups' floats for blocks of up to gt rows: the scores S and each thread's wk */
-static size_t group_scratch(const Model *M, int gt, int cap, int threads) {
-    return (size_t)gt * M->H * (cap + gt + 24) + (size_t)threads * group_wk(M, gt);
+/* attend_groups' floats for blocks of up to gt rows and lists of up to nb entries: the scores
+   S and each thread's wk */
+static size_t group_scratch(const Model *M, int gt, int nb, int threads, int q8) {
+    return (size_t)gt * M->H * row_stride(nb, M->D / vw(M->D), q8)
+           + (size_t)threads * group_wk(M, gt, nb, q8);
 }
 
 /* the shortest cache at which a block of T <= GROUP_MAX_T rows takes attend_groups rather
@@ -1164,7 +1438,9 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
     int32_t *asum = (int32_t *)(as + (size_t)T * (Kmax / 32));
     float *lg = (float *)(asum + (size_t)T * (Kmax / 32));   /* [LM_ROWS][Vp] */
     int rows = T < LM_ROWS ? T : LM_ROWS;
-    float *sc_all = lg + (size_t)rows * Vp;        /* per thread [RT][cap + T + 16] */
+    float *sc_all = lg + (size_t)rows * Vp;        /* per thread [RT][rs] */
+    const int q8c = C->ks != NULL;
+    const size_t rs = row_stride(cap + T, D / vw(D), q8c);  /* (as decoder_scratch) */
     /* each row's block ancestors beyond the leading run of ones (which sits contiguous after
        the cache): lead[t], then anc list */
     int *lead = (int *)malloc(sizeof(int) * T * (T + 2));
@@ -1187,10 +1463,11 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        float *sc = sc_all + (size_t)tid * RT * (cap + T + 24);
-        float *S = sc_all + (size_t)threads * RT * (cap + T + 24);  /* attend_groups' */
+        float *sc = sc_all + (size_t)tid * RT * rs;
+        float *S = sc_all + (size_t)threads * RT * rs;  /* attend_groups' */
         const int gt = T < GROUP_ROWS ? T : GROUP_ROWS;
-        float *wk = S + (size_t)gt * H * (cap + gt + 24) + (size_t)tid * group_wk(M, gt);
+        float *wk = S + (size_t)gt * H * row_stride(cap + T, D / vw(D), q8c)
+                    + (size_t)tid * group_wk(M, gt, cap + T, q8c);
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
             embed_row(M, X->ids[t], X->mask_embeds, X->n_mask, x + (size_t)t * d);
@@ -1236,7 +1513,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                             float sv = q8_scale(v + c * w, w);
                             vst[((size_t)g * nch + c) * cap + P + t] = sv;
                             for (int e = c * w; e < (c + 1) * w; e++)
-                                vh[vidx(P + t, e, D, cap)] = q8_code(v[e], sv);
+                                vh[vidx8(P + t, e, D, cap)] = q8_code(v[e], sv);
                         }
                     } else {
                         kv_t *kh = (kv_t *)kt + (size_t)g * D * cap;
@@ -1258,8 +1535,7 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                                   T - c0 < GROUP_ROWS ? T - c0 : GROUP_ROWS, P, lead + c0,
                                   nanc + c0, anc + (size_t)c0 * T, T, kt, kst, vc, vst, D, cap,
                                   QP + (size_t)c0 * H * (D / 2), QS + (size_t)c0 * H, M->scale,
-                                  S, P + T + 24, att + (size_t)c0 * pad32(H * D), pad32(H * D),
-                                  wk);
+                                  S, P + T, att + (size_t)c0 * pad32(H * D), pad32(H * D), wk);
             } else if (tiles == 1) {
 #pragma omp for schedule(static)
                 for (int hh = 0; hh < H; hh++) {
@@ -1361,7 +1637,7 @@ void decoder_commit(const Model *M, Cache *C, const int64_t *rows, int n) {
                     int8_t *kq = (int8_t *)kt, *vq = (int8_t *)vc;
                     for (int e = 0; e < D; e++) {
                         kq[kidx8(dst, e, D)] = kq[kidx8(src, e, D)];
-                        vq[vidx(dst, e, D, cap)] = vq[vidx(src, e, D, cap)];
+                        vq[vidx8(dst, e, D, cap)] = vq[vidx8(src, e, D, cap)];
                     }
                     C->ks[lg * cap + dst] = C->ks[lg * cap + src];
                     for (int c = 0; c < nch; c++)
