@@ -1099,17 +1099,18 @@ static void pv_groups8(int H, int Hkv, int T, int P, const int *lead, const int 
             }
         memset(ai, 0, sizeof(int32_t) * (size_t)(tb - ta) * grp * 32);
         memset(fs, 0, sizeof(float) * (size_t)(tb - ta) * grp * 32);
-        /* the list's cache rows, PSL at a time for every row and head (T > 1), or at once */
+        /* the list's cache rows, PSL at a time for every row and head (T > 1), or at once;
+           then (fin) each row's own block rows, the last flush and the output */
         const int sl = T == 1 ? P : PSL;
-        for (int s0 = 0; s0 < P; s0 += sl) {
-            int s1 = s0 + sl < P ? s0 + sl : P;
+        for (int s0 = 0, fin = 0; !fin; s0 += sl) {
+            fin = s0 >= P;
             for (int t = ta; t < tb; t++)
                 for (int j0 = 0; j0 < grp; j0 += 3) {
                     int nj = grp - j0 < 3 ? grp - j0 : 3;
                     const int16_t *w[3];
                     float wsc[3], *f[3];
                     int32_t *a[3];
-                    int n0 = P + lead[t], n8 = (n0 + nanc[t] + 7) / 8 * 8;
+                    int n0 = P + lead[t], n = n0 + nanc[t], n8 = (n + 7) / 8 * 8;
                     for (int j = 0; j < nj; j++) {
                         const float *x = S + ((size_t)t * H + g * grp + j0 + j) * stride;
                         w[j] = T == 1 ? w1 + (j0 + j) * wspan
@@ -1118,35 +1119,19 @@ static void pv_groups8(int H, int Hkv, int T, int P, const int *lead, const int 
                         a[j] = ai + ((size_t)(t - ta) * grp + j0 + j) * 32;
                         f[j] = fs + ((size_t)(t - ta) * grp + j0 + j) * 32;
                     }
-                    pv_ints(nj, 32, w, wsc, vp, 32, 0, s0, s1, n0, P, anc + (size_t)t * na, a, f);
+                    const int i0 = fin ? P : s0, i1 = fin ? n : s0 + sl < P ? s0 + sl : P;
+                    pv_ints(nj, 32, w, wsc, vp, 32, 0, i0, i1, n0, P, anc + (size_t)t * na, a, f);
+                    for (int j = 0; fin && j < nj; j++) {
+                        int hh = g * grp + j0 + j;
+                        const float *x = S + ((size_t)t * H + hh) * stride;
+                        pv_flush(n, a[j], wsc[j], f[j], x[n8],
+                                 att + (size_t)t * ldatt + hh * D + c * 32, 32);
+                    }
                 }
         }
-        /* each row's own block rows, then the flush and the output */
-        for (int t = ta; t < tb; t++)
-            for (int j0 = 0; j0 < grp; j0 += 3) {
-                int nj = grp - j0 < 3 ? grp - j0 : 3;
-                const int16_t *w[3];
-                float wsc[3], *f[3];
-                int32_t *a[3];
-                int n0 = P + lead[t], n = n0 + nanc[t], n8 = (n + 7) / 8 * 8;
-                for (int j = 0; j < nj; j++) {
-                    const float *x = S + ((size_t)t * H + g * grp + j0 + j) * stride;
-                    w[j] = T == 1 ? w1 + (j0 + j) * wspan
-                                  : (const int16_t *)(x + nb + 24) + c * wspan;
-                    wsc[j] = T == 1 ? ws1[j0 + j] : x[n8 + 1 + c];
-                    a[j] = ai + ((size_t)(t - ta) * grp + j0 + j) * 32;
-                    f[j] = fs + ((size_t)(t - ta) * grp + j0 + j) * 32;
-                }
-                pv_ints(nj, 32, w, wsc, vp, 32, 0, P, n, n0, P, anc + (size_t)t * na, a, f);
-                for (int j = 0; j < nj; j++) {
-                    int hh = g * grp + j0 + j;
-                    const float *x = S + ((size_t)t * H + hh) * stride;
-                    pv_flush(n, a[j], wsc[j], f[j], x[n8], att + (size_t)t * ldatt + hh * D + c * 32,
-                             32);
-                }
-            }
     }
 }
+
 static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int P,
                           const int *lead, const int *nanc, const int *anc, int na,
                           const void *kt,
