@@ -27,12 +27,14 @@
    Cache (per session): keys in blocks of 16 positions, each block transposed,
    [L][H_kv][cap / 16][D][16] (a query's scores against 16 cached keys are two vectors of 8
    lanes, each summed over the head dimension in order), values [L][H_kv][D / 32][cap][32]
-   (32-lane chunks, see vidx; [L][H_kv][cap][D] where 32 does not divide D); a block's
-   rows are written after the committed ones and commit() moves the accepted ones down. Keys
-   and values are cached in half precision (IEEE binary16, F16C where the CPU has it), rounded
-   to nearest even when their row is written, or as int8 codes with scales (see Cache).
-   Attention multiply-adds are fused (fma) in every path, vector or scalar, so a key's score
-   and a value lane's sum are the same operations wherever they are computed. */
+   (32-lane chunks, see vidx; [L][H_kv][cap][D] where 32 does not divide D; an int8 cache's
+   rows in pairs within a chunk, see vidx8); a block's rows are written after the committed
+   ones and commit() moves the accepted ones down. Keys and values are cached in half
+   precision (IEEE binary16, F16C where the CPU has it), rounded to nearest even when their
+   row is written, or as int8 codes with scales (see Cache). Over a half-float cache the
+   attention's multiply-adds are fused (fma) in every path, vector or scalar, so a key's
+   score and a value lane's sum are the same operations wherever they are computed; over an
+   int8 cache scores and p @ V are exact integer sums (see the note on --kv-cache int8). */
 
 #include <math.h>
 #include <stdint.h>
@@ -153,6 +155,7 @@ static inline v8 loadh8(const kv_t *p) {
    int32, exact, flushed to a float sum every PV_FLUSH list entries (f + (float)sum * ws);
    the output is f * (1 / sum of weights). Only the flush points and the float operations
    fix the bits, and they are the same in every path. */
+
 /* the address of element i of a cache array of half floats (q8 = 0) or int8 (q8 = 1) */
 static inline const void *kv_at(const void *base, size_t i, const int q8) {
     return (const char *)base + i * (q8 ? 1 : 2);
