@@ -234,6 +234,7 @@ def test_merge_keeps_each_runs_entries_under_their_labels(bench, tmp_path):
         bench.merge([str(tmp_path / "missing.json")], tmp_path / "out4", [])
 
 
+@pytest.mark.slow  # a bench script run in a subprocess (7-17 s here): CI only
 def test_cli_runs_from_the_tree_without_an_install(tmp_path):
     """bench/edgemtp_tree.py: the command line on a bare machine (edgemtp not installed)."""
     run = subprocess.run([sys.executable, "-c", BARE, str(ROOT / "bench" / "edgemtp_tree.py"),
@@ -242,6 +243,7 @@ def test_cli_runs_from_the_tree_without_an_install(tmp_path):
     assert "backends" in run.stdout and "torch        cpu       ok" in run.stdout
 
 
+@pytest.mark.slow  # a bench script run in a subprocess (7-17 s here): CI only
 def test_ort_gpu_bench_dry_runs_on_cpu_and_names_a_missing_provider(tmp_path):
     """bench/bench_ort_gpu.py end to end on the CPU EP (a tiny random model exported on the
     spot); the CUDA EP this onnxruntime lacks is a skipped row with the reason."""
@@ -267,6 +269,7 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.mark.slow  # a bench script run in a subprocess (7-17 s here): CI only
 def test_step_host_bench_runs_on_cpu(tmp_path):
     """bench/bench_step_host.py (where a GPU step's time goes) runs from the tree on CPU: one
     row per configuration, the stages adding up to the step."""

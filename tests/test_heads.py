@@ -454,6 +454,7 @@ def test_heads_on_the_torch_backend_is_one_clear_error(stories_path):
         Generation(TorchBackend(stories_path), GenerationConfig(drafter="heads"), [1, 2])
 
 
+@pytest.mark.slow  # ~11 s; test_heads_equal_transformers_greedy[10-torch] covers the backend
 def test_heads_on_the_torch_backend_from_a_package(trained, stories_refs, tmp_path):
     """``--backend torch`` on a package runs the model it was exported from, with the
     package's learned heads: the heads drafter (and the hybrid with heads) equals
