@@ -1065,6 +1065,17 @@ static void pv_slice(int nj, const float *const *x, const float *vf, int i0, int
 #define SLICE 128
 #define PSL 64  /* cache rows whose value lanes a p @ V task converts at once (T > 1) */
 
+/* block rows a p @ V task of attend_groups takes: all T where the tasks of (KV group, 32
+   lanes) are enough for the team, else runs short enough to give every thread work */
+static int pv_task_rows(int T, int tasks) {
+    int team = 1;
+#ifdef _OPENMP
+    team = omp_get_num_threads();
+#endif
+    int tr = tasks >= team ? T : (T * tasks + team - 1) / team;
+    return tr < 1 ? 1 : tr;
+}
+
 /* attend_groups' p @ V over an int8 cache (pv_int): a task per (KV group, 32-lane chunk, run
    of block rows); one row: the group's heads over the whole list at once; more rows: the
    cache's rows PSL at a time (they stay in the first-level cache) for each of the run's rows
@@ -1078,13 +1089,7 @@ static void pv_groups8(int H, int Hkv, int T, int P, const int *lead, const int 
                        float *S, int nb, float *att, int ldatt, float *wk) {
     const int grp = H / Hkv, nec = D / 32;
     const size_t stride = row_stride(nb, nec, 1), wspan = wq_span(nb);
-    int team = 1;
-#ifdef _OPENMP
-    team = omp_get_num_threads();
-#endif
-    int tr = Hkv * nec >= team ? T : (T * Hkv * nec + team - 1) / team;  /* rows a task */
-    if (tr < 1) tr = 1;
-    const int ntr = (T + tr - 1) / tr;
+    const int tr = pv_task_rows(T, Hkv * nec), ntr = (T + tr - 1) / tr;
 #pragma omp for schedule(static)
     for (int job = 0; job < Hkv * nec * ntr; job++) {
         int g = job / (nec * ntr), c = job / ntr % nec;
@@ -1234,13 +1239,7 @@ static void attend_groups(const float *qkv, int Nqkv, int H, int Hkv, int T, int
        rows go PSL at a time, converted to floats once (exactly) for all the task's rows and
        heads, each chain's 32 sums kept in wk between slices; then each row's own block rows
        continue its chains, as pv_heads does */
-    int team = 1;
-#ifdef _OPENMP
-    team = omp_get_num_threads();
-#endif
-    int tr = Hkv * nec >= team ? T : (T * Hkv * nec + team - 1) / team;  /* rows a task */
-    if (tr < 1) tr = 1;
-    const int ntr = (T + tr - 1) / tr;
+    const int tr = pv_task_rows(T, Hkv * nec), ntr = (T + tr - 1) / tr;
 #pragma omp for schedule(static)
     for (int job = 0; job < Hkv * nec * ntr; job++) {
         int g = job / (nec * ntr), e0 = job / ntr % nec * 32;
