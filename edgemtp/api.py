@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
-from .backend import Backend, Session, backend_class
+from .backend import Backend, Session, backend_class, check_options, check_torch_device
 from .config import GenerationConfig
 from .engine import Generation, GenerationResult
 from .errors import ConfigError, ModelLoadError
@@ -45,6 +45,34 @@ def check_model_path(path: str) -> None:
     if not HUB_ID.match(path) or path.startswith("."):
         raise ModelLoadError(f"model folder {path!r} does not exist")
     _check_hub(path)
+
+
+def check_prompt(prompt: str) -> None:
+    """A text prompt must be non-empty UTF-8 (lone surrogates are bytes that were not).
+
+    >>> check_prompt("")
+    Traceback (most recent call last):
+    ...
+    edgemtp.errors.ConfigError: the prompt is empty; give some text
+    """
+    if not prompt:
+        raise ConfigError("the prompt is empty; give some text")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"the prompt is not valid UTF-8 text (an undecodable byte "
+                          f"at character {e.start}); give UTF-8 text") from None
+
+
+def _check_torch_model(path: str, device: str) -> None:
+    """What the torch backend would refuse about a Hugging Face folder and a device, said
+    before torch is imported (seconds on a small CPU)."""
+    from .runtimes.gguf_source import check_hf_folder, resolve_model  # stdlib only
+    from .runtimes.package import is_package  # numpy only
+
+    check_torch_device(device)
+    if not is_package(path) and not resolve_model(path).gguf_file:
+        check_hf_folder(path)
 
 
 def _check_hub(repo: str) -> None:
@@ -122,8 +150,8 @@ class Model:
              kv_cache: str | None = None) -> "Model":
         """``backend="auto"``: for a package written by ``edgemtp export`` (a folder with
         ``edgemtp.json``) native on the CPU where it is int4 and the C decoder builds, else
-        onnxruntime; torch for a Hugging Face folder (see :func:`auto_backend`). A package carries its
-        own tokenizer files (a package exported without one loads with no tokenizer).
+        onnxruntime; torch for a Hugging Face folder (see :func:`auto_backend`). A package
+        carries its own tokenizer files (a package exported without one loads with no tokenizer).
         ``dtype=None``: the model's own (fp32 for a Hugging Face folder). ``threads=None``:
         ``$EDGEMTP_THREADS`` if set, else the runtime's default (every physical core).
         ``batch_invariant`` (torch backend): every step padded to one block shape and attention
@@ -132,8 +160,11 @@ class Model:
         (half the cache memory; lossless against its own plain decoding)."""
         check_model_path(path)
         threads = threads if threads is not None else env_threads()
+        check_options(device, dtype, max_context, threads)  # before any heavy import
         if backend == "auto":
             backend = auto_backend(path, device)
+        if backend == "torch":
+            _check_torch_model(path, device)
         extra = {}
         if batch_invariant:
             if backend != "torch":
@@ -154,13 +185,7 @@ class Model:
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise ConfigError("the prompt is empty; give some text")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # lone surrogates: bytes that were not UTF-8
-                raise ConfigError(f"the prompt is not valid UTF-8 text (an undecodable byte "
-                                  f"at character {e.start}); give UTF-8 text") from None
+            check_prompt(prompt)
             if self.tokenizer is None:
                 raise ConfigError("this model has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt)

@@ -118,6 +118,19 @@ def check_options(device, dtype, max_context, threads) -> None:
         raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
 
 
+def check_torch_device(device: str) -> None:
+    """The devices the torch backend takes: ``cpu`` or ``cuda[:N]``.
+
+    >>> check_torch_device("cuda:1")
+    >>> check_torch_device("tpu")
+    Traceback (most recent call last):
+    ...
+    edgemtp.errors.ConfigError: the torch backend runs on cpu or cuda[:N], got device 'tpu'
+    """
+    if device != "cpu" and not device.split(":")[0] == "cuda":
+        raise ConfigError(f"the torch backend runs on cpu or cuda[:N], got device {device!r}")
+
+
 # name -> "module:Class"; imported only when asked, so the core never pulls torch in.
 BACKENDS: dict[str, str] = {
     "torch": "edgemtp.runtimes.torch_backend:TorchBackend",

@@ -146,6 +146,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise EdgeMTPError("the prompt is empty; give --prompt some text")
     if a.system is not None and not a.chat:
         raise EdgeMTPError("--system is a chat option; add --chat")
+    from .api import check_prompt
+
+    check_prompt(a.prompt)  # before the model loads
     config = _config(a)
     model = _load(a)
     prompt = a.prompt if not a.chat else model.encode_chat(

@@ -185,3 +185,14 @@ def check_gguf(source: ModelSource, sha256: bool = False) -> GGUFInfo:
             f"the GGUF file {source.path!r} holds a {info.architecture!r} model, not a supported "
             f"causal LM; supported families: {', '.join(sorted(FAMILIES))}")
     return info
+
+
+def check_hf_folder(path: str) -> None:
+    """One line for a local path that is not a Hugging Face model folder (stdlib only, so
+    ``Model.load`` says it before importing torch)."""
+    p = Path(path)
+    looks_local = p.exists() or os.sep in path or path.startswith(".")
+    if looks_local and not p.is_dir():
+        raise ModelLoadError(f"model folder {path!r} does not exist")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise ModelLoadError(f"{path!r} has no config.json; expected a Hugging Face model folder")

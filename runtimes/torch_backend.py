@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import threading
 import weakref
 from pathlib import Path
@@ -14,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgemtp.backend import StepOut, check_options
+from edgemtp.backend import StepOut, check_options, check_torch_device
 from edgemtp.errors import ConfigError, ModelLoadError
 from edgemtp.models.static_decoder import StaticTreeDecoder
 from edgemtp.models.families import family_for, max_context
-from edgemtp.runtimes.gguf_source import check_gguf, resolve_model
+from edgemtp.runtimes.gguf_source import check_gguf, check_hf_folder, resolve_model
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MASK_CACHE = 512  # device copies of plan masks kept (oldest out first)
@@ -39,22 +38,13 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     if source.gguf_file:
         check_gguf(source)
     else:
-        _check_hf_folder(path)
+        check_hf_folder(path)
     try:
         return AutoConfig.from_pretrained(source.folder, trust_remote_code=trust_remote_code,
                                           **source.pretrained_kwargs())
     except (OSError, ValueError, json.JSONDecodeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"cannot read the model config at {source.path!r}: {first}") from None
-
-
-def _check_hf_folder(path: str) -> None:
-    p = Path(path)
-    looks_local = p.exists() or os.sep in path or path.startswith(".")
-    if looks_local and not p.is_dir():
-        raise ModelLoadError(f"model folder {path!r} does not exist")
-    if p.is_dir() and not (p / "config.json").is_file():
-        raise ModelLoadError(f"{path!r} has no config.json; expected a Hugging Face model folder")
 
 
 def package_source(model: str):
@@ -105,8 +95,7 @@ class TorchBackend:
 
         check_options(device, dtype, max_context, threads)
         dtype = dtype or "fp32"
-        if device != "cpu" and not device.split(":")[0] == "cuda":
-            raise ConfigError(f"the torch backend runs on cpu or cuda[:N], got device {device!r}")
+        check_torch_device(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked, but this PyTorch build sees no CUDA device")
         if threads is not None:

@@ -108,7 +108,7 @@ NEEDS = {"test_json_prints_one_result_object": ["json-bc60"],
          "test_lookahead_drafter_from_the_command_line": ["json-lade"],
          "test_default_drafter_is_auto": ["json-default"]}
 # the slow ones: they import torch and load a model or its config
-SLOW = {*GOOD_CASES, "missing-model-folder", "folder-without-config", "not-a-causal-lm",
+SLOW = {*GOOD_CASES, "not-a-causal-lm",
         "prompt-longer-than-context"}
 
 

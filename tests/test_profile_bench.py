@@ -22,6 +22,19 @@ def cli(*args, check=True):
     return proc
 
 
+def cli_together(*argvs):
+    """Several CLI runs started at once (each loads torch and the model: seconds apiece on a
+    small CPU), their results in order; each must exit 0."""
+    procs = [subprocess.Popen([sys.executable, "-m", "edgemtp.cli", *a], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=ENV) for a in argvs]
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        assert p.returncode == 0, stderr[-2000:]
+        outs.append(stdout)
+    return outs
+
+
 def key(options: dict) -> tuple:
     return (options["drafter"], options.get("bc", 1), options.get("mask_tokens", 1),
             options.get("tree_cost", "budget"))
@@ -89,13 +102,12 @@ def test_generate_takes_a_measured_tree_cost_from_the_profile(stories_path, tmp_
         "drafter": "hybrid", "bc": 10, "mask_tokens": 1, "tree_cost": "measured"}}))
     base = ["generate", "--model", stories_path, "--prompt", "Once upon a time", "--json",
             "--max-new-tokens", "16", "--threads", "1", "--profile", str(prof)]
-    out = json.loads(cli(*base).stdout)
+    out, forced, other = map(json.loads, cli_together(
+        base, [*base, "--tree-cost", "budget"], [*base, "--drafter", "probe", "--bc", "8"]))
     assert (out["drafter"], out["bc"], out["tree_cost"]) == ("hybrid", 10, "measured")
-    forced = json.loads(cli(*base, "--tree-cost", "budget").stdout)
     assert forced["tree_cost"] == "budget" and forced["token_ids"] == out["token_ids"]
     # another drafter on the command line: the hybrid's measured tree cost does not follow
     # it (probing has no trees; it was a usage error once a profile recommended a hybrid)
-    other = json.loads(cli(*base, "--drafter", "probe", "--bc", "8").stdout)
     assert (other["drafter"], other["bc"], other["tree_cost"]) == ("probe", 8, "budget")
     assert other["token_ids"] == out["token_ids"]
 
