@@ -147,8 +147,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.system is not None and not a.chat:
         raise EdgeMTPError("--system is a chat option; add --chat")
     from .api import check_prompt
+    from .tokenizer import check_chat_template
 
     check_prompt(a.prompt)  # before the model loads
+    if a.chat:
+        check_chat_template(a.model)
     config = _config(a)
     model = _load(a)
     prompt = a.prompt if not a.chat else model.encode_chat(
@@ -186,6 +189,9 @@ def _print_stream(model, stream) -> str:
 def cmd_chat(a: argparse.Namespace) -> int:
     """Read a user turn per stdin line, stream the answer, keep the history. ``/reset`` clears
     it, ``/exit`` or end of input quits (Ctrl-C too, through main)."""
+    from .tokenizer import check_chat_template
+
+    check_chat_template(a.model)  # before the model loads
     config, model = _config(a), _load(a)
     history = _chat_messages(a.system)
     model.encode_chat(history or [{"role": "user", "content": "hi"}])  # no template: fail now

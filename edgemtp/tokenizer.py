@@ -66,9 +66,7 @@ class Tokenizer:
         """``apply_chat_template(messages, tokenize=True, add_generation_prompt=True)``: the
         rendered text encoded without special tokens added (the template writes its own)."""
         if self.chat_template is None:
-            raise ConfigError(f"{str(self.root)!r} has no chat template (no chat_template in "
-                              f"tokenizer_config.json, no chat_template.jinja); give a plain "
-                              f"prompt instead")
+            raise _no_chat_template(self.root)
         return self.encode(self.chat_template.render(messages), add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
@@ -79,6 +77,24 @@ class Tokenizer:
             for a, b in _CLEANUP:
                 text = text.replace(a, b)
         return text
+
+
+def _no_chat_template(root: Path) -> ConfigError:
+    return ConfigError(f"{str(root)!r} has no chat template (no chat_template in "
+                       f"tokenizer_config.json, no chat_template.jinja); give a plain "
+                       f"prompt instead")
+
+
+def check_chat_template(path: str) -> None:
+    """Fail before a model loads where its folder (a Hugging Face folder or a package) has no
+    chat template; a GGUF file or a hub id is looked at once loaded."""
+    from .chat import ChatTemplate
+    from .runtimes.gguf_source import resolve_model  # stdlib only
+
+    source = resolve_model(path)
+    root = Path(source.folder)
+    if not source.gguf_file and root.is_dir() and ChatTemplate.from_folder(root) is None:
+        raise _no_chat_template(root)
 
 
 def _load_fast(root: Path):
