@@ -228,6 +228,48 @@ static void quant_row(const float *x, int K, int8_t *aq, float *as, int32_t *asu
 #define Q4_TILE 4
 #endif
 
+#ifdef Q4_AVX2
+/* rn (<= Q4_ROWS, a constant where inlined) rows of one unpacked weight block u (16 columns
+   in two halves of 8, 32 inputs): each u[h][k] loaded once for all rn rows, each row's two
+   int16 sums a chain in one register. The zero point's product z * asum is a vpmaddwd of
+   (z, 0) by asum's low half (|asum| <= 32 * 127 fits int16), exactly vpmulld's int32 at a
+   third of its cost. The same integers and float operations, in the same order, as a row
+   taken alone: the same bits. SmolLM2 int4, 2 threads, a 2-core Zen 3, both builds in one
+   process alternated forward by forward (15 pairs, P = 64): t(4) 0.95x, t(8) 0.90x, t(10)
+   0.91x, t(16) 0.89x, t(1) 0.99x, against one row at a time over the 8-row tile (which
+   reloaded the 16 spilled u vectors for every row) */
+#define Q4_ROWS 4
+static inline __attribute__((always_inline)) void q4_rows_avx2(
+        const int rn, const __m256i u[2][8], const int8_t *a, int Kp, __m256i z0, __m256i z1,
+        __m256 s0, __m256 s1, const float *asb, const int32_t *smb, int nb, int t,
+        __m256 (*f)[2]) {
+    __m256i acc[Q4_ROWS][2];
+    for (int r = 0; r < rn; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; k++) {
+        const __m256i w0 = u[0][k], w1 = u[1][k];
+        for (int r = 0; r < rn; r++) {
+            int32_t ak;
+            memcpy(&ak, a + (size_t)r * Kp + 4 * k, 4);
+            const __m256i x = _mm256_set1_epi32(ak);
+            acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, x));
+            acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, x));
+            /* keeps each sum a chain in one register: left free, the compiler computes
+               every product first and spills them */
+            __asm__("" : "+x"(acc[r][0]), "+x"(acc[r][1]));
+        }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < rn; r++) {
+        const __m256i sm = _mm256_set1_epi32(smb[(size_t)(t + r) * nb]);
+        const __m256 sa = _mm256_set1_ps(asb[(size_t)(t + r) * nb]);
+        __m256i c0 = _mm256_sub_epi32(_mm256_madd_epi16(acc[r][0], ones), _mm256_madd_epi16(z0, sm));
+        __m256i c1 = _mm256_sub_epi32(_mm256_madd_epi16(acc[r][1], ones), _mm256_madd_epi16(z1, sm));
+        f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_mul_ps(s0, sa), f[r][0]);
+        f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_mul_ps(s1, sa), f[r][1]);
+    }
+}
+#endif
+
 /* y[t][n] for t < T of the int4 matrix m, columns split among the team's threads */
 static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, const int32_t *asum,
                     float *y, int ldy) {
@@ -269,7 +311,7 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                pairs into int16 (|15 * 127 * 2| = 3810: exact), eight of those summed stay
                exact in int16 (30480 < 32767), and _mm256_madd_epi16 by ones adds the pairs
                into the 32-bit lane: the same integer sum as the VNNI kernel's */
-            const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+            const __m256i m4 = _mm256_set1_epi8(0x0F);
             __m256 f[Q4_TILE][2];
             for (int i = 0; i < Q4_TILE; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
             for (int b = 0; b < nb; b++) {
@@ -294,27 +336,16 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                     (const __m128i *)(m->zp + ((size_t)g * nb + b) * 16));
                 const __m256i z0 = _mm256_cvtepu8_epi32(zz);
                 const __m256i z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zz, 8));
-                for (int i = 0; i < tn; i++) {
-                    int t = t0 + i;
-                    const int8_t *a = aq + (size_t)t * Kp + b * 32;
-                    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-                    for (int k = 0; k < 8; k++) {
-                        int32_t ak;
-                        memcpy(&ak, a + 4 * k, 4);
-                        __m256i x = _mm256_set1_epi32(ak);
-                        a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(u[0][k], x));
-                        a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(u[1][k], x));
+                const float *asb = as + b;
+                const int32_t *smb = asum + b;
+                for (int i0 = 0; i0 < tn; i0 += Q4_ROWS) {
+                    const int8_t *a = aq + (size_t)(t0 + i0) * Kp + b * 32;
+                    switch (tn - i0 < Q4_ROWS ? tn - i0 : Q4_ROWS) {
+                    case 1: q4_rows_avx2(1, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0); break;
+                    case 2: q4_rows_avx2(2, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0); break;
+                    case 3: q4_rows_avx2(3, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0); break;
+                    default: q4_rows_avx2(4, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0); break;
                     }
-                    __m256i sm = _mm256_set1_epi32(asum[t * nb + b]);
-                    __m256 sa = _mm256_set1_ps(as[t * nb + b]);
-                    __m256i c0 = _mm256_sub_epi32(_mm256_madd_epi16(a0, ones),
-                                                  _mm256_mullo_epi32(z0, sm));
-                    __m256i c1 = _mm256_sub_epi32(_mm256_madd_epi16(a1, ones),
-                                                  _mm256_mullo_epi32(z1, sm));
-                    f[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_mul_ps(s0, sa),
-                                              f[i][0]);
-                    f[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_mul_ps(s1, sa),
-                                              f[i][1]);
                 }
             }
             for (int i = 0; i < tn; i++) {

@@ -23,12 +23,17 @@ int main(void) {
     for (int t = 0; t < T; t++)
         quant_row(x + t * NB * 32, NB * 32, aq + t * NB * 32, as + t * NB, asum + t * NB);
     Q4W m = {G, NB, w, sc, zp};
-    q4_gemm(&m, T, aq, as, asum, y, G * 16);
     printf("kernel %d\n", decoder_kernel());
-    for (int i = 0; i < T * G * 16; i++) {
-        uint32_t b;
-        memcpy(&b, &y[i], 4);
-        printf("%08x%c", b, i % 8 == 7 ? '\n' : ' ');
+    /* the 11 rows together (tiles of 8 and 3), then the first row alone and the first two:
+       every way the row-group kernels split a tile */
+    const int runs[3] = {T, 1, 2};
+    for (int k = 0; k < 3; k++) {
+        q4_gemm(&m, runs[k], aq, as, asum, y, G * 16);
+        for (int i = 0; i < runs[k] * G * 16; i++) {
+            uint32_t b;
+            memcpy(&b, &y[i], 4);
+            printf("%08x%c", b, i % 8 == 7 ? '\n' : ' ');
+        }
     }
     return 0;
 }
