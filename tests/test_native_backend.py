@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
+from onnx import numpy_helper  # noqa: E402
 
 from edgemtp import Model, native  # noqa: E402
 from edgemtp.api import auto_backend  # noqa: E402
@@ -128,6 +129,31 @@ def test_decoder_computes_the_packages_int4_model(backend):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     # the load check against onnxruntime ran, and passed
     assert backend.probe["argmax_same"] >= MIN_SAME and backend.probe["max_diff"] <= MAX_DIFF
+
+
+def test_an_export_s_scales_are_read_as_halves(int4_pkg, backend):
+    # the export rounds every block scale to a half-precision value (export.quantize.
+    # half_scales), and the decoder then holds them in 2 bytes: the same products
+    # (tests/c/q4_kernels.c checks every kernel both ways), 10 % fewer bytes a step
+    proto = onnx.load(str(int4_pkg / "model.onnx"))
+    names = {n.input[2] for n in proto.graph.node if n.op_type == "MatMulNBits"}
+    for init in proto.graph.initializer:
+        if init.name in names:
+            a = numpy_helper.to_array(init)
+            assert np.array_equal(a.astype(np.float16).astype(a.dtype), a), init.name
+    assert backend.scales == "fp16"
+
+
+def test_scales_that_are_not_halves_stay_floats():
+    from edgemtp.runtimes.native_backend import pack_q4
+
+    q = np.random.default_rng(0).integers(0, 16, (20, 64)).astype(np.uint8)
+    zp = np.full((20, 2), 8, np.uint8)
+    assert pack_q4(q, np.full((20, 2), 0.125, np.float32), zp)[3].dtype == np.float16
+    s = np.full((20, 2), 0.1, np.float32)  # 0.1 is no half
+    got = pack_q4(q, s, zp)[3]
+    assert got.dtype == np.float32 and got.shape == (2, 2, 16) and got[0, 0, 0] == s[0, 0]
+    assert pack_q4(q, np.full((20, 2), 7e4, np.float32), zp)[3].dtype == np.float32
 
 
 def _random_tree(rng, n: int, vocab: int, masks: int):

@@ -25,9 +25,12 @@ def _run(cc: str, flags: list[str], out: Path, runner: list[str] = ()) -> tuple[
     run = subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     head, _, body = run.stdout.partition("\n")
-    assert head.startswith("kernel ") and len(body.split()) == (11 + 1 + 2) * 3 * 16
+    n = (11 + 1 + 2) * 3 * 16
+    assert head.startswith("kernel ") and len(body.split()) == 2 * n
     words = body.split()  # rows 0-1 alone are the same bits as in the 11-row block
-    assert words[11 * 48:12 * 48] == words[:48] and words[12 * 48:] == words[:96]
+    assert words[11 * 48:12 * 48] == words[:48] and words[12 * 48:n] == words[:96]
+    assert words[n:] == words[:n], "half-precision scales give other bits than floats"
+    assert len(set(words[:n])) > n // 2  # not a constant
     return int(head.split()[1]), body
 
 

@@ -102,7 +102,21 @@ static inline size_t vidx8(int p, int e, int D, int cap) {
 }
 
 
-typedef struct { int G, nb; const uint8_t *w; const float *sc; const uint8_t *zp; } Q4W;
+/* an int4 matrix in groups of 16 columns, blocks of 32 inputs: w [G][nb][256] nibbles,
+   zp [G][nb][16] zero points, and the scales [G][nb][16] as floats (sc) or, where every one
+   is a half-precision value (an export since they are rounded so, as GGUF's blocks keep
+   theirs), as halves (sc16, sc NULL): a block then takes 304 bytes rather than 336, and a
+   one-row step reads ~10 % fewer (SmolLM2 int4, 2 threads, a 2-core Zen 3, both layouts in
+   one process alternated forward by forward, 25 pairs: P = 64 t(1) 0.90x, t(2) 0.89x, t(4)
+   0.90x, t(8) 0.94x; P = 1000 t(1) 0.97x, t(2) 0.92x). The half is converted exactly, so
+   both give the same bits. */
+typedef struct {
+    int G, nb;
+    const uint8_t *w;
+    const float *sc;
+    const uint8_t *zp;
+    const uint16_t *sc16;
+} Q4W;
 
 typedef struct {
     int L, d, H, Hkv, D, F, V, rope_rows, threads;
@@ -296,7 +310,9 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                     u[2 * c] = _mm512_and_si512(v, m4);
                     u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 }
-                __m512 s = _mm512_loadu_ps(m->sc + ((size_t)g * nb + b) * 16);
+                const size_t so = ((size_t)g * nb + b) * 16;
+                __m512 s = m->sc16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m->sc16 + so)))
+                                   : _mm512_loadu_ps(m->sc + so);
                 __m512i z = _mm512_cvtepu8_epi32(
                     _mm_loadu_si128((const __m128i *)(m->zp + ((size_t)g * nb + b) * 16)));
                 for (int i = 0; i < tn; i++) {
@@ -336,8 +352,15 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                         u[h][2 * c] = _mm256_and_si256(v, m4);
                         u[h][2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                     }
-                const float *sc = m->sc + ((size_t)g * nb + b) * 16;
-                const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
+                const size_t so = ((size_t)g * nb + b) * 16;
+                __m256 s0, s1;
+                if (m->sc16) {
+                    s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->sc16 + so)));
+                    s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->sc16 + so + 8)));
+                } else {
+                    s0 = _mm256_loadu_ps(m->sc + so);
+                    s1 = _mm256_loadu_ps(m->sc + so + 8);
+                }
                 const __m128i zz = _mm_loadu_si128(
                     (const __m128i *)(m->zp + ((size_t)g * nb + b) * 16));
                 const __m256i z0 = _mm256_cvtepu8_epi32(zz);
@@ -375,7 +398,11 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                         lo[c][q] = vreinterpretq_s8_u8(vandq_u8(v, m4));
                         hi[c][q] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
                     }
-                const float *sc = m->sc + ((size_t)g * nb + b) * 16;
+                const size_t so = ((size_t)g * nb + b) * 16;
+                float32x4_t sv[4];
+                for (int q = 0; q < 4; q++)
+                    sv[q] = m->sc16 ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(m->sc16 + so + 4 * q)))
+                                    : vld1q_f32(m->sc + so + 4 * q);
                 const uint8_t *zp = m->zp + ((size_t)g * nb + b) * 16;
                 const uint16x8_t z0 = vmovl_u8(vld1_u8(zp)), z1 = vmovl_u8(vld1_u8(zp + 8));
                 const int32x4_t zq[4] = {
@@ -399,7 +426,7 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                         }
                         acc = vsubq_s32(acc, vmulq_s32(zq[q], sm));
                         f[i][q] = vfmaq_f32(f[i][q], vcvtq_f32_s32(acc),
-                                            vmulq_f32(vld1q_f32(sc + 4 * q), sa));
+                                            vmulq_f32(sv[q], sa));
                     }
                 }
             }
@@ -411,7 +438,9 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
             memset(f, 0, sizeof f);
             for (int b = 0; b < nb; b++) {
                 const uint8_t *wb = m->w + ((size_t)g * nb + b) * 256;
-                const float *s = m->sc + ((size_t)g * nb + b) * 16;
+                const size_t so = ((size_t)g * nb + b) * 16;
+                float s[16];
+                for (int r = 0; r < 16; r++) s[r] = m->sc16 ? h2f(m->sc16[so + r]) : m->sc[so + r];
                 const uint8_t *z = m->zp + ((size_t)g * nb + b) * 16;
                 for (int i = 0; i < tn; i++) {
                     int t = t0 + i;
