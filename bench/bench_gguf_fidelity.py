@@ -15,6 +15,11 @@ the tied embedding / LM head (Q8_0 in SmolLM2's file) drops to 4 bits. This meas
 The weight sets are the export's quantizer (``export.quantize.block_quantize``, exactly what
 ``MatMulNBitsQuantizer`` writes) applied in PyTorch to the body, the LM head, or both.
 
+With ``--answers`` (llama-cpp-python installed, the packages under ``--work`` exported by
+``bench/bench_peers.py``), the greedy answers themselves: llama.cpp on the file, edgemtp's
+int4 and fp32 packages, each against the file's fp32 model's answers (identical answers,
+and the median token at which they part).
+
     python bench/bench_gguf_fidelity.py                 # the shared SmolLM2 Q4_1 file
 
 Writes ``--out`` ``.md`` and ``.json``.
@@ -35,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_peers import gguf_path, hf_folder  # noqa: E402
+from bench_peers import edgemtp_package, gguf_path, hf_folder  # noqa: E402
 from edgemtp.export.quantize import QUANTIZED, block_quantize, dequantize  # noqa: E402
 from tools.prompts import prompt_sets  # noqa: E402
 
@@ -70,6 +75,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default=str(ROOT / "out" / "peers"))
+    p.add_argument("--answers", action="store_true",
+                   help="also compare greedy answers: llama.cpp and edgemtp's packages")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gguf_fidelity_cpu"))
     a = p.parse_args(argv)
     import torch
@@ -120,7 +127,26 @@ def main(argv=None) -> int:
                      "tokens": int(same.size)})
         print(f"{name}: top-1 {same.mean():.1%}, KL {kl.mean():.3f}", flush=True)
 
-    result = {"gguf": gguf.name, "answers": len(answers), "new_tokens": a.new_tokens,
+    agreement = answers_agreement(gguf, Path(a.work), answers, a) if a.answers else []
+    if a.answers:  # llama.cpp's own logits on the same answers (its Q8_1 activations)
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=a.threads,
+                    n_threads_batch=a.threads, verbose=False, seed=0, logits_all=True)
+        got = []
+        for n, out in answers:
+            llm.reset()
+            llm.eval(out[0].tolist())
+            got.append(torch.log_softmax(torch.from_numpy(
+                np.array(llm.scores[n - 1:out.shape[1] - 1], np.float64)), -1))
+        same = np.concatenate([(r.argmax(-1) == g.argmax(-1)).numpy() for r, g in zip(ref, got)])
+        kl = np.concatenate([(r.exp() * (r - g)).sum(-1).numpy() for r, g in zip(ref, got)])
+        rows.append({"weights": "llama.cpp on the file itself (its 8-bit activations)",
+                     "body_bits": None, "head_bits": None, "top1_agrees": float(same.mean()),
+                     "mean_kl": float(kl.mean()), "tokens": int(same.size)})
+        print(f"llama.cpp: top-1 {same.mean():.1%}, KL {kl.mean():.3f}", flush=True)
+    result = {"gguf": gguf.name, "answers_agreement": agreement, "answers": len(answers),
+              "new_tokens": a.new_tokens,
               "block_shift": {"moved": float(moved), "per_weight": shifts}, "rows": rows,
               "date": time.strftime("%Y-%m-%d")}
     out = Path(a.out)
@@ -138,9 +164,68 @@ def main(argv=None) -> int:
              "| weights | top-1 equal to the file's model | mean KL from it |",
              "|---|---:|---:|"]
     lines += [f"| {r['weights']} | {r['top1_agrees']:.1%} | {r['mean_kl']:.3f} |" for r in rows]
+    if agreement:
+        lines += ["", f"Greedy answers against the file's fp32 model's (first {a.new_tokens} "
+                  "tokens; the last row against llama.cpp's):", "",
+                  "| runtime, weights | identical answers | median token where they part |",
+                  "|---|---:|---:|"]
+        lines += [f"| {r['runtime']} | {r['identical']}/{r['answers']} | "
+                  f"{r['median_first_difference']} |" for r in agreement]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def answers_agreement(gguf: Path, work: Path, answers: list, a) -> list[dict]:
+    """Greedy answers of llama.cpp and edgemtp's packages against the fp32 model's."""
+    from llama_cpp import Llama
+
+    from edgemtp.api import Model
+    from edgemtp.config import GenerationConfig
+
+    refs = [(out[0, n:].tolist(), out[0, :n].tolist()) for n, out in answers]
+    llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=a.threads,
+                n_threads_batch=a.threads, verbose=False, seed=0)
+
+    def llama_cpp(ids):
+        llm.reset()
+        got = []
+        for t in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                              repeat_penalty=1.0, reset=True):
+            got.append(int(t))
+            if t == llm.token_eos() or len(got) >= a.new_tokens:
+                break
+        return got
+
+    runners = {"llama.cpp (llama-cpp-python), the GGUF": llama_cpp}
+    int4_answers: list = []
+    config = GenerationConfig(drafter="none", max_new_tokens=a.new_tokens)
+    for dtype in ("int4", "fp32"):
+        model = Model.load(str(edgemtp_package(gguf, work, dtype)), threads=a.threads)
+        runners[f"edgemtp, {dtype} package ({model.backend.name})"] = (
+            lambda ids, m=model: list(m.generate(ids, config).token_ids))
+    rows, llama_answers = [], []
+    for name, run in list(runners.items()) + [("edgemtp, int4 package, against llama.cpp's "
+                                               "answers", None)]:
+        firsts = []
+        for i, (want, prompt) in enumerate(refs):
+            if run is None:  # the int4 package's answers against llama.cpp's
+                got, want = int4_answers[i], llama_answers[i]
+            else:
+                got = run(prompt)
+                if name.startswith("llama.cpp"):
+                    llama_answers.append(got)
+                elif "int4" in name:
+                    int4_answers.append(got)
+            firsts.append(next((i for i, (x, y) in enumerate(zip(got, want)) if x != y),
+                               None if len(got) == len(want) else min(len(got), len(want))))
+        differ = sorted(f for f in firsts if f is not None)
+        rows.append({"runtime": name, "answers": len(refs),
+                     "identical": firsts.count(None),
+                     "median_first_difference": (differ[len(differ) // 2] if differ
+                                                 else None)})
+        print(f"{name}: {rows[-1]}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
