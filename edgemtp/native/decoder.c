@@ -105,11 +105,11 @@ static inline size_t vidx8(int p, int e, int D, int cap) {
 /* an int4 matrix in groups of 16 columns, blocks of 32 inputs: w [G][nb][256] nibbles,
    zp [G][nb][16] zero points, and the scales [G][nb][16] as floats (sc) or, where every one
    is a half-precision value (an export since they are rounded so, as GGUF's blocks keep
-   theirs), as halves (sc16, sc NULL): a block then takes 304 bytes rather than 336, and a
-   one-row step reads ~10 % fewer (SmolLM2 int4, 2 threads, a 2-core Zen 3, both layouts in
-   one process alternated forward by forward, 25 pairs: P = 64 t(1) 0.90x, t(2) 0.89x, t(4)
-   0.90x, t(8) 0.94x; P = 1000 t(1) 0.97x, t(2) 0.92x). The half is converted exactly, so
-   both give the same bits. */
+   theirs), as halves (sc16, sc NULL): a block then takes 304 bytes rather than 336 (SmolLM2
+   int4, 2 threads, a 2-core Zen 3, one package held both ways in one process, alternated
+   forward by forward, 25 pairs: t(1) 0.94x, 0.97x, 0.96x at P = 64, 700, 2000; t(2)
+   0.96-0.98x; blocks of 4+ rows, bound by their products, within 2 %). The half is
+   converted exactly, so both give the same bits. */
 typedef struct {
     int G, nb;
     const uint8_t *w;
