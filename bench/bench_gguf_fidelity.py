@@ -75,6 +75,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default=str(ROOT / "out" / "peers"))
+    p.add_argument("--package", action="append", default=[], metavar="LABEL=BACKEND:PATH",
+                   help="also teacher-force an exported package on a backend (native, "
+                        "onnxruntime); repeatable")
     p.add_argument("--answers", action="store_true",
                    help="also compare greedy answers: llama.cpp and edgemtp's packages")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gguf_fidelity_cpu"))
@@ -127,6 +130,17 @@ def main(argv=None) -> int:
                      "tokens": int(same.size)})
         print(f"{name}: top-1 {same.mean():.1%}, KL {kl.mean():.3f}", flush=True)
 
+    for spec in a.package:
+        label, _, rest = spec.partition("=")
+        backend, _, path = rest.partition(":")
+        got = package_log_probs(path, backend, answers, a.threads)
+        same = np.concatenate([(r.argmax(-1) == g.argmax(-1)).numpy() for r, g in zip(ref, got)])
+        kl = np.concatenate([(r.exp() * (r - g)).sum(-1).numpy() for r, g in zip(ref, got)])
+        rows.append({"weights": f"{label} ({backend} backend)", "body_bits": None,
+                     "head_bits": None, "top1_agrees": float(same.mean()),
+                     "mean_kl": float(kl.mean()), "tokens": int(same.size), "package": path})
+        print(f"{label}: top-1 {same.mean():.1%}, KL {kl.mean():.3f}", flush=True)
+
     agreement = answers_agreement(gguf, Path(a.work), answers, a) if a.answers else []
     if a.answers:  # llama.cpp's own logits on the same answers (its Q8_1 activations)
         from llama_cpp import Llama
@@ -174,6 +188,26 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def package_log_probs(path: str, backend: str, answers: list, threads: int) -> list:
+    """Teacher-forced log-probabilities of an exported package: each prompt + answer as one
+    causal block on ``backend``, the answer's rows."""
+    import torch
+
+    from edgemtp.backend import backend_class
+
+    b = backend_class(backend)(path, threads=threads)
+    out = []
+    for n, ids in answers:
+        seq = ids[0].numpy().astype(np.int64)
+        t = len(seq)
+        s = b.session()
+        step = s.forward(seq, np.arange(t, dtype=np.int64), np.tril(np.ones((t, t), bool)),
+                         None, topk=0, full_logits=True)
+        out.append(torch.log_softmax(torch.from_numpy(
+            step.logits[n - 1:t - 1].astype(np.float64)), -1))
+    return out
 
 
 def answers_agreement(gguf: Path, work: Path, answers: list, a) -> list[dict]:

@@ -235,7 +235,7 @@ def cmd_export(a: argparse.Namespace) -> int:
                             bc=a.bc, mask_tokens=a.mask_tokens, opset=a.opset, force=a.force,
                             trust_remote_code=a.trust_remote_code, progress=not a.quiet,
                             hidden_states=a.hidden_states, symmetric=a.symmetric,
-                            cache_layout=a.cache_layout)
+                            cache_layout=a.cache_layout, requantize=a.requantize)
     print(report.summary())
     if a.trt:
         _build_engine(a.output, a.workspace, None, not a.quiet)
@@ -363,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--symmetric", action="store_true",
                    help="int4/int8: symmetric blocks (a scale, no zero point; faster kernels, "
                         "coarser grid; onnxruntime-genai's default)")
+    e.add_argument("--requantize", action="store_true",
+                   help="int4 from a GGUF file: quantize every weight again with onnxruntime's "
+                        "quantizer (default: keep the file's own Q4_0/Q4_1 blocks exactly)")
     e.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
     e.add_argument("--cache-layout", default="seq", choices=("seq", "head"),

@@ -74,6 +74,9 @@ class ExportOptions:
     # the past's layout: "seq" [1, P, H_kv, D] (every backend) or "head" [1, H_kv, P, D]
     # (fp32/fp16 on onnxruntime's CPU provider: faster long contexts)
     cache_layout: str = "seq"
+    # int4 from a GGUF file: re-quantize every weight rather than keep the file's own Q4_0 /
+    # Q4_1 blocks (export.gguf_blocks)
+    requantize: bool = False
     budgets: tuple[tuple[int, int], ...] = field(init=False)
     skipped: tuple[str, ...] = field(init=False)
 
@@ -179,13 +182,23 @@ class ExportReport:
     skipped: list[str] = field(default_factory=list)
     graph_bytes: int = 0
     gguf: GGUFInfo | None = None
+    kept_blocks: int = 0     # products that keep the GGUF file's own 4-bit blocks
+    products: int = 0        # weight products (MatMul / MatMulNBits) in the graph
 
     def summary(self) -> str:
         skipped = f"; skipped {', '.join(self.skipped)}" if self.skipped else ""
-        dtype = self.dtype if self.gguf is None else (
-            f"{self.dtype}, weights de-quantized from GGUF {self.gguf.file}: "
-            f"{self.gguf.quant_summary()}"
-            f"{', then re-quantized' if self.dtype in ('int4', 'int8') else ''}")
+        if self.gguf is None:
+            dtype = self.dtype
+        elif self.kept_blocks:
+            rest = self.products - self.kept_blocks
+            dtype = (f"{self.dtype}, weights from GGUF {self.gguf.file}: "
+                     f"{self.gguf.quant_summary()}; {self.kept_blocks} of {self.products} "
+                     f"products keep the file's own blocks"
+                     f"{f', {rest} re-quantized' if rest else ''}")
+        else:
+            dtype = (f"{self.dtype}, weights de-quantized from GGUF {self.gguf.file}: "
+                     f"{self.gguf.quant_summary()}"
+                     f"{', then re-quantized' if self.dtype in ('int4', 'int8') else ''}")
         return (f"exported {self.family} ({dtype}) to {self.out} in {self.seconds:.1f} s: "
                 f"graph {self.graph_bytes / 2**20:.1f} MiB, {len(self.plans)} plan budgets"
                 f"{skipped}; self-check max |logit diff| {self.check.token_rows:.1e} on token "
@@ -202,7 +215,8 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
                    trust_remote_code: bool = False,
                    tolerance: tuple[float, float] | None = None,
                    progress: bool = True, hidden_states: bool = False,
-                   symmetric: bool = False, cache_layout: str = "seq") -> ExportReport:
+                   symmetric: bool = False, cache_layout: str = "seq",
+                   requantize: bool = False) -> ExportReport:
     """Export ``model`` (a local Hugging Face folder, a llama.cpp GGUF file or a folder
     holding one, or a hub id when online) to ``out``.
 
@@ -214,12 +228,14 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
     MatMul on a few rows, and a coarser grid than asymmetric blocks (a Q4_1 GGUF's own weights
     are asymmetric). ``cache_layout`` "head" (fp32/fp16): the past K/V head-major, ``[1, H_kv,
     P, D]``, which onnxruntime's CPU provider reads faster on long contexts; such a package
-    runs on onnxruntime's CPU provider only.
+    runs on onnxruntime's CPU provider only. ``requantize`` (int4 from a GGUF file):
+    quantize every weight again with onnxruntime's quantizer; by default the products whose
+    weights are the file's own Q4_0/Q4_1 blocks keep them exactly (:mod:`export.gguf_blocks`).
     """
     t0 = time.perf_counter()
     options = ExportOptions(dtype, max_context, tuple(bc), tuple(mask_tokens), opset,
                             None if tolerance is None else tuple(tolerance), hidden_states,
-                            symmetric, cache_layout)
+                            symmetric, cache_layout, requantize)
     out = check_destination(model, out, force)  # before the heavy imports: fail fast
     source, gguf = _check_source(model)
     with partial_folder(out) as tmp:  # an unwritable place fails here, before any loading
@@ -246,9 +262,10 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
             bar.close()
         load_package(tmp)  # what export wrote must load before it may look complete
         swap_in(tmp, out)
+    w = load_package(out).weights
     return ExportReport(out, family.name, options.dtype, time.perf_counter() - t0, check,
                         budgets, skipped, sum(f.stat().st_size for f in out.glob(f"{GRAPH}*")),
-                        gguf)
+                        gguf, w.kept_blocks, w.products)
 
 
 @dataclass(frozen=True)
@@ -301,10 +318,11 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
         reference = ExportDecoder(TreeDecoder(hf, job.family), topk, hidden).eval()
 
     with _stage(bar, "tracing the graph", tmp):
+        blocks = _file_blocks(job)
         graph = _write_graph(module, tmp, hf.dtype, opset, job.options.dtype,
-                             job.options.symmetric)
+                             job.options.symmetric, blocks)
         if graph.spec is not None:  # the reference gets the same de-quantized weights
-            fake_quantize(hf, graph.spec)
+            fake_quantize(hf, graph.spec, blocks)
 
     with _stage(bar, "onnx.checker", tmp):
         value_dtype = "fp64" if decoder.exact_attention else None  # see graph.exact_sums
@@ -369,6 +387,18 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
             gguf=_gguf_info(job.gguf), weights=graph.weights)
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=1) + "\n")
     return check
+
+
+def _file_blocks(job: _Job):
+    """The GGUF file's Q4_0/Q4_1 blocks an int4 export keeps (None: not int4 from a GGUF
+    file, symmetric or ``requantize`` asked, or no such blocks in the file)."""
+    o = job.options
+    if job.gguf is None or o.dtype != "int4" or o.symmetric or o.requantize:
+        return None
+    from .gguf_blocks import FileBlocks
+
+    blocks = FileBlocks(job.source.path)
+    return blocks if len(blocks) else None
 
 
 def _check_quantized(tmp: Path, reference, job: _Job, tokenizer, strict, loose):
@@ -504,7 +534,7 @@ class _Graph:
 
 
 def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str,
-                 symmetric: bool = False) -> _Graph:
+                 symmetric: bool = False, file_blocks=None) -> _Graph:
     """Trace into a scratch folder, tidy, store a tied embedding once, quantize (int4/int8),
     then save ``model.onnx`` as one file (weights inside) or, for large or quantized models,
     with one external weights file (a quantized tied table is read from it by the host)."""
@@ -529,8 +559,11 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str,
     spec = QUANTIZED.get(fmt)
     if spec is not None and symmetric:
         spec = dataclasses.replace(spec, symmetric=True)
-    tied = quantize_graph(proto, spec) if spec else tie_float_embedding(proto)
+    kept: list[str] = []
+    tied = quantize_graph(proto, spec, file_blocks, kept) if spec else tie_float_embedding(proto)
+    products = sum(n.op_type == "MatMulNBits" for n in proto.graph.node) if spec else 0
     weights = WeightsInfo(format=fmt, tied_embedding=tied is not None,
+                          **({"kept_blocks": len(kept), "products": products} if kept else {}),
                           **({"block_size": spec.block_size, "symmetric": spec.symmetric,
                               "accuracy_level": spec.accuracy_level,
                               "min_rows": spec.min_rows, "softmax": "exact",
@@ -573,7 +606,7 @@ def _table_refs(path: Path, tied, spec, external: str) -> dict:
             shape = (shape[0], math.prod(shape[1:]))
         return TensorRef(offset=int(where.get("offset", 0)), shape=shape, dtype=dtype.name)
 
-    return {"file": external, "layout": "block-quantized", "bits": spec.bits,
+    return {"file": external, "layout": "block-quantized", "bits": tied.bits or spec.bits,
             "block_size": spec.block_size, "data": ref(tied.data), "scales": ref(tied.scales),
             "zero_points": ref(tied.zero_points) if tied.zero_points else None}
 

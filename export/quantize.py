@@ -78,6 +78,7 @@ class TiedTable:
     data: str
     scales: str | None = None        # block-quantized tables only
     zero_points: str | None = None
+    bits: int | None = None          # block-quantized tables: 4, or 8 (a GGUF's Q8_0 head)
 
 
 # -- numpy: the block format ----------------------------------------------------------------
@@ -137,11 +138,13 @@ def dequantize(packed, scales, zero_points, spec: QuantSpec, k: int) -> np.ndarr
 # -- torch: the reference the self-check compares against -----------------------------------
 
 
-def fake_quantize(hf, spec: QuantSpec) -> int:
+def fake_quantize(hf, spec: QuantSpec, file_blocks=None) -> int:
     """Replace every ``nn.Linear`` weight of ``hf`` (lm_head included, and so a tied input
     embedding) with its quantize-dequantize round trip, and round every value projection's
     output to the grid the quantized graph keeps its values on (``graph.exact_sums``); returns
-    how many weights were replaced."""
+    how many weights were replaced. Weights that are a GGUF file's own 4-bit blocks
+    (``file_blocks``, as :func:`quantize_graph` keeps them) stay as loaded: they are already
+    exactly those blocks' values."""
     import torch
     from torch import nn
 
@@ -155,6 +158,10 @@ def fake_quantize(hf, spec: QuantSpec) -> int:
         for module in hf.modules():
             if isinstance(module, nn.Linear):
                 w = module.weight.detach().float().cpu().numpy()
+                if file_blocks is not None and spec.bits == 4 and (
+                        (module is hf.get_output_embeddings() and file_blocks.find8(w) is not None)
+                        or (_tied_to(hf, module) is None and file_blocks.find(w) is not None)):
+                    continue
                 deq = dequantize(*block_quantize(w, spec), spec, w.shape[1])
                 module.weight.copy_(torch.from_numpy(deq))
                 count += 1
@@ -162,6 +169,12 @@ def fake_quantize(hf, spec: QuantSpec) -> int:
         if name.endswith("v_proj"):
             module.register_forward_hook(on_grid)
     return count
+
+
+def _tied_to(hf, module):
+    """The input embedding ``module`` (a Linear) shares its weight with, or None."""
+    emb = hf.get_input_embeddings()
+    return emb if emb is not None and emb.weight is module.weight else None
 
 
 # -- the graph ------------------------------------------------------------------------------
@@ -198,20 +211,38 @@ def tie_float_embedding(proto) -> TiedTable | None:
     return TiedTable(data=table)
 
 
-def quantize_graph(proto, spec: QuantSpec) -> TiedTable | None:
+def quantize_graph(proto, spec: QuantSpec, file_blocks=None,
+                   kept: list | None = None) -> TiedTable | None:
     """Quantize ``proto``'s MatMul weights in place; a tied embedding's Gather then reads the
-    lm_head's quantized table. Returns that table's initializer names (None: not tied)."""
+    lm_head's quantized table. Returns that table's initializer names (None: not tied).
+
+    ``file_blocks`` (:class:`export.gguf_blocks.FileBlocks`, int4 only): products whose
+    weights are a GGUF file's own Q4_0/Q4_1 blocks keep them (:mod:`export.gguf_blocks`)
+    rather than being re-quantized; their node names are appended to ``kept``."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     tied = _tied_pair(proto)
     lm_head_b = tied[1].input[1] if tied else None
+    exclude: list[str] = []
+    if file_blocks is not None and spec.bits == 4 and spec.block_size == 32:
+        from .gguf_blocks import keep_file_blocks
+
+        inits = {i.name for i in proto.graph.initializer}
+        head = [n.input[1] for n in proto.graph.node
+                if n.op_type == "MatMul" and n.input[1] in inits][-1:]
+        names, exclude = keep_file_blocks(proto, file_blocks, spec.accuracy_level,
+                                          skip=(lm_head_b,) if lm_head_b else (),
+                                          head=head[0] if head else None)
+        if kept is not None:
+            kept.extend(names)
     quant_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level = quant_log.level
     quant_log.setLevel(logging.WARNING)  # it logs every node it visits at INFO
     try:
         q = MatMulNBitsQuantizer(proto, bits=spec.bits, block_size=spec.block_size,
                                  is_symmetric=spec.symmetric,
-                                 accuracy_level=spec.accuracy_level)
+                                 accuracy_level=spec.accuracy_level,
+                                 nodes_to_exclude=exclude)
         q.process()
     finally:
         quant_log.setLevel(level)
@@ -266,6 +297,7 @@ def _share_quantized_table(proto, spec: QuantSpec, gather_out: str, lm_head_b: s
                 and n.input[1].startswith(lm_head_b))
     blob, scales = node.input[1], node.input[2]
     zp = node.input[3] if len(node.input) > 3 and node.input[3] else None
+    bits = next(a.i for a in node.attribute if a.name == "bits")  # 8: a GGUF's Q8_0 head
     gather = next(n for n in graph.node if n.output[0] == gather_out)
     inits = {i.name: i for i in graph.initializer}
     n, kb, nbytes = inits[blob].dims
@@ -283,9 +315,9 @@ def _share_quantized_table(proto, spec: QuantSpec, gather_out: str, lm_head_b: s
     graph.node.insert(at + 1, helper.make_node(
         "GatherBlockQuantized", [flat, gather.input[1], scales] + ([zp] if zp else []),
         [gather_out], domain="com.microsoft", name="/decoder/embed_tokens/GatherBlockQuantized",
-        bits=spec.bits, block_size=spec.block_size, gather_axis=0, quantize_axis=1))
+        bits=bits, block_size=spec.block_size, gather_axis=0, quantize_axis=1))
     _drop_initializer(graph, table)
-    return TiedTable(data=blob, scales=scales, zero_points=zp)
+    return TiedTable(data=blob, scales=scales, zero_points=zp, bits=bits)
 
 
 def _drop_initializer(graph, name: str) -> None:

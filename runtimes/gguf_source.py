@@ -122,7 +122,8 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 class _Header:
     """A GGUF header (v2, v3; little-endian): magic, version, counts, metadata, tensor table.
 
-    ``tensors``: (GGML type, elements, offset in the data section) per tensor."""
+    ``tensors``: (GGML type, elements, offset in the data section) per tensor; ``table``:
+    (name, GGML type, dims (ggml order: the row length first), offset) per tensor."""
 
     def __init__(self, f) -> None:
         self.f, self.size = f, os.fstat(f.fileno()).st_size
@@ -140,13 +141,14 @@ class _Header:
                 alignment = self._u("I")
             else:
                 self._skip(kind)
-        self.tensors = []
+        self.tensors, self.table = [], []
         for _ in range(n_tensors):
-            self._string()
+            name = self._string()
             n_dims = self._u("I")
             dims = struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims))
             kind, offset = self._u("I"), self._u("Q")
             self.tensors.append((kind, math.prod(dims), offset))
+            self.table.append((name, kind, dims, offset))
         self.data_start = -(-f.tell() // alignment) * alignment
 
     def _u(self, fmt: str) -> int:

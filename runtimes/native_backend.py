@@ -33,6 +33,7 @@ import numpy as np
 from edgemtp import native
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
+from edgemtp.export.gguf_blocks import offset_branch
 from edgemtp.runtimes.host_table import _unpack
 from edgemtp.runtimes.package import check_step, load_package
 
@@ -68,7 +69,7 @@ def runs_natively(path) -> bool:
 
 class Q4W(ctypes.Structure):
     _fields_ = [("G", ctypes.c_int), ("nb", ctypes.c_int), ("w", _P), ("sc", _P), ("zp", _P),
-                ("sc16", _P)]
+                ("sc16", _P), ("mn16", _P), ("hi", _P)]
 
 
 class _Model(ctypes.Structure):
@@ -77,7 +78,8 @@ class _Model(ctypes.Structure):
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(n, _P) for n in ("cos", "sin", "norm_in", "norm_post", "norm_final", "qkv",
                                      "o", "gu", "down", "lm", "emb_q", "emb_sc", "emb_zp",
-                                     "qkv_bias", "q_norm", "k_norm")])
+                                     "qkv_bias", "q_norm", "k_norm")]
+                + [("emb_bits", ctypes.c_int)])
 
 
 class _Cache(ctypes.Structure):
@@ -92,13 +94,16 @@ class _Call(ctypes.Structure):
                 + [(n, _P) for n in ("argmax", "topk_ids", "topk_lp", "logits", "hidden")])
 
 
-def pack_q4(q: np.ndarray, scales: np.ndarray, zp: np.ndarray):
+def pack_q4(q: np.ndarray, scales: np.ndarray, zp: np.ndarray,
+            offsets: np.ndarray | None = None):
     """Columns ``q [N, K]`` (values 0..15), ``scales``/``zp [N, K / 32]`` -> decoder.c's
     layout: groups of 16 columns, blocks of 32 inputs, chunk c byte r*4+e holding input 8c+e
     (low nibble) and 8c+4+e (high nibble) of column 16g+r. The scales come back as halves
     where every one is a half-precision value (packages exported since scales are rounded so,
     :func:`edgemtp.export.quantize.half_scales`): 32 bytes a block less to read each step, the
-    same products."""
+    same products. ``offsets [N, K / 32]`` (a GGUF file's Q4_1 blocks, half-precision values):
+    returned as halves in the same layout (else None); zero points that are all 0 come back
+    as None (decoder.c reads none)."""
     n, k = q.shape
     nb, g = k // BLOCK, -(-n // 16)
     qp = np.zeros((g * 16, k), np.uint8)
@@ -115,7 +120,16 @@ def pack_q4(q: np.ndarray, scales: np.ndarray, zp: np.ndarray):
     if np.array_equal(half.astype(np.float32), sc):
         sc = half
     z = np.ascontiguousarray(zpp.reshape(g, 16, nb).transpose(0, 2, 1))
-    return g, nb, w, sc, z
+    mn = None
+    if offsets is not None:
+        mp = np.zeros((g * 16, nb), np.float32)
+        mp[:n] = offsets
+        mn = np.ascontiguousarray(mp.reshape(g, 16, nb).transpose(0, 2, 1)).astype(np.float16)
+        if not np.array_equal(mn.astype(np.float32), mp.reshape(g, 16, nb).transpose(0, 2, 1)):
+            raise ValueError("block offsets that are not half-precision values")
+        if not zpp[:n].any():
+            z = None
+    return g, nb, w, sc, z, mn
 
 
 class _Graph:
@@ -229,9 +243,12 @@ class NativeBackend:
                               f"onnxruntime")
 
         half: list[bool] = []
+        self.kept_blocks = 0  # products holding a GGUF file's Q4_1 blocks (offsets)
 
-        def mat(node, n_out: int, k_in: int) -> Q4W:
+        def mat(node, n_out: int, k_in: int, eight: bool = False) -> Q4W:
             a = _attrs(node)
+            if eight and a.get("bits") == 8:
+                return mat8(node, a, n_out, k_in)
             if (a.get("bits") != 4 or a.get("block_size") != BLOCK or a.get("N") != n_out
                     or a.get("K") != k_in or len(node.input) < 3):
                 raise ConfigError(f"{where}: {node.name} is not a {k_in} -> {n_out} int4 product "
@@ -245,13 +262,63 @@ class NativeBackend:
                 zp = _unpack(g.array(node.input[3]).reshape(n_out, -1), 4)[:, :nb]
             else:
                 zp = np.full((n_out, nb), 8, np.uint8)
-            G, nb, w, sc, z = pack_q4(q, scales, zp)
-            self._keep += [w, sc, z]
+            branch = offset_branch(g.model.graph, node)
+            offsets = None
+            if branch is not None:  # a GGUF file's Q4_1 blocks: d q + m
+                offsets = g.array(branch[0]).T
+                if offsets.shape != (n_out, nb):
+                    raise ConfigError(f"{where}: {node.name}'s block offsets are "
+                                      f"{list(offsets.shape)}, not [{n_out}, {nb}]; use "
+                                      f"--backend onnxruntime")
+                outputs[node.name] = branch[1].output[0]
+                self.kept_blocks += 1
+            try:
+                G, nb, w, sc, z, mn = pack_q4(q, scales, zp, offsets)
+            except ValueError as e:
+                raise ConfigError(f"{where}: {node.name}: {e}; use --backend onnxruntime") \
+                    from None
+            self._keep += [w, sc, z, mn]
             half.append(sc.dtype == np.float16)
+            ptr = (lambda a: None if a is None else a.ctypes.data)
             if sc.dtype == np.float16:
-                return Q4W(G, nb, w.ctypes.data, None, z.ctypes.data, sc.ctypes.data)
-            return Q4W(G, nb, w.ctypes.data, sc.ctypes.data, z.ctypes.data, None)
+                return Q4W(G, nb, w.ctypes.data, None, ptr(z), sc.ctypes.data, ptr(mn), None)
+            return Q4W(G, nb, w.ctypes.data, sc.ctypes.data, ptr(z), None, ptr(mn), None)
 
+        def mat8(node, a: dict, n_out: int, k_in: int) -> Q4W:
+            """An 8-bit product (a GGUF's Q8_0 LM head) as decoder.c's two chained 4-bit
+            planes: u - z = lo + 16 hi - z, z in the low plane or, when it is a multiple
+            of 16 (128), z / 16 in the high one (smaller sums either side)."""
+            if a.get("block_size") != BLOCK or a.get("N") != n_out or a.get("K") != k_in:
+                raise ConfigError(f"{where}: {node.name} is not a {k_in} -> {n_out} 8-bit "
+                                  f"product in blocks of 32; use --backend onnxruntime")
+            b = g.array(node.input[1])
+            nb = b.shape[1]
+            u = np.asarray(b).reshape(n_out, -1)[:, :nb * BLOCK]
+            scales = g.array(node.input[2]).reshape(n_out, nb).astype(np.float32)
+            if len(node.input) > 3 and node.input[3]:
+                z = np.asarray(g.array(node.input[3])).reshape(n_out, -1)[:, :nb]
+            else:
+                z = np.full((n_out, nb), 128, np.uint8)
+            even = not (z % 16).any()
+            z_lo = np.zeros_like(z) if even else z
+            z_hi = z // 16 if even else np.zeros_like(z)
+            planes = []
+            for q, s, zz in ((u & 15, scales, z_lo), (u >> 4, scales * 16, z_hi)):
+                G, nb_, w, sc, zq, _ = pack_q4(q, s, zz)
+                self._keep += [w, sc, zq]
+                half.append(sc.dtype == np.float16)
+                ptr = (lambda x: None if x is None else x.ctypes.data)
+                h16 = sc.dtype == np.float16
+                planes.append(Q4W(G, nb_, w.ctypes.data, None if h16 else sc.ctypes.data,
+                                  ptr(zq), sc.ctypes.data if h16 else None, None, None))
+            lo, hi = planes
+            self._keep.append(hi)
+            lo.hi = ctypes.addressof(hi)
+            self.head_bits = 8
+            return lo
+
+        self.head_bits = 4
+        outputs: dict[str, str] = {}  # a product's output, after its offset branch's Add
         F = _attrs(nodes[2]).get("N", 0) // 2
         qkv, o, gu, down = (Q4W * L)(), (Q4W * L)(), (Q4W * L)(), (Q4W * L)()
         for i in range(L):
@@ -259,7 +326,7 @@ class NativeBackend:
             o[i] = mat(nodes[4 * i + 1], d, H * D)
             gu[i] = mat(nodes[4 * i + 2], 2 * F, d)
             down[i] = mat(nodes[4 * i + 3], d, F)
-        lm = mat(nodes[-1], self.vocab_size, d)
+        lm = mat(nodes[-1], self.vocab_size, d, eight=True)
         # "fp16": every matrix's scales held as halves (a package exported since they are
         # rounded so); "fp32": some or all as floats (an older export)
         self.scales = "fp16" if all(half) else "fp32"
@@ -289,7 +356,8 @@ class NativeBackend:
                 consts[n.output[0]] = consts[n.input[0]]
         biases = []
         for i in range(L):
-            add = [n for n in users.get(nodes[4 * i].output[0], []) if n.op_type == "Add"]
+            out = outputs.get(nodes[4 * i].name, nodes[4 * i].output[0])
+            add = [n for n in users.get(out, []) if n.op_type == "Add"]
             c = [consts[x] for n in add for x in n.input if x in consts]
             if c:
                 b = g.array(c[0]).reshape(-1)
@@ -325,9 +393,9 @@ class NativeBackend:
         scale = float(qcos[0, 0]) if not np.array_equal(qcos, cos) else D ** -0.5
         eps = float(_attrs(skip[0]).get("epsilon", 1e-5))
         t = self._table  # the manifest's block-quantized table (the graph gathers from it)
-        if getattr(t, "_bits", None) != 4 or t._bs != BLOCK:
-            raise ConfigError(f"{where}: the embedding table is not int4 in blocks of 32; use "
-                              f"--backend onnxruntime")
+        if getattr(t, "_bits", None) not in (4, 8) or t._bs != BLOCK:
+            raise ConfigError(f"{where}: the embedding table is not int4 or int8 in blocks of "
+                              f"32; use --backend onnxruntime")
         emb_q, emb_sc = np.ascontiguousarray(t._data), f32(t._scales)
         emb_zp = None if t._zp is None else np.ascontiguousarray(t._zp)
         self._keep += [emb_q, emb_zp, qkv, o, gu, down, lm]
@@ -343,7 +411,8 @@ class NativeBackend:
                             qkv_bias=None if qkv_bias is None else qkv_bias.ctypes.data,
                             q_norm=None if q_norm is None else q_norm.ctypes.data,
                             k_norm=None if k_norm is None else k_norm.ctypes.data,
-                            emb_zp=None if emb_zp is None else emb_zp.ctypes.data)
+                            emb_zp=None if emb_zp is None else emb_zp.ctypes.data,
+                            emb_bits=t._bits)
         self.dims = (L, Hkv, D)
 
     def _check_against_graph(self) -> None:

@@ -309,6 +309,10 @@ class WeightsInfo:
     # rotary and residual + RMSNorm as onnxruntime's fused contrib ops (int4/int8 exports
     # from 2026-11-25 on: export.graph.ExportTreeDecoder.fuse)
     fused: bool = False
+    # int4 from a GGUF file: how many of the graph's ``products`` (MatMulNBits) keep the file's
+    # own Q4_0/Q4_1 blocks, a Q4_1 block's offsets as a float branch (export.gguf_blocks)
+    kept_blocks: int = 0
+    products: int = 0
 
     def __post_init__(self) -> None:
         _check(self.format in WEIGHT_FORMATS, f"'weights.format' must be one of "
@@ -321,6 +325,9 @@ class WeightsInfo:
                                         f"{self.min_rows!r}")
         _check(self.softmax in SOFTMAX, f"'weights.softmax' must be one of "
                                         f"{', '.join(SOFTMAX)}, got {self.softmax!r}")
+        _check(0 <= self.kept_blocks <= self.products,
+               f"'weights.kept_blocks' must be from 0 to 'weights.products' "
+               f"({self.products!r}), got {self.kept_blocks!r}")
         _check(self.block_size is None or (self.block_size >= 16
                                            and self.block_size & (self.block_size - 1) == 0),
                f"'weights.block_size' must be a power of 2 >= 16, got {self.block_size!r}")
@@ -898,6 +905,12 @@ def _first_line(e: BaseException) -> str:
 # -- inspect ----------------------------------------------------------------------------------
 
 
+def _kept(w: WeightsInfo) -> str:
+    if not w.kept_blocks:
+        return ""
+    return f", {w.kept_blocks} of {w.products} products keep the GGUF file's own blocks"
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -947,12 +960,15 @@ def describe(pkg: Package) -> str:
         f"weights   {pkg.weights.name}"
         f"{', tied embedding stored once' if pkg.weights.tied_embedding else ''}"
         f"{INVARIANCE.get(pkg.weights.softmax, '')}"
-        f"{', fused rotary and RMSNorm kernels' if pkg.weights.fused else ''}",
+        f"{', fused rotary and RMSNorm kernels' if pkg.weights.fused else ''}"
+        f"{_kept(pkg.weights)}",
     ]
     if m.gguf:
         types = ", ".join(f"{t} x{n}" for t, n in m.gguf.tensor_types.items())
+        how = ("its blocks kept as they are where MatMulNBits holds them, the rest "
+               "de-quantized" if pkg.weights.kept_blocks else "de-quantized")
         lines.append(f"gguf      {m.gguf.file} ({m.gguf.architecture}: {types}), "
-                     f"de-quantized to {m.dtype}")
+                     f"{how} to {m.dtype}")
     lines.append(f"cuda      {cuda_graph_readiness(g, m.cache)}")
     if check:
         lines.append(f"checked   max |logit diff| {check.token_rows_max_logit_diff:.1e} "

@@ -26,11 +26,16 @@ def _run(cc: str, flags: list[str], out: Path, runner: list[str] = ()) -> tuple[
     assert run.returncode == 0, run.stderr[-2000:]
     head, _, body = run.stdout.partition("\n")
     n = (11 + 1 + 2) * 3 * 16
-    assert head.startswith("kernel ") and len(body.split()) == 2 * n
-    words = body.split()  # rows 0-1 alone are the same bits as in the 11-row block
-    assert words[11 * 48:12 * 48] == words[:48] and words[12 * 48:n] == words[:96]
-    assert words[n:] == words[:n], "half-precision scales give other bits than floats"
-    assert len(set(words[:n])) > n // 2  # not a constant
+    assert head.startswith("kernel ") and len(body.split()) == 4 * n
+    words = body.split()
+    for part in (words[:n], words[2 * n:3 * n], words[3 * n:]):  # rows 0-1 alone: the same
+        # bits as in 11 rows
+        assert part[11 * 48:12 * 48] == part[:48] and part[12 * 48:n] == part[:96]
+        assert len(set(part)) > n // 2  # not a constant
+    assert words[n:2 * n] == words[:n], "half-precision scales give other bits than floats"
+    # Q4_1 blocks: no zero points, offsets added
+    assert sum(a != b for a, b in zip(words[2 * n:3 * n], words[:n])) > n // 2
+    assert sum(a != b for a, b in zip(words[3 * n:], words[:n])) > n // 2  # 8 bits: two planes
     return int(head.split()[1]), body
 
 

@@ -22,7 +22,9 @@
    a matrix [N, K] as groups of 16 output columns, blocks of 32 inputs: w [G][nb][4][64] bytes,
    in chunk c byte r*4+e holds input 8c+e of column 16g+r in its low nibble and 8c+4+e in its
    high one; scales [G][nb][16] float; zero points [G][nb][16] bytes. A column's value is
-   sum over blocks of scale * a_scale * (sum_j q_j a_j - zp * sum_j a_j).
+   sum over blocks of scale * a_scale * (sum_j q_j a_j - zp * sum_j a_j), plus, for a GGUF
+   file's Q4_1 blocks (d q + m, kept as they are: export/gguf_blocks.py), m * a_scale *
+   sum_j a_j, as llama.cpp's Q4_1 x Q8_1 dot product adds it.
 
    Cache (per session): keys in blocks of 16 positions, each block transposed,
    [L][H_kv][cap / 16][D][16] (a query's scores against 16 cached keys are two vectors of 8
@@ -109,13 +111,23 @@ static inline size_t vidx8(int p, int e, int D, int cap) {
    int4, 2 threads, a 2-core Zen 3, one package held both ways in one process, alternated
    forward by forward, 25 pairs: t(1) 0.94x, 0.97x, 0.96x at P = 64, 700, 2000; t(2)
    0.96-0.98x; blocks of 4+ rows, bound by their products, within 2 %). The half is
-   converted exactly, so both give the same bits. */
-typedef struct {
+   converted exactly, so both give the same bits.
+   A GGUF file's Q4_1 blocks (d q + m) come with their offsets m [G][nb][16] as halves (mn16)
+   and no zero points (zp NULL: 0); a block then takes 320 bytes. Each row-block adds
+   fma(m, a_scale * sum_j a_j, f) after its scaled integer sum.
+   An 8-bit matrix (a GGUF file's Q8_0 LM head: u = q + 128, zero point 128) is two 4-bit
+   planes of the same shape chained by hi: its low nibbles (scale d, zero point 0), then
+   its high ones (scale 16 d, zero point 8), since u - 128 = (u & 15) + 16 ((u >> 4) - 8);
+   each column's sum runs over the low plane's blocks, then the high plane's, in one set of
+   accumulators. */
+typedef struct Q4W {
     int G, nb;
     const uint8_t *w;
     const float *sc;
-    const uint8_t *zp;
+    const uint8_t *zp;                      /* NULL: every zero point 0 */
     const uint16_t *sc16;
+    const uint16_t *mn16;                   /* NULL: no offsets */
+    const struct Q4W *hi;                   /* NULL, or the high plane of an 8-bit matrix */
 } Q4W;
 
 typedef struct {
@@ -126,12 +138,15 @@ typedef struct {
     const float *norm_final;                /* [d] */
     const Q4W *qkv, *o, *gu, *down;         /* [L] each */
     const Q4W *lm;
-    const uint8_t *emb_q;                   /* [V][ceil(d/32)*16], onnxruntime's int4 layout */
+    const uint8_t *emb_q;                   /* [V][ceil(d/32)*16], onnxruntime's int4 layout
+                                               (emb_bits 8: [V][ceil(d/32)*32], a byte each) */
     const float *emb_sc;                    /* [V][ceil(d/32)] */
-    const uint8_t *emb_zp;                  /* [V][ceil(ceil(d/32)/2)] or NULL (8) */
+    const uint8_t *emb_zp;                  /* [V][ceil(ceil(d/32)/2)] or NULL (8); emb_bits
+                                               8: [V][ceil(d/32)] or NULL (128) */
     const float *qkv_bias;                  /* [L][(H + 2 Hkv) D] or NULL (Qwen2) */
     const float *q_norm, *k_norm;           /* [L][D] each or NULL: RMSNorm per head of q
                                                and k before the rotary embedding (Qwen3) */
+    int emb_bits;                           /* 4, or 8 (a GGUF file's Q8_0 table); 0: 4 */
 } Model;
 
 /* the K/V cache holds half-precision values (as llama.cpp's default cache): half the bytes
@@ -256,7 +271,7 @@ static void quant_row(const float *x, int K, int8_t *aq, float *as, int32_t *asu
 static inline __attribute__((always_inline)) void q4_rows_avx2(
         const int rn, const __m256i u[2][8], const int8_t *a, int Kp, __m256i z0, __m256i z1,
         __m256 s0, __m256 s1, const float *asb, const int32_t *smb, int nb, int t,
-        __m256 (*f)[2]) {
+        __m256 (*f)[2], const int mins, __m256 n0, __m256 n1) {
     __m256i acc[Q4_ROWS][2];
     for (int r = 0; r < rn; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int k = 0; k < 8; k++) {
@@ -280,6 +295,12 @@ static inline __attribute__((always_inline)) void q4_rows_avx2(
         __m256i c1 = _mm256_sub_epi32(_mm256_madd_epi16(acc[r][1], ones), _mm256_madd_epi16(z1, sm));
         f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_mul_ps(s0, sa), f[r][0]);
         f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_mul_ps(s1, sa), f[r][1]);
+        if (mins) {
+            const __m256 xs = _mm256_set1_ps(asb[(size_t)(t + r) * nb]
+                                             * (float)smb[(size_t)(t + r) * nb]);
+            f[r][0] = _mm256_fmadd_ps(n0, xs, f[r][0]);
+            f[r][1] = _mm256_fmadd_ps(n1, xs, f[r][1]);
+        }
     }
 }
 #endif
@@ -302,8 +323,8 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
             __m512 f[Q4_TILE];
             for (int i = 0; i < Q4_TILE; i++) f[i] = _mm512_setzero_ps();
             const __m512i m4 = _mm512_set1_epi8(0x0F);
-            for (int b = 0; b < nb; b++) {
-                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 256;
+            for (const Q4W *p = m; p; p = p->hi) for (int b = 0; b < nb; b++) {
+                const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
                 __m512i u[8];
                 for (int c = 0; c < 4; c++) {
                     __m512i v = _mm512_loadu_si512(wb + 64 * c);
@@ -311,10 +332,14 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                     u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 }
                 const size_t so = ((size_t)g * nb + b) * 16;
-                __m512 s = m->sc16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m->sc16 + so)))
-                                   : _mm512_loadu_ps(m->sc + so);
-                __m512i z = _mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)(m->zp + ((size_t)g * nb + b) * 16)));
+                __m512 s = p->sc16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p->sc16 + so)))
+                                   : _mm512_loadu_ps(p->sc + so);
+                __m512i z = p->zp ? _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(p->zp + ((size_t)g * nb + b) * 16)))
+                                  : _mm512_setzero_si512();
+                const __m512 mn = p->mn16
+                    ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p->mn16 + so)))
+                    : _mm512_setzero_ps();
                 for (int i = 0; i < tn; i++) {
                     int t = t0 + i;
                     const int32_t *a = (const int32_t *)(aq + (size_t)t * Kp + b * 32);
@@ -324,6 +349,9 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                     acc = _mm512_sub_epi32(acc, _mm512_mullo_epi32(z, _mm512_set1_epi32(asum[t * nb + b])));
                     f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
                                            _mm512_mul_ps(s, _mm512_set1_ps(as[t * nb + b])), f[i]);
+                    if (p->mn16)
+                        f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(as[t * nb + b]
+                                                                  * (float)asum[t * nb + b]), f[i]);
                 }
             }
             for (int i = 0; i < tn; i++) _mm512_storeu_ps(y + (size_t)(t0 + i) * ldy + 16 * g, f[i]);
@@ -336,8 +364,8 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
             const __m256i m4 = _mm256_set1_epi8(0x0F);
             __m256 f[Q4_TILE][2];
             for (int i = 0; i < Q4_TILE; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 256;
+            for (const Q4W *p = m; p; p = p->hi) for (int b = 0; b < nb; b++) {
+                const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
                 /* the block 4 KB on in this thread's run of the weights: the hardware
                    prefetcher stops at each 4 KB page, so a one-row step streamed the weights
                    at ~17 GB/s of this machine's 31-40. SmolLM2 int4, 2 threads, a 2-core Zen 3,
@@ -354,26 +382,32 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                     }
                 const size_t so = ((size_t)g * nb + b) * 16;
                 __m256 s0, s1;
-                if (m->sc16) {
-                    s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->sc16 + so)));
-                    s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->sc16 + so + 8)));
+                if (p->sc16) {
+                    s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p->sc16 + so)));
+                    s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p->sc16 + so + 8)));
                 } else {
-                    s0 = _mm256_loadu_ps(m->sc + so);
-                    s1 = _mm256_loadu_ps(m->sc + so + 8);
+                    s0 = _mm256_loadu_ps(p->sc + so);
+                    s1 = _mm256_loadu_ps(p->sc + so + 8);
                 }
-                const __m128i zz = _mm_loadu_si128(
-                    (const __m128i *)(m->zp + ((size_t)g * nb + b) * 16));
+                const __m128i zz = p->zp ? _mm_loadu_si128(
+                    (const __m128i *)(p->zp + ((size_t)g * nb + b) * 16)) : _mm_setzero_si128();
                 const __m256i z0 = _mm256_cvtepu8_epi32(zz);
                 const __m256i z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zz, 8));
+                const int mins = p->mn16 != NULL;
+                __m256 n0 = _mm256_setzero_ps(), n1 = n0;
+                if (mins) {
+                    n0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p->mn16 + so)));
+                    n1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p->mn16 + so + 8)));
+                }
                 const float *asb = as + b;
                 const int32_t *smb = asum + b;
                 for (int i0 = 0; i0 < tn; i0 += Q4_ROWS) {
                     const int8_t *a = aq + (size_t)(t0 + i0) * Kp + b * 32;
                     switch (tn - i0 < Q4_ROWS ? tn - i0 : Q4_ROWS) {
-                    case 1: q4_rows_avx2(1, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0); break;
-                    case 2: q4_rows_avx2(2, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0); break;
-                    case 3: q4_rows_avx2(3, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0); break;
-                    default: q4_rows_avx2(4, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0); break;
+                    case 1: q4_rows_avx2(1, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0, mins, n0, n1); break;
+                    case 2: q4_rows_avx2(2, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0, mins, n0, n1); break;
+                    case 3: q4_rows_avx2(3, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0, mins, n0, n1); break;
+                    default: q4_rows_avx2(4, u, a, Kp, z0, z1, s0, s1, asb, smb, nb, t0 + i0, f + i0, mins, n0, n1); break;
                     }
                 }
             }
@@ -389,8 +423,8 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
             for (int i = 0; i < 4; i++)
                 for (int q = 0; q < 4; q++) f[i][q] = vdupq_n_f32(0.f);
             const uint8x16_t m4 = vdupq_n_u8(0x0F);
-            for (int b = 0; b < nb; b++) {
-                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 256;
+            for (const Q4W *p = m; p; p = p->hi) for (int b = 0; b < nb; b++) {
+                const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
                 int8x16_t lo[4][4], hi[4][4];
                 for (int c = 0; c < 4; c++)
                     for (int q = 0; q < 4; q++) {
@@ -401,10 +435,15 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                 const size_t so = ((size_t)g * nb + b) * 16;
                 float32x4_t sv[4];
                 for (int q = 0; q < 4; q++)
-                    sv[q] = m->sc16 ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(m->sc16 + so + 4 * q)))
-                                    : vld1q_f32(m->sc + so + 4 * q);
-                const uint8_t *zp = m->zp + ((size_t)g * nb + b) * 16;
+                    sv[q] = p->sc16 ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p->sc16 + so + 4 * q)))
+                                    : vld1q_f32(p->sc + so + 4 * q);
+                static const uint8_t zero16[16] = {0};
+                const uint8_t *zp = p->zp ? p->zp + ((size_t)g * nb + b) * 16 : zero16;
                 const uint16x8_t z0 = vmovl_u8(vld1_u8(zp)), z1 = vmovl_u8(vld1_u8(zp + 8));
+                float32x4_t mv[4];
+                for (int q = 0; q < 4; q++)
+                    mv[q] = p->mn16 ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p->mn16 + so + 4 * q)))
+                                    : vdupq_n_f32(0.f);
                 const int32x4_t zq[4] = {
                     vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(z0))),
                     vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(z0))),
@@ -427,6 +466,9 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                         acc = vsubq_s32(acc, vmulq_s32(zq[q], sm));
                         f[i][q] = vfmaq_f32(f[i][q], vcvtq_f32_s32(acc),
                                             vmulq_f32(sv[q], sa));
+                        if (p->mn16)
+                            f[i][q] = vfmaq_f32(f[i][q], mv[q],
+                                                vdupq_n_f32(as[t * nb + b] * (float)asum[t * nb + b]));
                     }
                 }
             }
@@ -436,12 +478,15 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
 #else
             float f[4][16];
             memset(f, 0, sizeof f);
-            for (int b = 0; b < nb; b++) {
-                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 256;
+            for (const Q4W *p = m; p; p = p->hi) for (int b = 0; b < nb; b++) {
+                const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
                 const size_t so = ((size_t)g * nb + b) * 16;
                 float s[16];
-                for (int r = 0; r < 16; r++) s[r] = m->sc16 ? h2f(m->sc16[so + r]) : m->sc[so + r];
-                const uint8_t *z = m->zp + ((size_t)g * nb + b) * 16;
+                for (int r = 0; r < 16; r++) s[r] = p->sc16 ? h2f(p->sc16[so + r]) : p->sc[so + r];
+                static const uint8_t zero16[16] = {0};
+                const uint8_t *z = p->zp ? p->zp + ((size_t)g * nb + b) * 16 : zero16;
+                float mn[16];
+                for (int r = 0; r < 16; r++) mn[r] = p->mn16 ? h2f(p->mn16[so + r]) : 0.f;
                 for (int i = 0; i < tn; i++) {
                     int t = t0 + i;
                     const int8_t *a = aq + (size_t)t * Kp + b * 32;
@@ -456,6 +501,10 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                     int32_t sm = asum[t * nb + b];
                     for (int r = 0; r < 16; r++)
                         f[i][r] = fmaf((float)(acc[r] - z[r] * sm), s[r] * sa, f[i][r]);
+                    if (p->mn16) {
+                        const float xs = sa * (float)sm;
+                        for (int r = 0; r < 16; r++) f[i][r] = fmaf(mn[r], xs, f[i][r]);
+                    }
                 }
             }
             for (int i = 0; i < tn; i++) memcpy(y + (size_t)(t0 + i) * ldy + 16 * g, f[i], 64);
@@ -501,6 +550,14 @@ static void embed_row(const Model *M, int64_t id, const float *mask_embeds, int 
         return;
     }
     int nb = (d + 31) / 32, zb = (nb + 1) / 2;
+    if (M->emb_bits == 8) {
+        const uint8_t *u = M->emb_q + (size_t)id * nb * 32;
+        for (int i = 0; i < d; i++) {
+            int b = i / 32, z = M->emb_zp ? M->emb_zp[(size_t)id * nb + b] : 128;
+            out[i] = (float)(u[i] - z) * M->emb_sc[(size_t)id * nb + b];
+        }
+        return;
+    }
     const uint8_t *q = M->emb_q + (size_t)id * nb * 16;
     for (int i = 0; i < d; i++) {
         int b = i / 32;

@@ -1,0 +1,330 @@
+"""An int4 export of a GGUF file keeps the file's own blocks.
+
+A GGUF ``Q4_0`` block of 32 weights is ``d * (q - 8)``, a ``Q4_1`` block ``d * q + m`` (``q``
+in 0..15; ``d`` and ``m`` half floats). onnxruntime's ``MatMulNBits`` computes ``scale * (q -
+zero_point)`` with an *integer* zero point: ``Q4_0`` maps onto it exactly (zero point 8), but
+``Q4_1``'s float offset does not, and re-quantizing moved 99.5 % of SmolLM2's Q4_1 blocks by
+up to half a step (``bench/results/gguf_fidelity_cpu.md``). So a product whose weight rows
+are all rows of the file's ``Q4_0``/``Q4_1`` tensors is written with the file's blocks as
+they are::
+
+    x --> MatMulNBits(q, d, zero_point 0 (Q4_1) or 8 (Q4_0)) -----------------------> Add --> y
+      \\-> Reshape [1, T, K/32, 32] -> ReduceSum -> MatMul(Cast(M^T), [K/32, N]) --/
+
+``M [N, K/32]`` holds the blocks' offsets ``m`` (0 on Q4_0 rows), stored as the file's
+half-precision values (onnxruntime folds the Cast to float32 when it loads the graph); a
+matrix of Q4_0 rows only needs no offset branch. The LM head, which llama.cpp's 4-bit types
+store as ``Q8_0`` (``d * q``, ``q`` int8), becomes an 8-bit ``MatMulNBits`` of ``q + 128``
+with zero point 128, exact too; a tied input embedding gathers from the same bytes.
+
+With float32 activations (the self-check's strict copy) that is the file's de-quantized
+weights to float32 rounding, exactly what ``transformers`` loads from the file; with the
+shipped int8 activations, what llama.cpp computes (its ``Q4_1 x Q8_1`` dot product adds ``m *
+sum(x)`` the same way). The offset branch and the 8-bit product are the same bits for a row
+in any block of 2 rows or more (onnxruntime's CPU provider, T = 2..257; tested), so the
+package's ``min_rows`` 2 keeps speculation lossless. The native decoder reads the branch back
+as half-precision offsets and the 8-bit head as two chained 4-bit planes
+(``runtimes.native_backend``, ``decoder.c``).
+
+Rows are matched by value, not by name: ``transformers`` de-quantizes each tensor and
+permutes llama's q/k rows for its rotary layout, and the export may fuse q/k/v and gate/up,
+but every graph row is still, bit for bit, one de-quantized file row. Other block types
+(K-quants, Q5 ...) and weights that do not match are quantized by onnxruntime's
+``MatMulNBitsQuantizer`` as for any model, and the export says how many products kept the
+file's blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BLOCK = 32
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids (gguf.GGMLQuantizationType)
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+
+
+@dataclass
+class Blocks:
+    """One matrix's file blocks, rows in the graph's order (``[N, K]``, a Linear's weight)."""
+
+    q: np.ndarray           # [N, K] uint8, 0..15
+    d: np.ndarray           # [N, K/32] float32 (half-precision values)
+    zero_points: np.ndarray  # [N, K/32] uint8: 0 (Q4_1 rows) or 8 (Q4_0 rows)
+    offsets: np.ndarray | None  # [N, K/32] float32 (half values), None: Q4_0 rows only
+    types: tuple[str, ...]  # the file's block types these rows came from
+
+    def dequantize(self) -> np.ndarray:
+        """The weights as ``gguf.quants`` (and so ``transformers``) de-quantize them: float32
+        ``d * q + m`` (Q4_1), ``d * (q - 8)`` (Q4_0)."""
+        n, k = self.q.shape
+        q = self.q.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
+        z = self.zero_points[..., None].astype(np.float32)
+        w = self.d[..., None] * (q - z)
+        if self.offsets is not None:
+            w = w + self.offsets[..., None]
+        return w.reshape(n, k)
+
+    def pack(self):
+        """``MatMulNBits``' (blob [N, K/32, 16], scales [N, K/32], zero points [N,
+        ceil(K/64)]), as onnxruntime's quantizer writes them: two weights a byte, the lower
+        index in the low nibble."""
+        n, k = self.q.shape
+        nb = k // BLOCK
+        blob = (self.q[:, 0::2] | (self.q[:, 1::2] << 4)).reshape(n, nb, BLOCK // 2)
+        z = self.zero_points
+        if nb % 2:
+            z = np.pad(z, ((0, 0), (0, 1)))
+        zp = (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)
+        return (np.ascontiguousarray(blob), self.d.astype(np.float32), np.ascontiguousarray(zp))
+
+
+@dataclass
+class Blocks8:
+    """A matrix of the file's Q8_0 blocks (``d * q``, ``q`` int8), rows in the graph's order."""
+
+    q: np.ndarray           # [N, K] int8
+    d: np.ndarray           # [N, K/32] float32 (half-precision values)
+    types: tuple[str, ...] = ("Q8_0",)
+
+    def dequantize(self) -> np.ndarray:
+        n, k = self.q.shape
+        w = self.d[..., None] * self.q.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
+        return w.reshape(n, k)
+
+    def pack(self):
+        """8-bit ``MatMulNBits``' (blob [N, K/32, 32] of ``q + 128``, scales [N, K/32],
+        zero points [N, K/32], all 128): ``(u - 128) * d`` is the block exactly."""
+        n, k = self.q.shape
+        blob = (self.q.astype(np.int16) + 128).astype(np.uint8).reshape(n, k // BLOCK, BLOCK)
+        return (blob, self.d.astype(np.float32), np.full((n, k // BLOCK), 128, np.uint8))
+
+
+class FileBlocks:
+    """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file (memory-mapped), every row indexed by
+    the bytes of its de-quantized values."""
+
+    def __init__(self, path) -> None:
+        from edgemtp.runtimes.gguf_source import _Header
+
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            header = _Header(f)
+        data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._raw: list[tuple[int, np.ndarray]] = []   # (type, [N, K/32, bytes])
+        self._index: dict[tuple[int, int], tuple[int, int]] = {}
+        self.types: dict[str, int] = {}
+        for name, kind, dims, offset in header.table:
+            if kind not in BLOCK_BYTES or dims[0] % BLOCK:
+                continue
+            k, n = int(dims[0]), int(np.prod(dims[1:], dtype=np.int64))
+            start = header.data_start + offset
+            nbytes = n * (k // BLOCK) * BLOCK_BYTES[kind]
+            raw = data[start:start + nbytes].reshape(n, k // BLOCK, BLOCK_BYTES[kind])
+            t = len(self._raw)
+            self._raw.append((kind, raw))
+            self.types[TYPE_NAMES[kind]] = self.types.get(TYPE_NAMES[kind], 0) + 1
+            deq = (_decode8(raw) if kind == Q8_0 else _decode(kind, raw)).dequantize()
+            for r in range(n):
+                self._index[(k, hash(deq[r].tobytes()))] = (t, r)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def _rows(self, w: np.ndarray, kinds: tuple[int, ...]):
+        n, k = w.shape
+        if k % BLOCK or not self._index:
+            return None
+        where = []
+        for r in range(n):
+            hit = self._index.get((k, hash(w[r].tobytes())))
+            if hit is None or self._raw[hit[0]][0] not in kinds:
+                return None
+            where.append(hit)
+        return where
+
+    def find8(self, w: np.ndarray) -> Blocks8 | None:
+        """The file's Q8_0 blocks for ``w [N, K]`` float32, as :meth:`find` finds 4-bit ones
+        (an LM head: llama.cpp's 4-bit types keep it at 8 bits)."""
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        where = self._rows(w, (Q8_0,))
+        if where is None:
+            return None
+        n, k = w.shape
+        q = np.empty((n, k), np.int8)
+        d = np.empty((n, k // BLOCK), np.float32)
+        by_tensor: dict[int, list[int]] = {}
+        for i, (t, r) in enumerate(where):
+            by_tensor.setdefault(t, []).append(i)
+        for t, rows in by_tensor.items():
+            b = _decode8(self._raw[t][1][[where[i][1] for i in rows]])
+            q[rows], d[rows] = b.q, b.d
+        blocks = Blocks8(q, d)
+        return blocks if np.array_equal(blocks.dequantize(), w) else None
+
+    def find(self, w: np.ndarray) -> Blocks | None:
+        """The file's blocks for ``w [N, K]`` float32 (rows in any order, from any of the
+        file's 4-bit tensors): None unless every row is, bit for bit, a de-quantized file
+        row."""
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        where = self._rows(w, (Q4_0, Q4_1))
+        if where is None:
+            return None
+        n, k = w.shape
+        kinds = set()
+        by_tensor: dict[int, list[int]] = {}
+        for i, (t, r) in enumerate(where):
+            by_tensor.setdefault(t, []).append(i)
+        q = np.empty((n, k), np.uint8)
+        d = np.empty((n, k // BLOCK), np.float32)
+        zp = np.empty((n, k // BLOCK), np.uint8)
+        m = np.zeros((n, k // BLOCK), np.float32)
+        for t, rows in by_tensor.items():
+            kind, raw = self._raw[t]
+            kinds.add(TYPE_NAMES[kind])
+            b = _decode(kind, raw[[where[i][1] for i in rows]])
+            q[rows], d[rows], zp[rows] = b.q, b.d, b.zero_points
+            if b.offsets is not None:
+                m[rows] = b.offsets
+        blocks = Blocks(q, d, zp, m if "Q4_1" in kinds else None, tuple(sorted(kinds)))
+        if not np.array_equal(blocks.dequantize(), w):  # a hash collision, however unlikely
+            return None
+        return blocks
+
+
+def _decode8(raw: np.ndarray) -> Blocks8:
+    """``raw [N, K/32, 34]`` Q8_0 blocks (``d`` half, 32 int8) -> :class:`Blocks8`."""
+    n, nb, _ = raw.shape
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = np.ascontiguousarray(raw[..., 2:34]).view(np.int8).reshape(n, nb * BLOCK)
+    return Blocks8(q, d)
+
+
+def _decode(kind: int, raw: np.ndarray) -> Blocks:
+    """``raw [N, K/32, bytes]`` GGUF blocks -> :class:`Blocks`. A block: ``d`` (half), for
+    Q4_1 ``m`` (half), then 16 bytes whose low nibbles are weights 0..15 and high ones
+    16..31."""
+    n, nb, _ = raw.shape
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    at = 4 if kind == Q4_1 else 2
+    qs = raw[..., at:at + 16]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, nb * BLOCK)
+    if kind == Q4_1:
+        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return Blocks(q, d, np.zeros((n, nb), np.uint8), m, ("Q4_1",))
+    return Blocks(q, d, np.full((n, nb), 8, np.uint8), None, ("Q4_0",))
+
+
+# -- the graph ------------------------------------------------------------------------------
+
+
+def keep_file_blocks(proto, blocks: FileBlocks, accuracy_level: int,
+                     skip: tuple[str, ...] = (),
+                     head: str | None = None) -> tuple[list[str], list[str]]:
+    """Every ``MatMul`` of ``proto`` whose constant weight ``B [K, N]`` :meth:`FileBlocks.find`
+    finds, rewritten in place as the module docstring's ``MatMulNBits`` (+ offset branch).
+    ``skip``: weight names not kept at 4 bits (a tied LM head, whose embedding gather has no
+    offset input). ``head``: the LM head's weight, kept as an 8-bit ``MatMulNBits`` where it
+    is the file's Q8_0 blocks (as llama.cpp's 4-bit types store it). Returns (the rewritten
+    nodes' names, the offset MatMuls' names: onnxruntime's quantizer must leave those
+    float)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from .quantize import _drop_initializer
+
+    graph = proto.graph
+    inits = {i.name: i for i in graph.initializer}
+    kept, offset_nodes = [], []
+    for node in list(graph.node):
+        if node.op_type != "MatMul" or node.input[1] not in inits:
+            continue
+        b = numpy_helper.to_array(inits[node.input[1]])
+        if b.ndim != 2 or b.dtype != np.float32 or b.shape[0] % BLOCK:
+            continue
+        k, n = b.shape
+        nb = k // BLOCK
+        name, wname = node.name or node.output[0], node.input[1]
+        if wname == head:
+            found8 = blocks.find8(b.T)
+            if found8 is not None:
+                blob, scales, zp = found8.pack()
+                new = [numpy_helper.from_array(blob, f"{wname}_Q8"),
+                       numpy_helper.from_array(scales, f"{wname}_scales"),
+                       numpy_helper.from_array(zp, f"{wname}_zero_points")]
+                at = list(graph.node).index(node)
+                graph.node.remove(node)
+                graph.node.insert(at, helper.make_node(
+                    "MatMulNBits", [node.input[0]] + [t.name for t in new], [node.output[0]],
+                    name=f"{name}_Q8", domain="com.microsoft", K=k, N=n, bits=8,
+                    block_size=BLOCK, accuracy_level=accuracy_level))
+                graph.initializer.extend(new)
+                _drop_initializer(graph, wname)
+                kept.append(name)
+                continue
+        if wname in skip:
+            continue
+        found = blocks.find(b.T)
+        if found is None:
+            continue
+        blob, scales, zp = found.pack()
+        new = [numpy_helper.from_array(blob, f"{wname}_Q4"),
+               numpy_helper.from_array(scales, f"{wname}_scales"),
+               numpy_helper.from_array(zp, f"{wname}_zero_points")]
+        y = node.output[0]
+        at = list(graph.node).index(node)
+        graph.node.remove(node)
+        out = f"{y}_nbits" if found.offsets is not None else y
+        nodes = [helper.make_node(
+            "MatMulNBits", [node.input[0]] + [t.name for t in new], [out],
+            name=f"{name}_Q4", domain="com.microsoft", K=k, N=n, bits=4,
+            block_size=BLOCK, accuracy_level=accuracy_level)]
+        if found.offsets is not None:
+            shape, axes, mt = f"{wname}_block_shape", f"{wname}_block_axis", f"{wname}_offsets"
+            new += [numpy_helper.from_array(np.array([0, 0, nb, BLOCK], np.int64), shape),
+                    numpy_helper.from_array(np.array([3], np.int64), axes),
+                    numpy_helper.from_array(np.ascontiguousarray(found.offsets.T)
+                                            .astype(np.float16), mt)]
+            xb, xs, off = f"{y}_x_blocks", f"{y}_x_block_sums", f"{y}_offsets"
+            nodes += [
+                helper.make_node("Cast", [mt], [f"{mt}_float"], to=TensorProto.FLOAT,
+                                 name=f"{name}_Q4_offsets_float"),
+                helper.make_node("Reshape", [node.input[0], shape], [xb],
+                                 name=f"{name}_Q4_blocks"),
+                helper.make_node("ReduceSum", [xb, axes], [xs], keepdims=0,
+                                 name=f"{name}_Q4_block_sums"),
+                helper.make_node("MatMul", [xs, f"{mt}_float"], [off],
+                                 name=f"{name}_Q4_offsets"),
+                helper.make_node("Add", [out, off], [y], name=f"{name}_Q4_add_offsets")]
+            offset_nodes.append(f"{name}_Q4_offsets")
+        for i, n_ in enumerate(nodes):
+            graph.node.insert(at + i, n_)
+        graph.initializer.extend(new)
+        _drop_initializer(graph, wname)
+        kept.append(name)
+    return kept, offset_nodes
+
+
+def offset_branch(graph, node):
+    """For a ``MatMulNBits`` node of :func:`keep_file_blocks`: (the offsets' initializer name
+    (``M^T [K/32, N]``, half floats), the Add whose output is the product's) or None."""
+    users = [n for n in graph.node if node.output[0] in n.input]
+    if len(users) != 1 or users[0].op_type != "Add":
+        return None
+    add = users[0]
+    other = add.input[1] if add.input[0] == node.output[0] else add.input[0]
+    mm = next((n for n in graph.node if n.output and n.output[0] == other), None)
+    if mm is None or mm.op_type != "MatMul":
+        return None
+    rs = next((n for n in graph.node if n.output and n.output[0] == mm.input[0]), None)
+    if rs is None or rs.op_type != "ReduceSum":
+        return None
+    rh = next((n for n in graph.node if n.output and n.output[0] == rs.input[0]), None)
+    if rh is None or rh.op_type != "Reshape" or rh.input[0] != node.input[0]:
+        return None
+    cast = next((n for n in graph.node if n.output and n.output[0] == mm.input[1]), None)
+    if cast is None or cast.op_type != "Cast":
+        return None
+    return cast.input[0], add
