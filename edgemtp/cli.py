@@ -363,9 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--symmetric", action="store_true",
                    help="int4/int8: symmetric blocks (a scale, no zero point; faster kernels, "
                         "coarser grid; onnxruntime-genai's default)")
-    e.add_argument("--requantize", action="store_true",
-                   help="int4 from a GGUF file: quantize every weight again with onnxruntime's "
-                        "quantizer (default: keep the file's own Q4_0/Q4_1 blocks exactly)")
+    e.add_argument("--requantize", nargs="?", const="all", default="none",
+                   choices=("none", "head", "all"),
+                   help="int4 from a GGUF file: by default the file's own Q4_0/Q4_1 blocks and "
+                        "Q8_0 LM head are kept exactly; 'head' re-quantizes the LM head to 4 "
+                        "bits (faster steps, further from the file's model), 'all' (or the bare "
+                        "flag) every weight")
     e.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
     e.add_argument("--cache-layout", default="seq", choices=("seq", "head"),

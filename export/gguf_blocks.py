@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgemtp.runtimes.native_backend import offset_branch  # noqa: F401 (the graph's reader)
+
 BLOCK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids (gguf.GGMLQuantizationType)
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
@@ -105,9 +107,9 @@ class Blocks8:
 
 class FileBlocks:
     """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file (memory-mapped), every row indexed by
-    the bytes of its de-quantized values."""
+    the bytes of its de-quantized values; ``eight_bit`` False: the 4-bit ones only."""
 
-    def __init__(self, path) -> None:
+    def __init__(self, path, eight_bit: bool = True) -> None:
         from edgemtp.runtimes.gguf_source import _Header
 
         self.path = Path(path)
@@ -118,7 +120,7 @@ class FileBlocks:
         self._index: dict[tuple[int, int], tuple[int, int]] = {}
         self.types: dict[str, int] = {}
         for name, kind, dims, offset in header.table:
-            if kind not in BLOCK_BYTES or dims[0] % BLOCK:
+            if kind not in BLOCK_BYTES or dims[0] % BLOCK or (kind == Q8_0 and not eight_bit):
                 continue
             k, n = int(dims[0]), int(np.prod(dims[1:], dtype=np.int64))
             start = header.data_start + offset
@@ -305,26 +307,3 @@ def keep_file_blocks(proto, blocks: FileBlocks, accuracy_level: int,
         _drop_initializer(graph, wname)
         kept.append(name)
     return kept, offset_nodes
-
-
-def offset_branch(graph, node):
-    """For a ``MatMulNBits`` node of :func:`keep_file_blocks`: (the offsets' initializer name
-    (``M^T [K/32, N]``, half floats), the Add whose output is the product's) or None."""
-    users = [n for n in graph.node if node.output[0] in n.input]
-    if len(users) != 1 or users[0].op_type != "Add":
-        return None
-    add = users[0]
-    other = add.input[1] if add.input[0] == node.output[0] else add.input[0]
-    mm = next((n for n in graph.node if n.output and n.output[0] == other), None)
-    if mm is None or mm.op_type != "MatMul":
-        return None
-    rs = next((n for n in graph.node if n.output and n.output[0] == mm.input[0]), None)
-    if rs is None or rs.op_type != "ReduceSum":
-        return None
-    rh = next((n for n in graph.node if n.output and n.output[0] == rs.input[0]), None)
-    if rh is None or rh.op_type != "Reshape" or rh.input[0] != node.input[0]:
-        return None
-    cast = next((n for n in graph.node if n.output and n.output[0] == mm.input[1]), None)
-    if cast is None or cast.op_type != "Cast":
-        return None
-    return cast.input[0], add

@@ -50,6 +50,7 @@ __all__ = ["ExportError", "ExportOptions", "ExportReport", "export_package"]
 # fp32/fp16: weights and activations; int4/int8: weight-only (MatMulNBits, blocks of 32),
 # float32 activations and cache (export.quantize)
 EXPORT_DTYPES = ("fp32", "fp16", "int4", "int8")
+REQUANTIZE = ("none", "head", "all")  # ExportOptions.requantize
 EXTERNAL_DATA_BYTES = 1_500_000_000  # above this, weights go to model.onnx.data
 DEFAULT_OPSET = 17
 # 13: kv_commit.onnx's Split takes its sizes as an input (and the decoder's dynamic Slice
@@ -74,9 +75,10 @@ class ExportOptions:
     # the past's layout: "seq" [1, P, H_kv, D] (every backend) or "head" [1, H_kv, P, D]
     # (fp32/fp16 on onnxruntime's CPU provider: faster long contexts)
     cache_layout: str = "seq"
-    # int4 from a GGUF file: re-quantize every weight rather than keep the file's own Q4_0 /
-    # Q4_1 blocks (export.gguf_blocks)
-    requantize: bool = False
+    # int4 from a GGUF file: "none" keeps the file's own Q4_0/Q4_1 blocks and Q8_0 LM head
+    # (export.gguf_blocks); "head" the body's blocks, the LM head re-quantized to 4 bits
+    # (faster steps); "all" re-quantizes every weight
+    requantize: str = "none"
     budgets: tuple[tuple[int, int], ...] = field(init=False)
     skipped: tuple[str, ...] = field(init=False)
 
@@ -96,6 +98,9 @@ class ExportOptions:
                                              or self.max_context < 2):
             raise ConfigError(f"max context must be an integer >= 2 tokens, got "
                               f"{self.max_context!r}")
+        if self.requantize not in REQUANTIZE:
+            raise ConfigError(f"requantize must be one of {', '.join(REQUANTIZE)}, got "
+                              f"{self.requantize!r}")
         if self.cache_layout not in CACHE_LAYOUTS:
             raise ConfigError(f"cache layout must be one of {', '.join(CACHE_LAYOUTS)}, got "
                               f"{self.cache_layout!r}")
@@ -216,7 +221,7 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
                    tolerance: tuple[float, float] | None = None,
                    progress: bool = True, hidden_states: bool = False,
                    symmetric: bool = False, cache_layout: str = "seq",
-                   requantize: bool = False) -> ExportReport:
+                   requantize: str = "none") -> ExportReport:
     """Export ``model`` (a local Hugging Face folder, a llama.cpp GGUF file or a folder
     holding one, or a hub id when online) to ``out``.
 
@@ -228,9 +233,11 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
     MatMul on a few rows, and a coarser grid than asymmetric blocks (a Q4_1 GGUF's own weights
     are asymmetric). ``cache_layout`` "head" (fp32/fp16): the past K/V head-major, ``[1, H_kv,
     P, D]``, which onnxruntime's CPU provider reads faster on long contexts; such a package
-    runs on onnxruntime's CPU provider only. ``requantize`` (int4 from a GGUF file):
-    quantize every weight again with onnxruntime's quantizer; by default the products whose
-    weights are the file's own Q4_0/Q4_1 blocks keep them exactly (:mod:`export.gguf_blocks`).
+    runs on onnxruntime's CPU provider only. ``requantize`` (int4 from a GGUF file): by
+    default ("none") the products whose weights are the file's own Q4_0/Q4_1 blocks keep them
+    exactly, and a Q8_0 LM head stays 8-bit (:mod:`export.gguf_blocks`); "head" re-quantizes
+    the LM head to 4 bits (one-row steps ~15 % faster on SmolLM2, further from the file's
+    model); "all" quantizes every weight again with onnxruntime's quantizer.
     """
     t0 = time.perf_counter()
     options = ExportOptions(dtype, max_context, tuple(bc), tuple(mask_tokens), opset,
@@ -391,13 +398,13 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
 
 def _file_blocks(job: _Job):
     """The GGUF file's Q4_0/Q4_1 blocks an int4 export keeps (None: not int4 from a GGUF
-    file, symmetric or ``requantize`` asked, or no such blocks in the file)."""
+    file, symmetric or ``requantize`` "all" asked, or no such blocks in the file)."""
     o = job.options
-    if job.gguf is None or o.dtype != "int4" or o.symmetric or o.requantize:
+    if job.gguf is None or o.dtype != "int4" or o.symmetric or o.requantize == "all":
         return None
     from .gguf_blocks import FileBlocks
 
-    blocks = FileBlocks(job.source.path)
+    blocks = FileBlocks(job.source.path, eight_bit=o.requantize == "none")
     return blocks if len(blocks) else None
 
 

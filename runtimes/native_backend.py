@@ -33,7 +33,6 @@ import numpy as np
 from edgemtp import native
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
-from edgemtp.export.gguf_blocks import offset_branch
 from edgemtp.runtimes.host_table import _unpack
 from edgemtp.runtimes.package import check_step, load_package
 
@@ -130,6 +129,30 @@ def pack_q4(q: np.ndarray, scales: np.ndarray, zp: np.ndarray,
         if not zpp[:n].any():
             z = None
     return g, nb, w, sc, z, mn
+
+
+def offset_branch(graph, node):
+    """For a ``MatMulNBits`` node of ``export.gguf_blocks.keep_file_blocks``: (the offsets'
+    initializer name (``M^T [K/32, N]``, half floats), the Add whose output is the
+    product's) or None."""
+    users = [n for n in graph.node if node.output[0] in n.input]
+    if len(users) != 1 or users[0].op_type != "Add":
+        return None
+    add = users[0]
+    other = add.input[1] if add.input[0] == node.output[0] else add.input[0]
+    mm = next((n for n in graph.node if n.output and n.output[0] == other), None)
+    if mm is None or mm.op_type != "MatMul":
+        return None
+    rs = next((n for n in graph.node if n.output and n.output[0] == mm.input[0]), None)
+    if rs is None or rs.op_type != "ReduceSum":
+        return None
+    rh = next((n for n in graph.node if n.output and n.output[0] == rs.input[0]), None)
+    if rh is None or rh.op_type != "Reshape" or rh.input[0] != node.input[0]:
+        return None
+    cast = next((n for n in graph.node if n.output and n.output[0] == mm.input[1]), None)
+    if cast is None or cast.op_type != "Cast":
+        return None
+    return cast.input[0], add
 
 
 class _Graph:
