@@ -117,6 +117,8 @@ EXPORT_CASES = [
     ("dynamic-table-too-large", None, "out", ["--bc", "1000", "--mask-tokens", "3"],
      ("shapes to precompile", "4096")),
     ("dtype-bf16", None, "out", ["--dtype", "bf16"], ("bf16",)),
+    ("requantize-bogus", None, "out", ["--dtype", "int4", "--requantize", "some"],
+     ("--requantize", "'some'", "none", "head", "all")),
 ]
 KNOWN_GAPS: dict[str, str] = {}  # case id -> why it still fails (strict xfail)
 
