@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgemtp.runtimes.native_backend import offset_branch  # noqa: F401 (the graph's reader)
+from edgemtp.runtimes.native_backend import offset_branches  # noqa: F401 (the graph's reader)
 
 BLOCK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids (gguf.GGMLQuantizationType)
@@ -137,32 +137,33 @@ class FileBlocks:
         return len(self._raw)
 
     def _rows(self, w: np.ndarray, kinds: tuple[int, ...]):
+        """{file tensor: (rows of ``w``, its rows there)} when every row of ``w`` is found
+        among ``kinds``' tensors, else None."""
         n, k = w.shape
         if k % BLOCK or not self._index:
             return None
-        where = []
-        for r in range(n):
-            hit = self._index.get((k, hash(w[r].tobytes())))
+        by_tensor: dict[int, tuple[list[int], list[int]]] = {}
+        for i in range(n):
+            hit = self._index.get((k, hash(w[i].tobytes())))
             if hit is None or self._raw[hit[0]][0] not in kinds:
                 return None
-            where.append(hit)
-        return where
+            dst, src = by_tensor.setdefault(hit[0], ([], []))
+            dst.append(i)
+            src.append(hit[1])
+        return by_tensor
 
     def find8(self, w: np.ndarray) -> Blocks8 | None:
         """The file's Q8_0 blocks for ``w [N, K]`` float32, as :meth:`find` finds 4-bit ones
         (an LM head: llama.cpp's 4-bit types keep it at 8 bits)."""
         w = np.ascontiguousarray(w, dtype=np.float32)
-        where = self._rows(w, (Q8_0,))
-        if where is None:
+        by_tensor = self._rows(w, (Q8_0,))
+        if by_tensor is None:
             return None
         n, k = w.shape
         q = np.empty((n, k), np.int8)
         d = np.empty((n, k // BLOCK), np.float32)
-        by_tensor: dict[int, list[int]] = {}
-        for i, (t, r) in enumerate(where):
-            by_tensor.setdefault(t, []).append(i)
-        for t, rows in by_tensor.items():
-            b = _decode8(self._raw[t][1][[where[i][1] for i in rows]])
+        for t, (rows, src) in by_tensor.items():
+            b = _decode8(self._raw[t][1][src])
             q[rows], d[rows] = b.q, b.d
         blocks = Blocks8(q, d)
         return blocks if np.array_equal(blocks.dequantize(), w) else None
@@ -172,22 +173,19 @@ class FileBlocks:
         file's 4-bit tensors): None unless every row is, bit for bit, a de-quantized file
         row."""
         w = np.ascontiguousarray(w, dtype=np.float32)
-        where = self._rows(w, (Q4_0, Q4_1))
-        if where is None:
+        by_tensor = self._rows(w, (Q4_0, Q4_1))
+        if by_tensor is None:
             return None
         n, k = w.shape
         kinds = set()
-        by_tensor: dict[int, list[int]] = {}
-        for i, (t, r) in enumerate(where):
-            by_tensor.setdefault(t, []).append(i)
         q = np.empty((n, k), np.uint8)
         d = np.empty((n, k // BLOCK), np.float32)
         zp = np.empty((n, k // BLOCK), np.uint8)
         m = np.zeros((n, k // BLOCK), np.float32)
-        for t, rows in by_tensor.items():
+        for t, (rows, src) in by_tensor.items():
             kind, raw = self._raw[t]
             kinds.add(TYPE_NAMES[kind])
-            b = _decode(kind, raw[[where[i][1] for i in rows]])
+            b = _decode(kind, raw[src])
             q[rows], d[rows], zp[rows] = b.q, b.d, b.zero_points
             if b.offsets is not None:
                 m[rows] = b.offsets

@@ -267,9 +267,8 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
             raise ExportError(f"writing the package failed: {_first_line(e)}") from None
         finally:
             bar.close()
-        load_package(tmp)  # what export wrote must load before it may look complete
+        w = load_package(tmp).weights  # what export wrote must load before it may look complete
         swap_in(tmp, out)
-    w = load_package(out).weights
     return ExportReport(out, family.name, options.dtype, time.perf_counter() - t0, check,
                         budgets, skipped, sum(f.stat().st_size for f in out.glob(f"{GRAPH}*")),
                         gguf, w.kept_blocks, w.products)

@@ -131,28 +131,39 @@ def pack_q4(q: np.ndarray, scales: np.ndarray, zp: np.ndarray,
     return g, nb, w, sc, z, mn
 
 
-def offset_branch(graph, node):
-    """For a ``MatMulNBits`` node of ``export.gguf_blocks.keep_file_blocks``: (the offsets'
-    initializer name (``M^T [K/32, N]``, half floats), the Add whose output is the
-    product's) or None."""
-    users = [n for n in graph.node if node.output[0] in n.input]
-    if len(users) != 1 or users[0].op_type != "Add":
-        return None
-    add = users[0]
-    other = add.input[1] if add.input[0] == node.output[0] else add.input[0]
-    mm = next((n for n in graph.node if n.output and n.output[0] == other), None)
-    if mm is None or mm.op_type != "MatMul":
-        return None
-    rs = next((n for n in graph.node if n.output and n.output[0] == mm.input[0]), None)
-    if rs is None or rs.op_type != "ReduceSum":
-        return None
-    rh = next((n for n in graph.node if n.output and n.output[0] == rs.input[0]), None)
-    if rh is None or rh.op_type != "Reshape" or rh.input[0] != node.input[0]:
-        return None
-    cast = next((n for n in graph.node if n.output and n.output[0] == mm.input[1]), None)
-    if cast is None or cast.op_type != "Cast":
-        return None
-    return cast.input[0], add
+def offset_branches(graph) -> dict:
+    """The offset branches ``export.gguf_blocks.keep_file_blocks`` writes: {MatMulNBits node
+    name: (the offsets' initializer name (``M^T [K/32, N]``, half floats), the Add whose
+    output is the product's)}, read off the graph in one pass."""
+    made = {o: n for n in graph.node for o in n.output}
+    users: dict[str, list] = {}
+    for n in graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+
+    def op(name: str, kind: str):
+        n = made.get(name)
+        return n if n is not None and n.op_type == kind else None
+
+    found = {}
+    for node in graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        use = users.get(node.output[0], [])
+        if len(use) != 1 or use[0].op_type != "Add":
+            continue
+        add = use[0]
+        mm = op(add.input[1] if add.input[0] == node.output[0] else add.input[0], "MatMul")
+        rs = mm and op(mm.input[0], "ReduceSum")
+        rh = rs and op(rs.input[0], "Reshape")
+        cast = mm and op(mm.input[1], "Cast")
+        if rh and cast and rh.input[0] == node.input[0]:
+            found[node.name] = (cast.input[0], add)
+    return found
+
+
+def _ptr(a) -> int | None:
+    return None if a is None else a.ctypes.data
 
 
 class _Graph:
@@ -266,6 +277,7 @@ class NativeBackend:
                               f"onnxruntime")
 
         half: list[bool] = []
+        branches = offset_branches(g.model.graph)
         self.kept_blocks = 0  # products holding a GGUF file's Q4_1 blocks (offsets)
 
         def mat(node, n_out: int, k_in: int, eight: bool = False) -> Q4W:
@@ -285,7 +297,7 @@ class NativeBackend:
                 zp = _unpack(g.array(node.input[3]).reshape(n_out, -1), 4)[:, :nb]
             else:
                 zp = np.full((n_out, nb), 8, np.uint8)
-            branch = offset_branch(g.model.graph, node)
+            branch = branches.get(node.name)
             offsets = None
             if branch is not None:  # a GGUF file's Q4_1 blocks: d q + m
                 offsets = g.array(branch[0]).T
@@ -302,10 +314,9 @@ class NativeBackend:
                     from None
             self._keep += [w, sc, z, mn]
             half.append(sc.dtype == np.float16)
-            ptr = (lambda a: None if a is None else a.ctypes.data)
             if sc.dtype == np.float16:
-                return Q4W(G, nb, w.ctypes.data, None, ptr(z), sc.ctypes.data, ptr(mn), None)
-            return Q4W(G, nb, w.ctypes.data, sc.ctypes.data, ptr(z), None, ptr(mn), None)
+                return Q4W(G, nb, w.ctypes.data, None, _ptr(z), sc.ctypes.data, _ptr(mn), None)
+            return Q4W(G, nb, w.ctypes.data, sc.ctypes.data, _ptr(z), None, _ptr(mn), None)
 
         def mat8(node, a: dict, n_out: int, k_in: int) -> Q4W:
             """An 8-bit product (a GGUF's Q8_0 LM head) as decoder.c's two chained 4-bit
@@ -330,10 +341,9 @@ class NativeBackend:
                 G, nb_, w, sc, zq, _ = pack_q4(q, s, zz)
                 self._keep += [w, sc, zq]
                 half.append(sc.dtype == np.float16)
-                ptr = (lambda x: None if x is None else x.ctypes.data)
                 h16 = sc.dtype == np.float16
                 planes.append(Q4W(G, nb_, w.ctypes.data, None if h16 else sc.ctypes.data,
-                                  ptr(zq), sc.ctypes.data if h16 else None, None, None))
+                                  _ptr(zq), sc.ctypes.data if h16 else None, None, None))
             lo, hi = planes
             self._keep.append(hi)
             lo.hi = ctypes.addressof(hi)

@@ -10,7 +10,7 @@ gguf = pytest.importorskip("gguf")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from edgemtp.export.gguf_blocks import FileBlocks, keep_file_blocks, offset_branch  # noqa: E402
+from edgemtp.export.gguf_blocks import FileBlocks, keep_file_blocks, offset_branches  # noqa: E402
 
 K = 96  # 3 blocks of 32: an odd count, so the packed zero points have a pad nibble
 
@@ -103,8 +103,9 @@ def test_rewritten_graph_computes_the_files_weights_and_is_batch_invariant(file)
     onnx.checker.check_model(proto)
     nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
     assert [a.i for n in nbits for a in n.attribute if a.name == "bits"] == [4, 8]
-    mt, add = offset_branch(proto.graph, nbits[0])
-    assert add.output[0] == "h" and offset_branch(proto.graph, nbits[1]) is None
+    branches = offset_branches(proto.graph)
+    mt, add = branches[nbits[0].name]
+    assert add.output[0] == "h" and nbits[1].name not in branches
     x = np.random.default_rng(1).standard_normal((1, 300, K)).astype(np.float32)
     # float activations: the file's weights to float32 rounding
     h, logits = _session(proto, 0).run(None, {"x": x[:, :7]})
