@@ -7,6 +7,7 @@ portable build change no bit; what it cannot run is one line naming the backend 
 graph it would read wrong is refused at load. stories260K, one int4 export per module.
 """
 
+import ctypes
 import json
 import shutil
 import subprocess
@@ -26,8 +27,8 @@ from edgemtp.api import auto_backend  # noqa: E402
 from edgemtp.errors import ConfigError, ModelLoadError  # noqa: E402
 from edgemtp.export.onnx_export import export_package  # noqa: E402
 from edgemtp.runtimes.host_table import _unpack  # noqa: E402
-from edgemtp.runtimes.native_backend import (MAX_DIFF, MIN_SAME, NativeBackend, _attrs,  # noqa: E402
-                                              _Graph)
+from edgemtp.runtimes.native_backend import (MAX_DIFF, MIN_SAME, NativeBackend, Q4W,  # noqa: E402
+                                              _attrs, _Graph)
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 STORIES = SHARED / "models" / "stories260K"
@@ -154,6 +155,41 @@ def test_scales_that_are_not_halves_stay_floats():
     got = pack_q4(q, s, zp)[3]
     assert got.dtype == np.float32 and got.shape == (2, 2, 16) and got[0, 0, 0] == s[0, 0]
     assert pack_q4(q, np.full((20, 2), 7e4, np.float32), zp)[3].dtype == np.float32
+
+
+def test_weights_sit_in_one_huge_page_arena_in_the_order_a_step_reads_them(backend):
+    from edgemtp.runtimes.native_backend import HUGE, _Arena
+
+    a = _Arena()
+    a.CHUNK = 4 << 20
+    rng = np.random.default_rng(0)
+    srcs = [rng.integers(0, 255, n).astype(np.uint8) for n in (100, 3 << 20, 5 << 20, 7)]
+    srcs.append(rng.standard_normal((3, 5)).astype(np.float16).T)  # not C order
+    got = [a.put(x) for x in srcs]
+    for x, y in zip(srcs, got):
+        assert y.dtype == x.dtype and np.array_equal(x, y) and y.ctypes.data % 64 == 0
+    assert a.put(None) is None
+    # a chunk per 2 MB boundary, bigger arrays get a chunk of their size, copies in order
+    assert all(c.ctypes.data % HUGE == 0 for c in a.chunks)
+    assert [c.nbytes for c in a.chunks] == [4 << 20, 6 << 20]
+    assert got[2].ctypes.data == a.chunks[1].ctypes.data
+    assert got[0].ctypes.data < got[1].ctypes.data < a.chunks[0].ctypes.data + (4 << 20)
+    assert got[2].ctypes.data < got[3].ctypes.data < got[4].ctypes.data
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if sys.platform.startswith("linux") and thp.is_file() and "[never]" not in thp.read_text():
+        assert a.advised == len(a.chunks)  # the kernel took the advice for every chunk
+    # the backend's every int4 plane points into its arena, layer after layer
+    lo = [c.ctypes.data for c in backend.arena.chunks]
+    inside = lambda p: any(b <= p < b + c.nbytes for b, c in zip(lo, backend.arena.chunks))
+    m, seen = backend.model, []
+    for name in ("qkv", "o", "gu", "down"):
+        arr = ctypes.cast(getattr(m, name), ctypes.POINTER(Q4W * m.L)).contents
+        seen.append([arr[i].w for i in range(m.L)])
+    lm = ctypes.cast(m.lm, ctypes.POINTER(Q4W)).contents
+    for w in [w for ws in seen for w in ws] + [lm.w]:
+        assert inside(w)
+    order = [seen[k][i] for i in range(m.L) for k in range(4)] + [lm.w]
+    assert order == sorted(order)
 
 
 def _random_tree(rng, n: int, vocab: int, masks: int):
