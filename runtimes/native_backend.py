@@ -166,6 +166,7 @@ def _ptr(a) -> int | None:
     return None if a is None else a.ctypes.data
 
 
+WEIGHTS_LAYOUT = "arena-2MB"  # in identity(): latency curves measured on another layout
 HUGE = 2 << 20  # a transparent huge page (x86-64, and aarch64 with 4 KB base pages)
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 
@@ -568,8 +569,10 @@ class NativeBackend:
     def identity(self) -> str:
         st = self.package.graph_path.stat()
         kv = "" if self.kv_cache == "fp16" else f"kv={self.kv_cache}|"
-        # (the decoder's build too: a new kernel's curve is measured again, not read back)
-        return (f"native|threads={self.threads}|ctx={self.max_context}|{kv}"
+        # (the decoder's build too: a new kernel's curve is measured again, not read back;
+        # and how the weights are laid out: the huge-page arena made t(1) 8-12 % cheaper and
+        # wide blocks 1-3 %, so a curve from before it overrated every block)
+        return (f"native|threads={self.threads}|ctx={self.max_context}|{kv}{WEIGHTS_LAYOUT}|"
                 f"{self.package.graph_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|"
                 f"{native.decoder_build()}")
 
