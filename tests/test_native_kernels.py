@@ -25,12 +25,13 @@ def _run(cc: str, flags: list[str], out: Path, runner: list[str] = ()) -> tuple[
     run = subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     head, _, body = run.stdout.partition("\n")
-    n = (11 + 1 + 2) * 3 * 16
+    n = (11 + 1 + 2 + 4) * 3 * 16
     assert head.startswith("kernel ") and len(body.split()) == 4 * n
     words = body.split()
-    for part in (words[:n], words[2 * n:3 * n], words[3 * n:]):  # rows 0-1 alone: the same
-        # bits as in 11 rows
-        assert part[11 * 48:12 * 48] == part[:48] and part[12 * 48:n] == part[:96]
+    for part in (words[:n], words[2 * n:3 * n], words[3 * n:]):  # rows 0, 0-1 and 0-3
+        # alone: the same bits as in 11 rows
+        assert part[11 * 48:12 * 48] == part[:48] and part[12 * 48:14 * 48] == part[:96]
+        assert part[14 * 48:n] == part[:192]
         assert len(set(part)) > n // 2  # not a constant
     assert words[n:2 * n] == words[:n], "half-precision scales give other bits than floats"
     # Q4_1 blocks: no zero points, offsets added

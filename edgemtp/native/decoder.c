@@ -335,35 +335,44 @@ static inline __attribute__((always_inline)) void q4_block_consts(
     }
 }
 
-/* one row of one weight block, unpacked as it is used: a one-row step (plain decoding, a
-   prefill's last row's head) has no other row to share the unpacked block with, and the 16
-   vectors kept for q4_rows_avx2 do not fit the 16 AVX registers beside the sums, so the
-   compiler stored and reloaded them every block. The same integer sums (exact in int16, in
-   any order) and the same float operations: the same bits. SmolLM2 GGUF int4, 2 threads, a
-   2-core Zen 3, both paths in one process alternated forward by forward (200 pairs): t(1)
-   0.93x at P = 64 and at P = 700 (a first version whose products the compiler still spilled:
-   0.98x) */
-static inline __attribute__((always_inline)) void q4_row1_avx2(
-        const uint8_t *wb, const int8_t *a, __m256i z0, __m256i z1, __m256 s0, __m256 s1,
-        float sa, int32_t sm, __m256 *f, const int mins, __m256 n0, __m256 n1) {
+/* rn (<= Q4_ROWS, a constant where inlined) rows of one weight block, unpacked as it is
+   used: a block of at most Q4_ROWS rows (plain decoding, a prefill's last row's head, small
+   trees) has no second row group to share the unpacked block with, and the 16 vectors kept
+   for q4_rows_avx2 do not fit the 16 AVX registers beside the sums, so the compiler stored
+   and reloaded them every block. The same integer sums (exact in int16, in any order) and
+   the same float operations: the same bits. SmolLM2 GGUF int4, 2 threads, a 2-core Zen 3,
+   both paths in one process alternated forward by forward: t(1) 0.93x at P = 64 and at
+   P = 700 (200 pairs; a first version whose products the compiler still spilled: 0.98x),
+   t(2) 0.93x, t(3) 0.93x, t(4) 0.90x (100 pairs). Blocks of 5-8 rows unpacking twice this
+   way rather than once into the spilled vectors: 0.98-1.02x, so they keep q4_rows_avx2 */
+static inline __attribute__((always_inline)) void q4_rowsn_avx2(
+        const int rn, const uint8_t *wb, const int8_t *a, int Kp, __m256i z0, __m256i z1,
+        __m256 s0, __m256 s1, const float *asb, const int32_t *smb, int nb, int t,
+        __m256 (*f)[2], const int mins, __m256 n0, __m256 n1) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    __m256i acc[Q4_ROWS][2];
+    for (int r = 0; r < rn; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
-        int32_t al, ah;
-        memcpy(&al, a + 8 * c, 4);
-        memcpy(&ah, a + 8 * c + 4, 4);
-        const __m256i xl = _mm256_set1_epi32(al), xh = _mm256_set1_epi32(ah);
         const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wb + 64 * c));
         const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wb + 64 * c + 32));
-        acc0 = _mm256_add_epi16(acc0, _mm256_maddubs_epi16(_mm256_and_si256(v0, m4), xl));
-        acc1 = _mm256_add_epi16(acc1, _mm256_maddubs_epi16(_mm256_and_si256(v1, m4), xl));
-        acc0 = _mm256_add_epi16(acc0, _mm256_maddubs_epi16(
-            _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), xh));
-        acc1 = _mm256_add_epi16(acc1, _mm256_maddubs_epi16(
-            _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), xh));
-        __asm__("" : "+x"(acc0), "+x"(acc1));  /* (as in q4_rows_avx2: no spilled products) */
+        const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
+        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+        for (int r = 0; r < rn; r++) {
+            int32_t al, ah;
+            memcpy(&al, a + (size_t)r * Kp + 8 * c, 4);
+            memcpy(&ah, a + (size_t)r * Kp + 8 * c + 4, 4);
+            const __m256i xl = _mm256_set1_epi32(al), xh = _mm256_set1_epi32(ah);
+            acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(l0, xl));
+            acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(l1, xl));
+            acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(h0, xh));
+            acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(h1, xh));
+            __asm__("" : "+x"(acc[r][0]), "+x"(acc[r][1]));  /* (no spilled products) */
+        }
     }
-    q4_fin_avx2(acc0, acc1, z0, z1, s0, s1, sa, sm, f, mins, n0, n1);
+    for (int r = 0; r < rn; r++)
+        q4_fin_avx2(acc[r][0], acc[r][1], z0, z1, s0, s1, asb[(size_t)(t + r) * nb],
+                    smb[(size_t)(t + r) * nb], f[r], mins, n0, n1);
 }
 #endif
 
@@ -423,8 +432,9 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                pairs into int16 (|15 * 127 * 2| = 3810: exact), eight of those summed stay
                exact in int16 (30480 < 32767), and _mm256_madd_epi16 by ones adds the pairs
                into the 32-bit lane: the same integer sum as the VNNI kernel's */
-            if (tn == 1) {  /* one row: its 16 sums stay in two registers (q4_row1_avx2) */
-                __m256 fr[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            if (tn <= Q4_ROWS) {  /* one row group: its sums stay in registers */
+                __m256 fr[Q4_ROWS][2];
+                for (int i = 0; i < tn; i++) fr[i][0] = fr[i][1] = _mm256_setzero_ps();
                 const int8_t *a = aq + (size_t)t0 * Kp;
                 for (const Q4W *p = m; p; p = p->hi) for (int b = 0; b < nb; b++) {
                     const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
@@ -432,11 +442,21 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                     __m256i z0, z1;
                     __m256 s0, s1, n0, n1;
                     q4_block_consts(p, g, nb, b, &z0, &z1, &s0, &s1, &n0, &n1);
-                    q4_row1_avx2(wb, a + b * 32, z0, z1, s0, s1, as[(size_t)t0 * nb + b],
-                                 asum[(size_t)t0 * nb + b], fr, p->mn16 != NULL, n0, n1);
+                    const int mins = p->mn16 != NULL;
+#define Q4_SMALL(rn) q4_rowsn_avx2(rn, wb, a + b * 32, Kp, z0, z1, s0, s1, as + b, asum + b, \
+                                   nb, t0, fr, mins, n0, n1)
+                    switch (tn) {
+                    case 1: Q4_SMALL(1); break;
+                    case 2: Q4_SMALL(2); break;
+                    case 3: Q4_SMALL(3); break;
+                    default: Q4_SMALL(4); break;
+                    }
+#undef Q4_SMALL
                 }
-                _mm256_storeu_ps(y + (size_t)t0 * ldy + 16 * g, fr[0]);
-                _mm256_storeu_ps(y + (size_t)t0 * ldy + 16 * g + 8, fr[1]);
+                for (int i = 0; i < tn; i++) {
+                    _mm256_storeu_ps(y + (size_t)(t0 + i) * ldy + 16 * g, fr[i][0]);
+                    _mm256_storeu_ps(y + (size_t)(t0 + i) * ldy + 16 * g + 8, fr[i][1]);
+                }
                 continue;
             }
             const __m256i m4 = _mm256_set1_epi8(0x0F);

@@ -36,12 +36,14 @@ int main(void) {
     Q4W m8hi = {G, NB, w2, NULL, zp8, sc16x16, NULL, NULL}, m8 = {G, NB, w, NULL, NULL, sc16, NULL, &m8hi};
     const Q4W *mats[4] = {&m32, &m16, &m41, &m8};
     printf("kernel %d\n", decoder_kernel());
-    /* the 11 rows together (tiles of 8 and 3), then the first row alone and the first two:
-       every way the row-group kernels split a tile; float scales, halves, Q4_1 blocks */
-    const int runs[3] = {T, 1, 2};
-    for (int k = 0; k < 12; k++) {
-        q4_gemm(mats[k / 3], runs[k % 3], aq, as, asum, y, G * 16);
-        for (int i = 0; i < runs[k % 3] * G * 16; i++) {
+    /* the 11 rows together (tiles of 8 and 3), then the first row alone, the first two and
+       the first four: every way the row-group kernels split a tile (AVX2: blocks of up to 4
+       rows unpack each weight block as they use it, wider ones into registers kept for the
+       tile); float scales, halves, Q4_1 blocks, 8 bits */
+    const int runs[4] = {T, 1, 2, 4};
+    for (int k = 0; k < 16; k++) {
+        q4_gemm(mats[k / 4], runs[k % 4], aq, as, asum, y, G * 16);
+        for (int i = 0; i < runs[k % 4] * G * 16; i++) {
             uint32_t b;
             memcpy(&b, &y[i], 4);
             printf("%08x%c", b, i % 8 == 7 ? '\n' : ' ');
