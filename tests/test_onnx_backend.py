@@ -61,10 +61,12 @@ def stories_case(stories_pkg, stories_refs):
     return OrtBackend(stories_pkg, threads=1), prompts, refs
 
 
-def test_stories_greedy_equals_transformers(stories_case):
+@pytest.mark.parametrize("n", [8, pytest.param(24, marks=pytest.mark.slow)])
+def test_stories_greedy_equals_transformers(stories_case, n):
+    # plain decoding on onnxruntime: 8 prompts in the default run, all 24 in the slow one
     backend, prompts, want = stories_case
     assert len(prompts) >= 24
-    assert run(backend, prompts, drafter="none") == want
+    assert run(backend, prompts[:n], drafter="none") == want[:n]
 
 
 @pytest.mark.slow
