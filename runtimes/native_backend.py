@@ -513,6 +513,11 @@ class NativeBackend:
                             emb_zp=None if emb_zp is None else emb_zp.ctypes.data,
                             emb_bits=t._bits)
         self.dims = (L, Hkv, D)
+        # a row's LM head against the whole row, in the kernels' 4-bit products (an 8-bit head
+        # is two 4-bit planes): auto's price of a prompt row's outputs (drafters/auto.py)
+        body = L * d * ((H + 2 * Hkv) * D + H * D + 3 * F)
+        head = self.vocab_size * d * self.head_bits // 4
+        self.lm_row_share = head / (head + body)
 
     def _check_against_graph(self) -> None:
         """Once per package and library: the decoder's logits on a probe block against the

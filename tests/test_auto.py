@@ -451,6 +451,23 @@ def test_auto_leaves_the_prompt_rows_out_where_the_prompt_is_long_for_the_answer
         assert asked[-1] is left_out, (new, asked)
 
 
+def test_the_prompt_rows_are_priced_at_the_backends_own_lm_share(setup):
+    # a backend that knows its LM head's share of a row says so (the native one: 0.35 with a
+    # GGUF's 8-bit head, twice the default fifth); auto prices the prompt rows with it: the
+    # prompt whose rows 96 new tokens pay for at a fifth is left out at 1.0
+    backend, prompts, refs = setup
+    ids = prompts[0]
+    assert 8 <= len(ids) <= 28, len(ids)  # STEEP: ~29 rows allowed at 0.2, ~6 at 1.0
+    for share, left_out in ((None, False), (0.2, False), (1.0, True)):
+        asked = []
+        Rec = _rows_asked(asked)
+        Rec.lm_row_share = share
+        config = GenerationConfig(drafter="auto", bc=60, max_new_tokens=96, latency=STEEP)
+        out = Generation(Rec(backend), config, ids, memory={}).run().token_ids
+        assert out == refs[0][:96]
+        assert asked[-1] is left_out, (share, asked)
+
+
 def test_auto_reads_its_curve_at_the_cache_length(setup, monkeypatch):
     """A block's cost grows with the cache it attends to, faster for more rows (SmolLM2 fp32
     on 2 cores: t(8) - t(1) = 9.7 ms over 64 cached rows, 16.4 ms over 800). auto measures

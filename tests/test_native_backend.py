@@ -190,6 +190,10 @@ def test_weights_sit_in_one_huge_page_arena_in_the_order_a_step_reads_them(backe
         assert inside(w)
     order = [seen[k][i] for i in range(m.L) for k in range(4)] + [lm.w]
     assert order == sorted(order)
+    # auto's price of a prompt row's outputs: the LM head's share of a row's products
+    L, d, H, Hkv, D, F, V = m.L, m.d, m.H, m.Hkv, m.D, m.F, m.V
+    head, body = V * d, L * d * ((H + 2 * Hkv) * D + H * D + 3 * F)
+    assert backend.head_bits == 4 and backend.lm_row_share == pytest.approx(head / (head + body))
 
 
 def _random_tree(rng, n: int, vocab: int, masks: int):

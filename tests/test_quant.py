@@ -337,6 +337,7 @@ def _close_to_the_files_model(out: Path) -> None:
                                               dtype=torch.float32).eval()
     backend = NativeBackend(out, threads=2)
     assert backend.kept_blocks == 4 * 30 and backend.head_bits == 8
+    assert 0.33 < backend.lm_row_share < 0.37  # the 8-bit head: two 4-bit planes a row
     same = []
     for q in ("Explain why the sky is blue.", "Write a short poem about the sea."):
         ids = tok.apply_chat_template([{"role": "user", "content": q}],
@@ -438,7 +439,8 @@ def test_a_block_of_128j_plus_1_rows_gives_the_rows_of_a_longer_block(int4_pkg):
     ids = np.random.default_rng(5).integers(3, 512, 130)
 
     def rows(t):
-        return model.backend.session().forward(ids[:t], np.arange(t), np.tril(np.ones((t, t), bool)),
-                                               None, full_logits=True).logits.copy()
+        causal = np.tril(np.ones((t, t), bool))
+        return model.backend.session().forward(ids[:t], np.arange(t), causal, None,
+                                               full_logits=True).logits.copy()
 
     assert np.array_equal(rows(129), rows(130)[:129])

@@ -95,7 +95,9 @@ WHOLE_MIN_T1 = 0.004  # seconds: t(1) below which whole drafters and STAND trees
 STAND_NODES = 16  # widest STAND tree auto grows (its best prefix is what runs)
 CONTEXT_STEP = 32    # cache rows between recomputations of the curve at the current length
 LM_ROW_SHARE = 0.2   # a prefill row's cost that is its LM head and top-K (SmolLM2: a fifth of
-                     # its multiply-adds; Llama-3.2-1B ~0.21, Qwen3-0.6B ~0.26)
+                     # its multiply-adds; Llama-3.2-1B ~0.21, Qwen3-0.6B ~0.26), where the
+                     # backend does not say (the native one's lm_row_share: 0.35 with a GGUF's
+                     # 8-bit head, whose prompt rows measured 0.8-0.95 ms each, not 0.36)
 PROMPT_ROWS_BUDGET = 0.1  # the most of an answer's plain decoding the prompt rows may cost
 _MEASURING = threading.Lock()  # one latency measurement at a time in a process
 
@@ -211,6 +213,7 @@ class AutoDrafter:
             raise ConfigError(f"a plan of {m_max + 1} nodes needs a vocabulary of at least "
                               f"{m_max + 2} tokens, the model has {backend.vocab_size}")
         self.width = m_max + 1  # candidates a probing step needs
+        self._lm_share = float(getattr(backend, "lm_row_share", None) or LM_ROW_SHARE)
         # a sparse grid (interpolated between): powers of two up to the budget, and the budget
         top = max([MASK_ONLY.bc, *(p.bc for p in self.plans.values())])
         sizes = sorted({1, top, *(2 ** i for i in range(1, top.bit_length()) if 2 ** i <= top)})
@@ -412,7 +415,7 @@ class AutoDrafter:
         lat = self._latl
         top = len(lat) - 1
         row = (lat[top] - lat[top // 2]) / max(top - top // 2, 1)
-        return rows * LM_ROW_SHARE * row <= PROMPT_ROWS_BUDGET * self._max_new * lat[1]
+        return rows * self._lm_share * row <= PROMPT_ROWS_BUDGET * self._max_new * lat[1]
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)
