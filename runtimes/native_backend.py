@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import sys
 from pathlib import Path
 from time import perf_counter
 
@@ -177,7 +178,6 @@ def advise_huge(a: np.ndarray) -> bool:
     Ubuntu and JetPack, memory gets them only when asked). Best effort: whether the kernel
     took the advice (False off Linux, on a kernel without huge pages, or where ``a`` holds no
     whole 2 MB page)."""
-    import sys
     if not sys.platform.startswith("linux"):
         return False
     lo = -(-a.ctypes.data // HUGE) * HUGE
@@ -375,8 +375,7 @@ class NativeBackend:
             except ValueError as e:
                 raise ConfigError(f"{where}: {node.name}: {e}; use --backend onnxruntime") \
                     from None
-            w, sc, z, mn = (arena.put(x) for x in (w, sc, z, mn))
-            self._keep += [w, sc, z, mn]
+            w, sc, z, mn = (arena.put(x) for x in (w, sc, z, mn))  # (the arena keeps them)
             half.append(sc.dtype == np.float16)
             if sc.dtype == np.float16:
                 return Q4W(G, nb, w.ctypes.data, None, _ptr(z), sc.ctypes.data, _ptr(mn), None)
@@ -404,7 +403,6 @@ class NativeBackend:
             for q, s, zz in ((u & 15, scales, z_lo), (u >> 4, scales * 16, z_hi)):
                 G, nb_, w, sc, zq, _ = pack_q4(q, s, zz)
                 w, sc, zq = (arena.put(x) for x in (w, sc, zq))
-                self._keep += [w, sc, zq]
                 half.append(sc.dtype == np.float16)
                 h16 = sc.dtype == np.float16
                 planes.append(Q4W(G, nb_, w.ctypes.data, None if h16 else sc.ctypes.data,
