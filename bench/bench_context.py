@@ -124,6 +124,24 @@ def step_ms(session, t: int, repeats: int) -> float:
     return statistics.median(runs[2:]) * 1e3
 
 
+def pair_ratios(short, long, t: int, n: int) -> list[float]:
+    """``n`` pairs of one t-row step at each of two cache lengths, back to back (the order
+    alternating): each pair's long / short. A slow stretch of the machine then slows both
+    sides of a pair, where medians of separate runs each take their own stretch."""
+    mask = np.tril(np.ones((t, t), dtype=bool))
+    out = []
+    for i in range(n + 2):  # two warm-up pairs
+        ms = {}
+        for key, s in ((("s", short), ("l", long)) if i % 2 == 0 else (("l", long), ("s", short))):
+            p = s.cache_len
+            t0 = time.perf_counter()
+            s.forward(np.arange(t) + 5 + i % 50, p + np.arange(t), mask, None, topk=4)
+            ms[key] = time.perf_counter() - t0
+        if i >= 2:
+            out.append(ms["l"] / ms["s"])
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--package", action="append", required=True, metavar="NAME=PATH")
@@ -138,20 +156,29 @@ def main(argv=None) -> int:
                          "order alternating), so runtimes cannot slow each other (with "
                          "llama.cpp's contexts in the same process the native steps measured "
                          "slower, for a reason not established)")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="also this many pairs of steps per round at the shortest and longest "
+                         "context, back to back in one process: the ratio of the two as the "
+                         "median over pairs, which a slow stretch of the machine moves far "
+                         "less than it moves separate medians (edgemtp backends)")
     ap.add_argument("--round-json", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     packages = dict(p.split("=", 1) for p in a.package)
     contexts = [int(c) for c in a.contexts.split(",")]
     sizes = [int(t) for t in a.sizes.split(",")]
+    pairs: dict[str, dict[int, list[float]]] = {}  # package -> t -> long / short, per pair
     if a.isolate:
         times, names = {}, list(packages)
         for r in range(a.rounds):
             for n in (names if r % 2 == 0 else names[::-1]):
                 cmd = [sys.executable, __file__, "--package", f"{n}={packages[n]}",
                        "--contexts", a.contexts, "--sizes", a.sizes, "--rounds", "1",
-                       "--repeats", str(a.repeats), "--threads", str(a.threads), "--round-json"]
+                       "--repeats", str(a.repeats), "--threads", str(a.threads),
+                       "--pairs", str(a.pairs), "--round-json"]
                 got = json.loads(subprocess.run(cmd, check=True, capture_output=True,
                                                 text=True).stdout.splitlines()[-1])
+                for t, rs in got.pop("pairs", {}).items():
+                    pairs.setdefault(n, {}).setdefault(int(t), []).extend(rs)
                 for p, by_t in got.items():
                     for t, ms in by_t.items():
                         times.setdefault((n, int(p)), {}).setdefault(int(t), []).append(ms)
@@ -171,11 +198,19 @@ def main(argv=None) -> int:
             for key in (order if r % 2 == 0 else order[::-1]):
                 for t in sizes:
                     times[key][t].append(step_ms(sessions[key], t, a.repeats))
+            for n, b in backends.items():
+                lo, hi = sessions.get((n, contexts[0])), sessions.get((n, contexts[-1]))
+                if a.pairs and lo is not None and hi is not None and hasattr(lo, "forward"):
+                    for t in sizes:
+                        pairs.setdefault(n, {}).setdefault(t, []).extend(
+                            pair_ratios(lo, hi, t, a.pairs))
             if not a.round_json:
                 print(f"round {r + 1}/{a.rounds} done", flush=True)
         if a.round_json:
-            print(json.dumps({str(p): {str(t): v[0] for t, v in ts.items()}
-                              for (_, p), ts in times.items()}))
+            got = {str(p): {str(t): v[0] for t, v in ts.items()} for (_, p), ts in times.items()}
+            if pairs:
+                got["pairs"] = {str(t): v for t, v in next(iter(pairs.values())).items()}
+            print(json.dumps(got))
             return 0
         kinds = ", ".join(sorted({b.name for b in backends.values()}))
     med = {f"{n}@P={p}": {t: statistics.median(v) for t, v in ts.items()}
@@ -183,24 +218,36 @@ def main(argv=None) -> int:
     model = Path(next(iter(packages.values()))).stem
     rows = ["| package | " + " | ".join(f"t({t}) at P={p}, ms" for t in sizes for p in contexts)
             + " | " + " | ".join(f"t({t}) P={contexts[-1]} / P={contexts[0]}" for t in sizes)
-            + " |", "|---|" + "---:|" * (len(sizes) * len(contexts) + len(sizes))]
+            + "".join(f" | t({t}) P={contexts[-1]} / P={contexts[0]}, paired" for t in sizes
+                      if pairs) + " |",
+            "|---|" + "---:|" * (len(sizes) * len(contexts) + len(sizes) * (2 if pairs else 1))]
     for n in packages:
         cells = [f"{med[f'{n}@P={p}'][t]:.2f}" if f"{n}@P={p}" in med else "–"
                  for t in sizes for p in contexts]
         ratios = [f"{med[f'{n}@P={contexts[-1]}'][t] / med[f'{n}@P={contexts[0]}'][t]:.2f}"
                   if f"{n}@P={contexts[-1]}" in med else "–" for t in sizes]
+        if pairs:
+            ratios += [f"{statistics.median(pairs[n][t]):.3f}" if pairs.get(n, {}).get(t)
+                       else "–" for t in sizes]
         rows.append(f"| {n} | " + " | ".join(cells + ratios) + " |")
     text = (f"# Step latency against the cache length, {model}, {kinds} on the CPU\n\n"
             f"{a.threads} threads; medians over {a.rounds} interleaved rounds of "
             f"{a.repeats} steps each" + (", each package in a fresh process per round"
-                                          if a.isolate else "") + ".\n\n"
+                                          if a.isolate else "") + "."
+            + (f" `paired`: the median over {a.pairs} pairs a round of one step at each of "
+               f"the two lengths back to back in one process, each pair's ratio." if pairs
+               else "") + "\n\n"
             + "\n".join(rows) + "\n")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"context_{model}_cpu"
     stem.with_suffix(".md").write_text(text)
     stem.with_suffix(".json").write_text(json.dumps(dict(packages=packages, rounds=a.rounds,
-                                                         threads=a.threads, ms=med), indent=1))
+                                                         threads=a.threads, ms=med,
+                                                         paired={n: {t: statistics.median(v)
+                                                                     for t, v in by_t.items()}
+                                                                 for n, by_t in pairs.items()}),
+                                                    indent=1))
     print(text)
     return 0
 
