@@ -22,6 +22,7 @@ from test_lookahead import check_lookahead_plan
 from test_plans import check_plan
 
 N_PROMPTS, NEW_TOKENS, BCS = 24, 128, (10, 30, 60)
+QUICK_BCS = (10, 60)
 LOOKUP = ("pld", "stand", "hybrid")
 SINGLE = ("probe", "pld", "stand", "lade")  # the drafters the hybrid must beat
 
@@ -33,7 +34,7 @@ def stories(stories_path, stories_refs):
             prompts[:N_PROMPTS], refs)
 
 
-def _sweep(stories, n: int, drafters=(*SINGLE, "hybrid")) -> dict:
+def _sweep(stories, n: int, drafters=(*SINGLE, "hybrid"), bcs=BCS) -> dict:
     """Every drafter at every BC over the first ``n`` prompts: outputs and BE. Each run keeps
     one drafter memory across its prompts, as a loaded ``Model`` does. Probing uses k = 1,
     its best on this model at every BC."""
@@ -41,7 +42,7 @@ def _sweep(stories, n: int, drafters=(*SINGLE, "hybrid")) -> dict:
     prompts = prompts[:n]
     out = {}
     for drafter in drafters:
-        for bc in BCS:
+        for bc in bcs:
             config = GenerationConfig(max_new_tokens=NEW_TOKENS, bc=bc, drafter=drafter)
             memory, outputs, calls, tokens = {}, [], 0, 0
             for ids in prompts:
@@ -61,15 +62,16 @@ def sweep(stories):
 @pytest.fixture(scope="module")
 def quick_sweep(stories):
     # the default run's check: the drafters this module owns (probing has test_lossless),
-    # on the first 4 prompts; the slow pass sweeps all 24 and every single drafter
-    return _sweep(stories, min(QUICK, 4), (*LOOKUP, "lade"))
+    # on the first 4 prompts at the narrowest and widest budget; the slow pass sweeps all 24
+    # prompts, every BC and every single drafter
+    return _sweep(stories, min(QUICK, 4), (*LOOKUP, "lade"), QUICK_BCS)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-@pytest.mark.parametrize("bc", BCS)
+@pytest.mark.parametrize("bc", QUICK_BCS)
 @pytest.mark.parametrize("drafter", (*LOOKUP, "lade"))
 def test_equals_transformers_greedy_on_stories(stories, quick_sweep, drafter, bc):
     _check_sweep(stories, quick_sweep, drafter, bc)

@@ -96,11 +96,13 @@ def test_generate_takes_the_profile_and_flags_still_win(stories_path, profiled):
     assert forced["bc"] == 8 and forced["token_ids"] == out["token_ids"]
 
 
-def test_generate_takes_a_measured_tree_cost_from_the_profile(stories_path, tmp_path):
+def test_generate_takes_a_measured_tree_cost_from_the_profile(stories_pkg, tmp_path):
+    # on the exported package: onnxruntime starts in ~1 s where PyTorch and transformers
+    # take ~9 s to import, three times over on 2 cores
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"format_version": 1, "latency": LATENCY, "recommendation": {
         "drafter": "hybrid", "bc": 10, "mask_tokens": 1, "tree_cost": "measured"}}))
-    base = ["generate", "--model", stories_path, "--prompt", "Once upon a time", "--json",
+    base = ["generate", "--model", str(stories_pkg), "--prompt", "Once upon a time", "--json",
             "--max-new-tokens", "16", "--threads", "1", "--profile", str(prof)]
     out, forced, other = map(json.loads, cli_together(
         base, [*base, "--tree-cost", "budget"], [*base, "--drafter", "probe", "--bc", "8"]))
