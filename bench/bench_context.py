@@ -113,14 +113,17 @@ def fill(backend, p: int):
     return s
 
 
-def step_ms(session, t: int, repeats: int) -> float:
+def one_step(session, t: int, shift: int = 0) -> float:
+    """Seconds of one t-row causal step after the session's cached rows (not committed)."""
     p = session.cache_len
     mask = np.tril(np.ones((t, t), dtype=bool))
-    runs = []
-    for _ in range(repeats + 2):  # two warm-ups
-        t0 = time.perf_counter()
-        session.forward(np.arange(t) + 5, p + np.arange(t), mask, None, topk=4)
-        runs.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    session.forward(np.arange(t) + 5 + shift, p + np.arange(t), mask, None, topk=4)
+    return time.perf_counter() - t0
+
+
+def step_ms(session, t: int, repeats: int) -> float:
+    runs = [one_step(session, t) for _ in range(repeats + 2)]  # two warm-ups
     return statistics.median(runs[2:]) * 1e3
 
 
@@ -128,15 +131,11 @@ def pair_ratios(short, long, t: int, n: int) -> list[float]:
     """``n`` pairs of one t-row step at each of two cache lengths, back to back (the order
     alternating): each pair's long / short. A slow stretch of the machine then slows both
     sides of a pair, where medians of separate runs each take their own stretch."""
-    mask = np.tril(np.ones((t, t), dtype=bool))
     out = []
     for i in range(n + 2):  # two warm-up pairs
         ms = {}
         for key, s in ((("s", short), ("l", long)) if i % 2 == 0 else (("l", long), ("s", short))):
-            p = s.cache_len
-            t0 = time.perf_counter()
-            s.forward(np.arange(t) + 5 + i % 50, p + np.arange(t), mask, None, topk=4)
-            ms[key] = time.perf_counter() - t0
+            ms[key] = one_step(s, t, i % 50)
         if i >= 2:
             out.append(ms["l"] / ms["s"])
     return out
@@ -160,9 +159,12 @@ def main(argv=None) -> int:
                     help="also this many pairs of steps per round at the shortest and longest "
                          "context, back to back in one process: the ratio of the two as the "
                          "median over pairs, which a slow stretch of the machine moves far "
-                         "less than it moves separate medians (edgemtp backends)")
+                         "less than it moves separate medians")
     ap.add_argument("--round-json", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.pairs < 0:
+        from edgemtp.errors import ConfigError
+        raise ConfigError(f"--pairs takes a number of pairs, 0 or more; got {a.pairs}")
     packages = dict(p.split("=", 1) for p in a.package)
     contexts = [int(c) for c in a.contexts.split(",")]
     sizes = [int(t) for t in a.sizes.split(",")]
@@ -198,9 +200,9 @@ def main(argv=None) -> int:
             for key in (order if r % 2 == 0 else order[::-1]):
                 for t in sizes:
                     times[key][t].append(step_ms(sessions[key], t, a.repeats))
-            for n, b in backends.items():
+            for n in backends:
                 lo, hi = sessions.get((n, contexts[0])), sessions.get((n, contexts[-1]))
-                if a.pairs and lo is not None and hi is not None and hasattr(lo, "forward"):
+                if a.pairs and lo is not None and hi is not None:
                     for t in sizes:
                         pairs.setdefault(n, {}).setdefault(t, []).extend(
                             pair_ratios(lo, hi, t, a.pairs))

@@ -22,3 +22,13 @@ def test_paired_ratios_come_out_beside_the_medians(stories_pkg, tmp_path):
     assert "t(1) P=160 / P=16, paired" in md and "t(4) P=160 / P=16, paired" in md
     row = next(line for line in md.splitlines() if line.startswith("| n |"))
     assert len(row.split("|")[2:-1]) == 2 * 2 + 2 + 2  # 4 times, 2 ratios, 2 paired ratios
+
+
+def test_a_negative_pair_count_is_one_line_and_exit_2(stories_pkg, tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_context.py"), "--package",
+                          f"n={stories_pkg}", "--pairs", "-3", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "bench_context: --pairs takes a number of pairs, 0 or more; got -3"]
+    assert not list(tmp_path.iterdir())  # nothing written
