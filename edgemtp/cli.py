@@ -501,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", type=int, default=4,
                    help="questions or story prompts to run (default: 4)")
     d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--rounds", type=int, default=2,
+                   help="timed runs of every method on every prompt, interleaved; a prompt's "
+                        "tok/s is the median over them (default: 2)")
     d.add_argument("--out", default="out", help="where the exported package goes (default: out/)")
     d.add_argument("--no-reference", action="store_true",
                    help="skip the transformers generate reference run")

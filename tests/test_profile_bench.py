@@ -293,6 +293,7 @@ def test_demo_exports_then_runs_every_method_losslessly(stories_path, tmp_path):
     assert len(rows) >= 10, proc.stdout  # greedy, 8 methods, transformers generate
     assert all(ln.endswith("yes") for ln in rows), proc.stdout
     assert "onnxruntime greedy runs at" in proc.stdout
+    assert "each prompt's the median of 2 timed runs" in proc.stdout  # --rounds 2, the default
 
 
 @pytest.mark.slow
@@ -315,6 +316,15 @@ def test_the_default_main_job_chats_with_smollm2_int4(tmp_path):
                                             "auto"]
     assert all(ln.endswith("yes") for ln in rows), proc.stdout
     assert "transformers" not in proc.stdout.split("method")[1], proc.stdout
+
+
+def test_demo_with_no_rounds_is_one_line(stories_pkg):
+    proc = subprocess.run([sys.executable, "-m", "edgemtp.cli", "demo", "--model",
+                           str(stories_pkg), "--rounds", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("--rounds must be an integer >= 1, got 0")
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_demo_chat_on_a_model_without_a_template_is_one_line(stories_pkg):

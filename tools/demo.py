@@ -63,7 +63,7 @@ def command(a) -> int:
     """``edgemtp demo``; returns the exit code (1 when an output differs from greedy's)."""
     from edgemtp.api import Model
 
-    at_least_one(prompts=a.prompts)
+    at_least_one(prompts=a.prompts, rounds=getattr(a, "rounds", 1))
     GenerationConfig(drafter="none", max_new_tokens=a.max_new_tokens)  # checks the count
     default = a.model is None
     if default:  # the main job: chat with the real instruct model, int4
@@ -171,18 +171,31 @@ def _compare(model, model_path: str, prompts: list, a, hf_ref: dict | None,
     for _, config in configs:
         model.generate(prompts[0], config.with_(max_new_tokens=min(16, a.max_new_tokens)))
     # interleaved: every method on a prompt before the next prompt, so a change in the
-    # machine's load touches every method alike; who goes first rotates with the prompt
+    # machine's load touches every method alike; who goes first rotates with the prompt and
+    # the round. A prompt's tok/s is the median over its rounds (one 128-token run on a 2-core
+    # VM varies by +-15 %); its first round's result is the one reported
+    rounds = getattr(a, "rounds", 1)
     results = {label: [] for label, _ in configs}
-    runs = tqdm(total=len(configs) * len(prompts), desc="generating", unit="run", file=sys.stderr)
+    differs: set[str] = set()  # methods whose later rounds gave other tokens than their first
+    runs = tqdm(total=len(configs) * len(prompts) * rounds, desc="generating", unit="run",
+                file=sys.stderr)
     for i, p in enumerate(prompts):
-        k = i % len(configs)
-        for label, config in configs[k:] + configs[:k]:
-            t0 = time.perf_counter()
-            r = model.generate(p, config)
-            results[label].append((r, r.stats.new_tokens / (time.perf_counter() - t0)))
-            runs.update()
+        first, speeds = {}, {label: [] for label, _ in configs}
+        for j in range(rounds):
+            k = (i + j) % len(configs)
+            for label, config in configs[k:] + configs[:k]:
+                t0 = time.perf_counter()
+                r = model.generate(p, config)
+                speeds[label].append(r.stats.new_tokens / (time.perf_counter() - t0))
+                first.setdefault(label, r)
+                if r.token_ids != first[label].token_ids:  # every round checked, not the first
+                    differs.add(label)
+                runs.update()
+        for label, _ in configs:
+            results[label].append((first[label], statistics.median(speeds[label])))
     reference = results[configs[0][0]]
     rows = [(label, results[label],
+             label not in differs and
              all(r.token_ids == g.token_ids for (r, _), (g, _) in zip(results[label], reference)))
             for label, _ in configs]
     runs.close()
@@ -210,8 +223,10 @@ def _compare(model, model_path: str, prompts: list, a, hf_ref: dict | None,
     else:
         hf_same = True
     print(f"\n{len(prompts)} prompts, {a.max_new_tokens} new tokens, {name} on {a.device}. "
-          f"BE = tokens per forward call (prefill included); tok/s = median over prompts of "
-          f"wall-clock tokens per second (after one warm-up run per method; the methods take "
+          f"BE = tokens per forward call (prefill included; tokens, calls and BE from each "
+          f"prompt's first run); tok/s = median over prompts of "
+          f"wall-clock tokens per second, each prompt's the median of {rounds} timed "
+          f"run{'s' if rounds > 1 else ''} (after one warm-up run per method; the methods take "
           f"turns on each prompt); speed-up = median over prompts of the tok/s over greedy's "
           f"on the same prompt and backend. Lossless = same tokens as greedy"
           f"{' (and transformers)' if hf_ref is not None else ''}.")
