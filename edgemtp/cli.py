@@ -267,12 +267,19 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
     model = Model.load(a.package, backend="onnxruntime", threads=1)
     picked = auto_backend(a.package)
+    native = None
     if picked != "onnxruntime":  # what generate runs it on must load too (its load check)
-        Model.load(a.package, backend=picked, threads=1)
+        native = Model.load(a.package, backend=picked, threads=1).backend
     print(describe(model.backend.package))
     print(f"generate on this machine (--backend auto, CPU): {picked}"
           + (" (edgemtp's C decoder; EDGEMTP_NATIVE=0 for onnxruntime)"
              if picked == "native" else ""))
+    if picked == "native":  # its memory, not the onnxruntime graph's (the lines above)
+        mib = 2 ** 20
+        fp16, q8 = native.cache_bytes("fp16"), native.cache_bytes("int8")
+        print(f"          its memory: weights {native.arena.used / mib:.1f} MiB (packed), "
+              f"KV cache at {native.max_context} tokens {fp16 / mib:.1f} MiB (float16) or "
+              f"{q8 / mib:.1f} MiB (--kv-cache int8)")
     return 0
 
 

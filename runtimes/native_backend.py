@@ -585,6 +585,20 @@ class NativeBackend:
     def embed(self, token_ids) -> np.ndarray:
         return self._table.rows(np.asarray(token_ids, dtype=np.int64))
 
+    def cache_bytes(self, kv_cache: str | None = None, rows: int | None = None) -> int:
+        """A session's KV cache in bytes at ``rows`` (default: the max context) as
+        :class:`NativeSession` allocates it, for ``kv_cache`` (default: this backend's):
+        float16 keys and values, or int8 codes with a float32 scale per key row and KV head
+        and per value row and 32-lane chunk.
+
+        Its pages are mapped as they are first written, so a short generation uses less."""
+        L, Hkv, D = self.dims
+        rows = self.max_context if rows is None else rows
+        cap = -(-(rows + MARGIN) // 16) * 16
+        if (kv_cache or self.kv_cache) == "int8":
+            return L * Hkv * cap * (2 * D + 4 + 4 * (D // (32 if D % 32 == 0 else D)))
+        return L * Hkv * cap * D * 2 * 2
+
     def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
         return self._stats
 

@@ -214,6 +214,26 @@ def backend_q8(int4_pkg):
     return NativeBackend(str(int4_pkg), threads=1, kv_cache="int8")
 
 
+def test_inspect_says_the_native_memory_a_session_really_allocates(int4_pkg, backend,
+                                                                   backend_q8, capsys):
+    # inspect's lines above are the onnxruntime graph's cache (fp32 keys, float64 values);
+    # generate runs an int4 package here natively, so inspect says that backend's memory too
+    from edgemtp.cli import main
+
+    for b in (backend, backend_q8):
+        s = b.session()
+        arrays = [a for a in (s.k, s.v, s.ks, s.vs) if a is not None]
+        assert b.cache_bytes() == sum(a.nbytes for a in arrays)
+    assert backend.cache_bytes("int8") == backend_q8.cache_bytes()
+    assert backend_q8.cache_bytes() < backend.cache_bytes()
+    assert main(["inspect", str(int4_pkg)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "its memory" in ln)
+    mib = 2 ** 20
+    assert f"weights {backend.arena.used / mib:.1f} MiB (packed)" in line
+    assert f"{backend.cache_bytes() / mib:.1f} MiB (float16)" in line
+    assert f"{backend_q8.cache_bytes() / mib:.1f} MiB (--kv-cache int8)" in line
+
+
 @pytest.mark.parametrize("size", [10, 30, 60])
 def test_a_row_is_bitwise_the_same_in_any_block_as_alone(backend, size):
     _tree_rows_equal_plain(backend, size)
