@@ -554,6 +554,7 @@ class MemoryPlan:
     pool: Pool
     rows: tuple[PlanRow, ...]
     cuda_graphs: str = ""      # whether onnxruntime can capture the graph (inspect's line)
+    native: str = ""           # an int4 package on the CPU: the C decoder's memory (line)
 
 
 def memory_plan(pkg, facts: Facts) -> MemoryPlan:
@@ -585,7 +586,31 @@ def memory_plan(pkg, facts: Facts) -> MemoryPlan:
     from edgemtp.runtimes.package import cuda_graph_readiness
 
     return MemoryPlan(str(pkg.root), m.max_context, t, pool, tuple(rows),
-                      cuda_graph_readiness(m.graph, m.cache))
+                      cuda_graph_readiness(m.graph, m.cache), _native_line(pkg, pool))
+
+
+def _native_line(pkg, pool: Pool) -> str:
+    """Where ``generate`` runs this package on the CPU's C decoder (an int4 Llama-style
+    package, no GPU): its weights, its KV cache at the max context (float16, or int8 with
+    ``--kv-cache int8``) and the largest context each fits, as the rows above do for the
+    onnxruntime graph."""
+    if not pool.host:  # (a discrete GPU's memory: generate runs it there with --device cuda)
+        return ""
+    from edgemtp.runtimes.native_backend import cache_bytes, runs_natively
+
+    if not runs_natively(pkg.root):
+        return ""
+    m, weights = pkg.meta, pkg.weight_bytes()
+    parts, fits = [], []
+    for kv, name in (("fp16", "float16"), ("int8", "int8")):
+        def b(rows: int) -> int:
+            return cache_bytes(m.num_layers, m.num_kv_heads, m.head_dim, rows, kv)
+        parts.append(f"{size(b(m.max_context))} {name}")
+        if pool.available:  # the cache grows 16 rows at a time, past a fixed margin (b(0))
+            room = pool.available / (1 + MARGIN) - weights - b(0)
+            fits.append(f"{max(0, math.floor(room / ((b(16) - b(0)) / 16)))} ({name})")
+    return (f"weights {size(weights)}, KV cache at {m.max_context} tokens {' or '.join(parts)}"
+            + (f"; largest context that fits: {', '.join(fits)}" if fits else ""))
 
 
 def _with_margin(n: float) -> int:
@@ -677,6 +702,8 @@ def describe_plan(p: MemoryPlan) -> list[str]:
              f"T = {p.block}",
              f"against   {p.pool.what}: {size(p.pool.available)}",
              *([f"cuda      {p.cuda_graphs}"] if p.cuda_graphs else []),
+             *([f"native    generate runs it on the C decoder here: {p.native}"]
+               if p.native else []),
              "", f"plan      {head}"]
     for r in p.rows:
         fits = "?" if r.fits is None else ("yes" if r.fits else "no")

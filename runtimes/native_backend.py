@@ -67,6 +67,21 @@ def runs_natively(path) -> bool:
     return native.decoder_lib() is not None
 
 
+def cache_bytes(layers: int, kv_heads: int, head_dim: int, rows: int, kv_cache: str) -> int:
+    """A native session's KV cache in bytes for ``rows`` positions (:class:`NativeSession`'s
+    arrays: MARGIN rows more, in blocks of 16): ``"fp16"`` keys and values, or ``"int8"``
+    codes with a float32 scale per key row and KV head and per value row and 32-lane chunk.
+
+    >>> cache_bytes(30, 3, 64, 2048, "fp16") / 2**20, cache_bytes(30, 3, 64, 2048, "int8")
+    (50.625, 29030400)
+    """
+    cap = -(-(rows + MARGIN) // 16) * 16
+    if kv_cache == "int8":
+        chunks = head_dim // (32 if head_dim % 32 == 0 else head_dim)
+        return layers * kv_heads * cap * (2 * head_dim + 4 + 4 * chunks)
+    return layers * kv_heads * cap * head_dim * 2 * 2
+
+
 class Q4W(ctypes.Structure):
     _fields_ = [("G", ctypes.c_int), ("nb", ctypes.c_int), ("w", _P), ("sc", _P), ("zp", _P),
                 ("sc16", _P), ("mn16", _P), ("hi", _P)]
@@ -592,12 +607,8 @@ class NativeBackend:
         and per value row and 32-lane chunk.
 
         Its pages are mapped as they are first written, so a short generation uses less."""
-        L, Hkv, D = self.dims
-        rows = self.max_context if rows is None else rows
-        cap = -(-(rows + MARGIN) // 16) * 16
-        if (kv_cache or self.kv_cache) == "int8":
-            return L * Hkv * cap * (2 * D + 4 + 4 * (D // (32 if D % 32 == 0 else D)))
-        return L * Hkv * cap * D * 2 * 2
+        return cache_bytes(*self.dims, self.max_context if rows is None else rows,
+                           kv_cache or self.kv_cache)
 
     def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
         return self._stats

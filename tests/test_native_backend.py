@@ -9,6 +9,7 @@ graph it would read wrong is refused at load. stories260K, one int4 export per m
 
 import ctypes
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -232,6 +233,26 @@ def test_inspect_says_the_native_memory_a_session_really_allocates(int4_pkg, bac
     assert f"weights {backend.arena.used / mib:.1f} MiB (packed)" in line
     assert f"{backend.cache_bytes() / mib:.1f} MiB (float16)" in line
     assert f"{backend_q8.cache_bytes() / mib:.1f} MiB (--kv-cache int8)" in line
+
+
+def test_doctor_plans_the_native_memory_on_the_cpu(int4_pkg, stories_pkg, backend):
+    # doctor's plan rows are the onnxruntime graph's; on a CPU an int4 package runs on the C
+    # decoder, whose cache doctor states beside them (and not for a package it cannot run)
+    from edgemtp.doctor import size
+
+    def native_line(pkg):
+        proc = subprocess.run([sys.executable, "-m", "edgemtp.cli", "doctor", str(pkg)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return [ln for ln in proc.stdout.splitlines() if ln.startswith("native ")]
+
+    [line] = native_line(int4_pkg)
+    ctx = backend.max_context
+    assert (f"KV cache at {ctx} tokens {size(backend.cache_bytes('fp16'))} float16 or "
+            f"{size(backend.cache_bytes('int8'))} int8") in line
+    fits = re.search(r"largest context that fits: (\d+) \(float16\), (\d+) \(int8\)", line)
+    assert fits and int(fits[2]) > int(fits[1]) > ctx, line
+    assert native_line(stories_pkg) == []  # fp32: onnxruntime runs it
 
 
 @pytest.mark.parametrize("size", [10, 30, 60])
