@@ -601,12 +601,9 @@ class NativeBackend:
         return self._table.rows(np.asarray(token_ids, dtype=np.int64))
 
     def cache_bytes(self, kv_cache: str | None = None, rows: int | None = None) -> int:
-        """A session's KV cache in bytes at ``rows`` (default: the max context) as
-        :class:`NativeSession` allocates it, for ``kv_cache`` (default: this backend's):
-        float16 keys and values, or int8 codes with a float32 scale per key row and KV head
-        and per value row and 32-lane chunk.
-
-        Its pages are mapped as they are first written, so a short generation uses less."""
+        """:func:`cache_bytes` for this model at ``rows`` (default: the max context) and
+        ``kv_cache`` (default: this backend's). Pages are mapped as they are first written, so
+        a short generation uses less."""
         return cache_bytes(*self.dims, self.max_context if rows is None else rows,
                            kv_cache or self.kv_cache)
 
