@@ -82,6 +82,12 @@ SIZES = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 GAP_TOPK = 64  # candidates read back to find a divergence's two tokens
 STORIES = "stories260K"
+# a real 135M instruct model: the shared GGUF (Q4_1 blocks, dequantized by transformers' own
+# GGUF loader), run on Spec-Bench's first turns through its chat template
+GGUF = "smollm2-gguf"
+GGUF_FILE = ("SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf")
+CHAT_PROMPTS_FILE = ROOT / "bench" / "data" / "gpu_prompts_smollm2.json"
+REAL = (STORIES, GGUF)  # real weights: real BE, speed-ups paired with plain decoding
 DEFAULT_MODELS = ("stories260K:fp32,stories260K:fp16,smollm2-135m:fp16,qwen3-0.6b:fp16,"
                   "llama3.2-1b:fp16")
 STAGES = ("t_ms", "eager", "static", "drafters")
@@ -159,6 +165,29 @@ def stories_model(path: str, device: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+
+
+def gguf_model(path: str, device: str, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
+                                                dtype=DTYPES[dtype]).to(device).eval()
+
+
+def chat_prompts(gguf: str | Path, per_category: int = 1) -> dict:
+    """Spec-Bench's first turns (``per_category`` a category) through the GGUF's own chat
+    template, as ``bench_peers.py`` builds them: what ``CHAT_PROMPTS_FILE`` holds, made where
+    ``../shared`` and the tokenizer are (the GPU machine has neither)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_peers
+
+    by_cat = bench_peers.prompts_by_category(Path(gguf), per_category, False)
+    return dict(about=f"Spec-Bench first turns ({per_category} a category, in order) through "
+                      f"the chat template of {GGUF_FILE[1]}, tokenized by transformers "
+                      f"(bench_gpu.chat_prompts); tests/test_bench_gpu.py checks them.",
+                categories=[c for c, ps in by_cat.items() for _ in ps],
+                prompts=[p for ps in by_cat.values() for p in ps])
 
 
 def make_backend(hf, device: str, max_context: int, graphs: bool, invariant: bool = False):
@@ -373,6 +402,9 @@ def load(name: str, dtype: str, a):
     if name == STORIES:
         hf = stories_model(a.stories, a.device, dtype)
         prompts = json.loads(PROMPTS_FILE.read_text())["prompts"][:a.prompts]
+    elif name == GGUF:
+        hf = gguf_model(a.gguf, a.device, dtype)
+        prompts = json.loads(CHAT_PROMPTS_FILE.read_text())["prompts"][:a.prompts]
     else:
         hf = random_model(name, a.device, dtype, a.quick, a.seed)
         rng = np.random.default_rng(a.seed)
@@ -380,7 +412,7 @@ def load(name: str, dtype: str, a):
                    for _ in range(a.random_prompts)]
     cfg = hf.config
     entry = dict(model=name, dtype=dtype, device=device_name(a.device),
-                 weights=STORIES if name == STORIES else "random",
+                 weights={STORIES: STORIES, GGUF: Path(a.gguf).name}.get(name, "random"),
                  shape=dict(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
                             heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
                             vocab=cfg.vocab_size,
@@ -407,12 +439,14 @@ def run_entry(key: str, a, progress: Progress, summary: dict, checkpoint) -> Non
 
     hf, prompts, entry = load(name, dtype, a)
     summary["entries"][key] = entry
-    backend = make_backend(hf, a.device, a.max_context, not a.no_graphs, a.batch_invariant)
+    # the longest prompt and its answer fit (Spec-Bench's summarization turn is 769 tokens)
+    context = max(a.max_context, max(map(len, prompts)) + a.new_tokens + 64)
+    backend = make_backend(hf, a.device, context, not a.no_graphs, a.batch_invariant)
     entry["cuda_graphs"] = bool(getattr(backend, "cuda_graphs", False))
     entry["batch_invariant"] = backend.batch_invariant
     entry["tree_cost"] = a.tree_cost
-    entry["paired"] = a.paired if name == STORIES else 0  # real weights: the real speed-ups
-    sizes = StepSizes(backend) if name == STORIES else None
+    entry["paired"] = a.paired if name in REAL else 0  # real weights: the real speed-ups
+    sizes = StepSizes(backend) if name in REAL else None
     model = Model(sizes or backend)
     stage("load")
     if "t_ms" not in a.skip:
@@ -434,7 +468,7 @@ def run_entry(key: str, a, progress: Progress, summary: dict, checkpoint) -> Non
         again = edgemtp_run(model, prompts, greedy, a.device, a.warmup)
         rebase(entry, round(rate(again), 2))
         stage("plain_again")
-    if name != STORIES:
+    if name not in REAL:
         add_real_be(entry, summary["entries"], a)
     checkpoint()
     for label in ("eager", "static"):
@@ -593,9 +627,10 @@ def targets(entries: dict) -> list[dict]:
                 f"{ratios[worst]:.2f}")
     for key, e in entries.items():
         auto = e["speedup"].get("auto")
-        if e["weights"] == STORIES and auto:
+        if e["weights"] != "random" and auto:
             best = max(auto, key=auto.get)
-            add(f"auto >= 1.3x plain on story prompts [{key}]", auto[best] >= 1.3,
+            where = "story prompts" if e["weights"] == STORIES else "Spec-Bench chat prompts"
+            add(f"auto >= 1.3x plain on {where} [{key}]", auto[best] >= 1.3,
                 f"best BC {best}: {auto[best]:.2f}x (" + ", ".join(
                     f"BC {b}: {v:.2f}x" for b, v in auto.items()) + ")")
     for key, e in entries.items():
@@ -631,7 +666,10 @@ def markdown(summary: dict) -> str:
            "means nothing** (random models fall into loops that lookup drafters copy): there "
            "`BE` is the real BE of stories260K (source below), `expected` is the speed-up that "
            "real BE gives on this shape's t(T) curve (forward time only, host time left out), "
-           "and `BE ran` / tok/s / speed-up are what ran on the random weights.", "",
+           "and `BE ran` / tok/s / speed-up are what ran on the random weights. "
+           f"`{GGUF}`: real weights (SmolLM2-135M-Instruct, the shared Q4_1 GGUF dequantized "
+           "by transformers), one Spec-Bench question a category through its chat template, "
+           "BE measured, speed-ups paired.", "",
            ]
     out += [*(f"- {n}" for n in meta.get("notes", [])), *([""] if meta.get("notes") else []),
             "## Targets", ""]
@@ -719,11 +757,14 @@ def parse(argv=None):
     ap.add_argument("--models", default=None, help=f"name:dtype,... (default {DEFAULT_MODELS})")
     ap.add_argument("--stories", default=str(ROOT / ".." / "shared" / "models" / STORIES),
                     help="the stories260K folder (real weights)")
+    ap.add_argument("--gguf", default=str(ROOT.parent / "shared" / "models" / GGUF_FILE[0] /
+                                          GGUF_FILE[1]), help=f"the GGUF of {GGUF}")
     ap.add_argument("--skip", default="", help=f"stages to leave out: {','.join(STAGES)}")
     ap.add_argument("--drafters", default=",".join(  # heads: only packages trained for them
         d for d in drafter_registry.names(speculative=True) if d != "heads"))
     ap.add_argument("--bc", default="10,30,60")
-    ap.add_argument("--prompts", type=int, default=24, help="story prompts (stories260K)")
+    ap.add_argument("--prompts", type=int, default=24,
+                    help="prompts of a real-weights model (stories: up to 24, Spec-Bench: 13)")
     ap.add_argument("--random-prompts", type=int, default=4, help="prompts per random shape")
     ap.add_argument("--prompt-len", type=int, default=32, help="tokens of a random prompt")
     ap.add_argument("--hf-prompts", type=int, default=4, help="prompts transformers runs")
@@ -759,8 +800,8 @@ def parse(argv=None):
     a.drafters = [d for d in a.drafters.split(",") if d]
     a.bcs = [int(b) for b in a.bc.split(",") if b]
     for m in a.models:
-        if len(m) != 2 or m[0] not in (STORIES, *SHAPES) or m[1] not in DTYPES:
-            ap.error(f"--models takes name:dtype with a name of {STORIES}, "
+        if len(m) != 2 or m[0] not in (*REAL, *SHAPES) or m[1] not in DTYPES:
+            ap.error(f"--models takes name:dtype with a name of {', '.join(REAL)}, "
                      f"{', '.join(SHAPES)} and a dtype of {', '.join(DTYPES)}; got "
                      f"{':'.join(m)!r}")
     if a.paired < 0:
@@ -772,6 +813,8 @@ def parse(argv=None):
     if any(m[0] == STORIES for m in a.models) and not Path(a.stories, "config.json").is_file():
         ap.error(f"--stories {a.stories!r} is not a model folder (copy ../shared/models/"
                  f"stories260K next to the repository and pass its path)")
+    if any(m[0] == GGUF for m in a.models) and not Path(a.gguf).is_file():
+        ap.error(f"--gguf {a.gguf!r} is not a file (the shared {GGUF_FILE[1]})")
     return a
 
 
