@@ -264,6 +264,7 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
     if sizes is not None:
         sizes.counts.clear()
     outputs, tokens, calls, seconds, p_tokens, p_seconds = [], [], 0, [], [], []
+    kinds: Counter = Counter()  # auto: its timed steps per kind (plain, pld, probe, stand...)
     for k in range(passes):
         for i, ids in enumerate(prompts):
             order = ([config] if beside is None else
@@ -288,9 +289,11 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
                     outputs.append(r.token_ids)
                 tokens.append(r.stats.new_tokens)
                 seconds.append(dt)
+                kinds.update(r.stats.steps_by_kind)
                 calls += r.stats.forward_calls
     out = dict(outputs=outputs, tokens=tokens, forward_calls=calls, seconds=seconds,
-               block_sizes=dict(sorted(sizes.counts.items())) if sizes is not None else None)
+               block_sizes=dict(sorted(sizes.counts.items())) if sizes is not None else None,
+               steps_by_kind=dict(kinds))
     if beside is not None:
         out.update(plain_tokens=p_tokens, plain_seconds=p_seconds)
     return out
@@ -560,6 +563,9 @@ def run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progre
         same, total = same + ok, total + len(prompts)
         entry["divergences"] += divergences(backend, prompts, plain["outputs"], run["outputs"],
                                             drafter, bc)
+        if drafter == "auto":
+            entry.setdefault("auto_state", {})[b] = auto_state(model.memory,
+                                                                run["steps_by_kind"])
         if run["block_sizes"] is not None:
             block_sizes.setdefault(drafter, {})[b] = {str(t): n for t, n in
                                                      run["block_sizes"].items()}
@@ -571,6 +577,20 @@ def run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progre
     if sizes is not None:  # real weights: the BE is the real one
         entry["be"], entry["be_source"] = entry["be_measured"], "measured (real weights)"
         entry["block_sizes"] = block_sizes
+
+
+def auto_state(memory: dict, steps_by_kind: dict) -> dict:
+    """What ``auto`` decided from, as it stands after a run (kept in the model's memory
+    across its generations): its steps per kind, the host time per kind of step beyond the
+    latency curve (µs), its compute slope and the curve itself (ms over 64 cached rows)."""
+    curve = next((v for k, v in memory.items()
+                  if isinstance(k, tuple) and k and k[0] == "latency"), None)
+    return dict(
+        steps_by_kind=steps_by_kind,
+        host_us={k: round(v * 1e6, 1) for k, v in memory.get("auto-host-by-kind", {}).items()},
+        slope=round(memory.get("auto-slope", {}).get("a", 1.0), 3),
+        curve_ms=None if curve is None else {
+            str(t): round(sec * 1e3, 4) for t, sec in zip(curve.sizes, curve.seconds)})
 
 
 def add_real_be(entry: dict, entries: dict, a) -> None:
@@ -711,6 +731,10 @@ def markdown(summary: dict) -> str:
                            f"{e['be_measured'][d][b]:.3f} | {e['tps'][d][b]:.1f} | "
                            f"{by[b]:.2f}x | {'' if exp is None else f'{exp:.2f}x'} | "
                            f"{ok}/{n} |")
+        for b, st in e.get("auto_state", {}).items():
+            out += ["", f"auto at BC {b}: steps by kind {st['steps_by_kind']}; host time "
+                    f"beyond its curve (µs) {st['host_us']}; compute slope {st['slope']}; its "
+                    f"curve (ms) {st['curve_ms']}"]
         if e["divergences"]:
             out += ["", "Divergences from plain decoding (first differing position; gap = "
                     "log-prob of plain's token minus the other's in one causal pass over the "

@@ -78,6 +78,12 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
         assert e["divergences"] == []
     stories = entries["stories260K/fp32"]
     assert stories["be"] == stories["be_measured"] and stories["weights"] == "stories260K"
+    # what auto decided from: one record per BC, its steps per kind summing to the decode
+    # steps of its timed generations (each generation's prefill is one more forward call)
+    for b, st in stories["auto_state"].items():
+        assert sum(st["steps_by_kind"].values()) == (stories["forward_calls"]["auto"][b]
+                                                     - stories["prompts"]), b
+        assert "plain" in st["host_us"] and st["curve_ms"]["1"] > 0 and st["slope"] > 0
     assert stories["block_sizes"]["probe"]["10"] == {"10": stories["forward_calls"]["probe"]["10"]
                                                     - stories["prompts"]}
     for key in ("smollm2-135m/fp32", "qwen3-0.6b/fp32", "llama3.2-1b/fp32"):
@@ -97,7 +103,9 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
 def test_bad_arguments_end_in_one_line(bench, tmp_path, capsys):
     for args, says in ((["--models", "gpt2:fp16"], "--models takes name:dtype"),
                        (["--skip", "plain"], "--skip takes some of"),
-                       (["--stories", str(tmp_path)], "is not a model folder")):
+                       (["--stories", str(tmp_path)], "is not a model folder"),
+                       (["--models", "smollm2-gguf:fp16", "--gguf", str(tmp_path / "x.gguf")],
+                        "is not a file")):
         with pytest.raises(SystemExit) as stop:
             bench.parse(["--device", "cpu", *args])
         assert stop.value.code == 2 and says in capsys.readouterr().err
@@ -111,6 +119,39 @@ def test_shipped_prompt_ids_are_the_tokenizers():
     assert len(ids) == len(texts) == 48
     tok = Tokenizer(str(STORIES))
     assert ids == [tok.encode(t) for t in texts]
+
+
+SMOLLM_GGUF = STORIES.parent / "SmolLM2-135M-Instruct-GGUF" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+needs_gguf = pytest.mark.skipif(not SMOLLM_GGUF.is_file(), reason="no shared SmolLM2 GGUF")
+
+
+@pytest.mark.slow
+@needs_gguf
+def test_shipped_chat_prompts_are_the_gguf_chat_template(bench):
+    # the GPU machine has neither ../shared nor the GGUF's tokenizer: the ids travel
+    shipped = json.loads(bench.CHAT_PROMPTS_FILE.read_text())
+    assert shipped == bench.chat_prompts(SMOLLM_GGUF)
+    assert len(shipped["prompts"]) == len(set(shipped["categories"])) == 13
+
+
+@pytest.mark.slow
+@needs_gguf
+def test_gguf_entry_runs_real_weights_paired(tmp_path):
+    # the real 135M model through transformers' GGUF loader, on CPU: real BE, speed-ups
+    # paired with plain decoding, fp32 identical, the context sized for the prompt
+    proc = subprocess.run([sys.executable, "-c", BARE, str(SCRIPT), "--device", "cpu",
+                           "--models", "smollm2-gguf:fp32", "--gguf", str(SMOLLM_GGUF),
+                           "--prompts", "1", "--new-tokens", "8", "--drafters", "pld,auto",
+                           "--bc", "10", "--skip", "t_ms,static", "--warmup", "1",
+                           "--paired", "1", "--threads", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    e = json.loads((tmp_path / "gpu_summary.json").read_text())["entries"]["smollm2-gguf/fp32"]
+    assert e["weights"] == SMOLLM_GGUF.name and e["shape"]["layers"] == 30
+    assert e["paired"] == 1 and e["be"] == e["be_measured"]
+    assert e["identical"]["count"] == e["identical"]["total"] == 2
+    assert set(e["auto_state"]) == {"10"}
+    assert "auto >= 1.3x plain on Spec-Bench chat prompts [smollm2-gguf/fp32]" in proc.stdout
 
 
 def test_doctests(bench):
