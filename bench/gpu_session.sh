@@ -5,7 +5,7 @@
 # PARTS picks the parts (default ABCDE, ~11 min: more than one call's 10, so run
 # PARTS=ABC then PARTS=DEF on the warm machine; F, tree_cost=measured, G, the per-stage
 # host time of a step, and H, learned heads through the torch backend, are not in the
-# default);
+# default; R, the real SmolLM2 GGUF, needs bench/gguf_gpu_parts.sh first);
 # budgets (seconds): A, B, C, D, F, G. The onnxruntime CUDA EP is measured apart
 # (bench/ort_gpu_parts.sh carries onnxruntime-gpu; bench/bench_ort_gpu.py measures it).
 set -u
@@ -55,9 +55,23 @@ has H && { timeout 60 python3 bench/edgemtp_tree.py export $S -o $HP --hidden-st
   timeout 60 python3 bench/bench_step_host.py $HP --backend torch --device cuda \
     --drafters none,heads,auto --bc 10,30 --out "$OUT/step_host_heads.json"
 } 2>&1 | tee "$OUT/heads.md"
+# R: real weights, SmolLM2-135M-Instruct from the shared GGUF (carried in two parts by
+# bench/gguf_gpu_parts.sh, with the gguf wheel in /tmp/site) on Spec-Bench's chat prompts:
+# real BE, paired speed-ups, fp16 and fp32 identity, auto's state. ~400 s in all
+GGUF=${GGUF:-/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf}
+RD=${RD:-auto,pld,stand,hybrid,probe,lade}
+mkdir -p "$OUT/real"
+has R && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R:-250}" python3 \
+  bench/bench_gpu.py --gguf "$GGUF" --models smollm2-gguf:fp16 --prompts 13 --drafters "$RD" \
+  --bc 10,60 --paired 2 --warmup 2 --hf-prompts 4 --skip static --out "$OUT/real" --fresh \
+  2>&1 | grep -v "it/s" | tee -a "$OUT/log.txt"
+has R && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R2:-200}" python3 \
+  bench/bench_gpu.py --gguf "$GGUF" --models smollm2-gguf:fp32 --prompts 13 --drafters "$RD" \
+  --bc 10,60 --paired 1 --warmup 2 --skip static,eager --out "$OUT/real" \
+  2>&1 | grep -v "it/s" | tee -a "$OUT/log.txt"
 # E: the command line from the tree: doctor, and generate on the GPU
 has E && { timeout 30 python3 bench/edgemtp_tree.py doctor
   timeout 30 python3 bench/edgemtp_tree.py generate --model $S --backend torch --device cuda \
     --dtype fp16 --prompt "Once upon a time" --max-new-tokens 64
 } 2>&1 | tee -a "$OUT/log.txt"
-ls -la "$OUT" "$OUT/static" "$OUT/inv" "$OUT/cost"
+ls -la "$OUT" "$OUT/static" "$OUT/inv" "$OUT/cost" "$OUT/real"
