@@ -204,6 +204,7 @@ class StepSizes:
 
     def __init__(self, backend) -> None:
         self._backend, self.on, self.counts = backend, False, Counter()
+        self.seconds: Counter = Counter()  # per block size: forward calls' seconds, in the loop
 
     def __getattr__(self, name):
         return getattr(self._backend, name)
@@ -220,9 +221,15 @@ class _RecordingSession:
     last_run_s = property(lambda self: self.inner.last_run_s)
 
     def forward(self, input_ids, *args, **kwargs):
-        if self.sizes.on and self.inner.cache_len:
-            self.sizes.counts[len(input_ids)] += 1
-        return self.inner.forward(input_ids, *args, **kwargs)
+        if not (self.sizes.on and self.inner.cache_len):
+            return self.inner.forward(input_ids, *args, **kwargs)
+        # (a forward returns its outputs on the host, so it has synchronised: this is the
+        # block's cost inside the decode loop, to set beside t_ms and auto's own curve)
+        t0 = time.perf_counter()
+        out = self.inner.forward(input_ids, *args, **kwargs)
+        self.sizes.seconds[len(input_ids)] += time.perf_counter() - t0
+        self.sizes.counts[len(input_ids)] += 1
+        return out
 
     def commit(self, rows) -> None:
         self.inner.commit(rows)
@@ -263,6 +270,7 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
         model.generate(ids, config)
     if sizes is not None:
         sizes.counts.clear()
+        sizes.seconds.clear()
     outputs, tokens, calls, seconds, p_tokens, p_seconds = [], [], 0, [], [], []
     kinds: Counter = Counter()  # auto: its timed steps per kind (plain, pld, probe, stand...)
     for k in range(passes):
@@ -293,6 +301,9 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
                 calls += r.stats.forward_calls
     out = dict(outputs=outputs, tokens=tokens, forward_calls=calls, seconds=seconds,
                block_sizes=dict(sorted(sizes.counts.items())) if sizes is not None else None,
+               block_ms=None if sizes is None else {
+                   t: round(sizes.seconds[t] / n * 1e3, 4)
+                   for t, n in sorted(sizes.counts.items())},
                steps_by_kind=dict(kinds))
     if beside is not None:
         out.update(plain_tokens=p_tokens, plain_seconds=p_seconds)
@@ -569,6 +580,8 @@ def run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progre
         if run["block_sizes"] is not None:
             block_sizes.setdefault(drafter, {})[b] = {str(t): n for t, n in
                                                      run["block_sizes"].items()}
+            entry.setdefault("block_ms", {}).setdefault(drafter, {})[b] = {
+                str(t): ms for t, ms in run["block_ms"].items()}
         checkpoint()  # a row at a time: a timeout loses one row at most
         if progress.tqdm is None:
             progress.say(f"  {drafter} BC {bc}: BE {be:.2f}, {rate(run):.0f} tok/s, "

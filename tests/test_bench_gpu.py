@@ -78,6 +78,9 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
         assert e["divergences"] == []
     stories = entries["stories260K/fp32"]
     assert stories["be"] == stories["be_measured"] and stories["weights"] == "stories260K"
+    # each drafter's blocks timed in the decode loop, per block size it ran
+    assert set(stories["block_ms"]["pld"]["10"]) == set(stories["block_sizes"]["pld"]["10"])
+    assert all(ms > 0 for ms in stories["block_ms"]["pld"]["10"].values())
     # what auto decided from: one record per BC, its steps per kind summing to the decode
     # steps of its timed generations (each generation's prefill is one more forward call)
     for b, st in stories["auto_state"].items():
@@ -239,6 +242,7 @@ def test_step_recorder_counts_decode_blocks_only(bench):
     sizes.on = True
     r = model.generate([1, 300, 301], drafter="probe", bc=10, max_new_tokens=8)
     assert sizes.counts == {10: r.stats.forward_calls - 1}  # prefill left out
+    assert set(sizes.seconds) == {10} and sizes.seconds[10] > 0  # their time in the loop
     assert np.all(np.asarray(r.token_ids) < 512)
 
 
