@@ -179,7 +179,8 @@ def chat_prompts(gguf: str | Path, per_category: int = 1) -> dict:
     """Spec-Bench's first turns (``per_category`` a category) through the GGUF's own chat
     template, as ``bench_peers.py`` builds them: what ``CHAT_PROMPTS_FILE`` holds, made where
     ``../shared`` and the tokenizer are (the GPU machine has neither)."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
     import bench_peers
 
     by_cat = bench_peers.prompts_by_category(Path(gguf), per_category, False)
@@ -850,8 +851,13 @@ def parse(argv=None):
     if any(m[0] == STORIES for m in a.models) and not Path(a.stories, "config.json").is_file():
         ap.error(f"--stories {a.stories!r} is not a model folder (copy ../shared/models/"
                  f"stories260K next to the repository and pass its path)")
-    if any(m[0] == GGUF for m in a.models) and not Path(a.gguf).is_file():
-        ap.error(f"--gguf {a.gguf!r} is not a file (the shared {GGUF_FILE[1]})")
+    if any(m[0] == GGUF for m in a.models):
+        if not Path(a.gguf).is_file():
+            ap.error(f"--gguf {a.gguf!r} is not a file (the shared {GGUF_FILE[1]})")
+        with open(a.gguf, "rb") as f:
+            if f.read(4) != b"GGUF":  # transformers would fail deep in its loader
+                ap.error(f"--gguf {a.gguf!r} is not a GGUF file (it does not start with "
+                         f"'GGUF'); expected the shared {GGUF_FILE[1]}")
     return a
 
 

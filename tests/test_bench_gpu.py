@@ -108,7 +108,9 @@ def test_bad_arguments_end_in_one_line(bench, tmp_path, capsys):
                        (["--skip", "plain"], "--skip takes some of"),
                        (["--stories", str(tmp_path)], "is not a model folder"),
                        (["--models", "smollm2-gguf:fp16", "--gguf", str(tmp_path / "x.gguf")],
-                        "is not a file")):
+                        "is not a file"),
+                       (["--models", "smollm2-gguf:fp16", "--gguf", str(SCRIPT)],
+                        "is not a GGUF file")):
         with pytest.raises(SystemExit) as stop:
             bench.parse(["--device", "cpu", *args])
         assert stop.value.code == 2 and says in capsys.readouterr().err
