@@ -147,6 +147,9 @@ class Generation:
             return
         if self.stopper.reason is None:
             self.stopper.reason = "closed"
+        finish = getattr(self.drafter, "finish", None)  # a drafter's end-of-generation upkeep
+        if finish is not None:
+            finish()
         session.reset()
         if self._on_done is not None:
             self._on_done(session)

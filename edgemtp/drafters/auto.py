@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import threading
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import replace
 from functools import lru_cache
 from math import sqrt
@@ -327,7 +327,12 @@ class AutoDrafter:
         self._dists = self.hybrid is not None
         self.context = ContextModel(self.hybrid.topk if self._dists else 1, MAX_NGRAM, native=True)
         self.index = self.context.index
-        self._chains: list[tuple[int, int, list[int]]] = []  # (position, n, chain) to score
+        # (position, n, chain) to score, scored when the chain table is next recomputed (its
+        # only reader) rather than each step: after a forward that streamed the weights every
+        # object a step touches is a cache miss (~13 us a step on SmolLM2 int4, 2 cores)
+        self._chains: list[tuple[int, int, list[int]]] = []
+        self._observed: list[int] = []  # the context's length after each step since then
+        self._embeds_at = 0  # committed tokens folded into self.embeds (lazily, on a read)
         self._trees: list[tuple[int, GrownTree]] = []  # (position, STAND tree) to score
         self._chain: list[int] = []
         self._chain_n = 0
@@ -419,9 +424,11 @@ class AutoDrafter:
 
     def start(self, prompt_ids: np.ndarray) -> None:
         self.embeds.start(prompt_ids)
+        self._chains, self._trees, self._observed = [], [], []
         self.context = ContextModel(self.context.dists.k, MAX_NGRAM, native=True)
         self.context.extend(prompt_ids)
         self.index = self.context.index
+        self._embeds_at = len(self.index.tokens)  # tokens folded into self.embeds so far
         self._at_context(len(prompt_ids))
         self._rows_cheap = self._prompt_rows_cheap(len(prompt_ids))
         self.topk, self._record = self.topk_max, self.prompt_rows
@@ -436,6 +443,13 @@ class AutoDrafter:
         # else they are prefill rows for nothing (~1.6 ms a row on SmolLM2 int4, 2 threads)
         self.mask_tokens = k = self._prefill_masks()
         self._embeds_from = self.k2[0].drafter if k == 2 else self.embeds if k else None
+
+    def finish(self) -> None:
+        """The generation ended (Engine.close): its chains are scored against its own tokens
+        (the next generation's drafter shares the table); those still right at the end, and
+        such STAND trees, are dropped."""
+        self._score_chains()
+        self._chains, self._trees, self._observed = [], [], []
 
     def _prefill_masks(self) -> int:
         plain = 1.0 / (self._latl[1] + self._host("plain"))
@@ -522,7 +536,8 @@ class AutoDrafter:
                 best, best_rate = ("probe", i + 1), rates[i]
         if self.stand_nodes and self._steps >= self._stand_next:
             best, best_rate = self._stand(root, best, best_rate)
-        best = self._whole_or(root, best, best_rate)
+        if self.wholes:
+            best = self._whole_or(root, best, best_rate)
         if self._explored:  # the step after a mask-only one: did probing win with its masks?
             # (where a 2-position block costs what one does, exploring is free: no backoff)
             g, free = self._explore, self._latl[2] <= 1.02 * self._latl[1]
@@ -617,6 +632,7 @@ class AutoDrafter:
     def _chain_rates(self, spec_s: float) -> list[list[tuple[int, float]]]:
         """Per matched n-gram length and chain length L: the best prefix length and its
         expected tokens/s (a table, so most steps choose without numpy)."""
+        self._score_chains()
         h, lat, n = self._chain_scores(), self._lat, self.n_chain
         rates = (1.0 + np.cumsum(h["hits"] / h["tries"], axis=1)) / (lat[2:n + 2] + spec_s)
         table = []
@@ -638,13 +654,13 @@ class AutoDrafter:
             kind, t = self._last
             if t > 1 and kind in ("pld", "probe", "mask") and self.slope_ema > 0:
                 self._learn_slope(t, now - self._t_step)
-            lat = self._lat_at(t)
+            latl = self._latl
+            lat = latl[t] if t < len(latl) else self._lat_at(t)
             extra = now - self._t_step - lat
             # signed, so it also corrects a curve that overstates t(T) (measured under a
             # passing load, or at another cache length); clipped, so a pause (GC, a busy
             # consumer) cannot swing the estimate, and a step never looks free
-            extra = min(max(extra, -0.5 * lat), 2.0 * max([0.0, *self.host.values()])
-                        + self._latl[1])
+            extra = min(max(extra, -0.5 * lat), 2.0 * max(0.0, self._host_max) + latl[1])
             h = self.host.get(kind)
             self.host[kind] = extra if h is None else h + self.host_ema * (extra - h)
             self._host_max, self._host_plain = max(self.host.values()), self.host.get("plain", 0.0)
@@ -655,9 +671,15 @@ class AutoDrafter:
                               - self._tried_tokens * (self._latl[1] + self._host_plain))
                 self._tried_tokens = None
         self._t_step = now
-        self._at_context(len(self.index.tokens))
+        rows = len(self.index.tokens)
+        if rows // CONTEXT_STEP != self._lat_bucket:
+            self._at_context(rows)
         # the index holds the context up to the root: a chain guesses what follows it
-        self._chain_n, self._chain = lookup(self.index, self.n_chain)
+        # (the C mirror's answer where it has one: the same chain, without the Python
+        # index's dictionary, ~15 us a step on SmolLM2 int4 with 2 cores)
+        native = self.context.native
+        got = native.chain(self.context, self.n_chain) if native and self.n_chain > 0 else None
+        self._chain_n, self._chain = got if got is not None else lookup(self.index, self.n_chain)
         if self._chain:
             self._chains.append((len(self.index.tokens), self._chain_n, self._chain))
         kind, arg = self.choose(root)
@@ -702,6 +724,11 @@ class AutoDrafter:
         src = self._embeds_from
         if src is None:
             return None
+        if src is self.embeds:  # the tokens committed since it was last read, in order
+            tokens = self.index.tokens
+            if self._embeds_at < len(tokens):
+                src.update(tokens[self._embeds_at:])
+                self._embeds_at = len(tokens)
         return src.value if isinstance(src, MaskEmbeddings) else src.mask_embeds()
 
     def observe(self, out: StepOut, mask_rows: np.ndarray, new_tokens: list[int],
@@ -731,7 +758,6 @@ class AutoDrafter:
                 b["gap"] = 0 if won else min(max(2 * b["gap"], 2 * self._try_every),
                                              self.try_backoff * self._try_every)
                 b["at"] = self._clock["steps"] + b["gap"]
-        self.embeds.update(new_tokens)
         if self._record:  # the model's top-K at the positions just committed, for STAND / hybrid
             self.context.extend(new_tokens, out.topk_ids, out.topk_logprobs, path_rows)
         else:
@@ -750,8 +776,9 @@ class AutoDrafter:
             w.seen = len(tokens)
             if not w.asleep:
                 w.kept(time.perf_counter() - t0, w is ran)
-        self._score_chains()
-        self._score_trees()
+        self._observed.append(len(self.index.tokens))
+        if self._trees:
+            self._score_trees()
 
     def _score_trees(self) -> None:
         # which nodes of each STAND tree (used or not) lay on the path that followed
@@ -775,18 +802,22 @@ class AutoDrafter:
 
     def _score_chains(self) -> None:
         # how far each chain agreed with what followed, once that is known (used or not);
-        # noted as (n - 1, length, agreed) and added to the table by _chain_scores when the
-        # rates are next computed (they are read nowhere else): a step pays no numpy call
-        ctx, waiting = self.index.tokens, []
-        done = self.chain_hits.setdefault("scored", [])
+        # noted as (n - 1, length, agreed) in the order the steps since the last call came to
+        # know them (a chain that agreed longer is known later), which is the order
+        # _chain_scores adds them to the table in
+        ctx, waiting, known = self.index.tokens, [], []
+        observed = self._observed
         for start, n, chain in self._chains:
             seen = ctx[start:start + len(chain)]
             agree = next((i for i, (a, b) in enumerate(zip(chain, seen)) if a != b), len(seen))
             if agree == len(seen) and len(seen) < len(chain):
                 waiting.append((start, n, chain))  # all right so far: wait for more tokens
                 continue
-            done.append((n - 1, len(chain), agree))
-        self._chains = waiting
+            need = start + min(agree + 1, len(chain))  # tokens that settle it
+            known.append((bisect_left(observed, need), (n - 1, len(chain), agree)))
+        known.sort(key=lambda k: k[0])  # stable: within a step, in the chains' order
+        self.chain_hits.setdefault("scored", []).extend(k[1] for k in known)
+        self._chains, self._observed = waiting, []
 
     def _chain_scores(self) -> dict:
         # the chain table with every scored chain added, in the order they were scored: each
