@@ -675,11 +675,7 @@ class AutoDrafter:
         if rows // CONTEXT_STEP != self._lat_bucket:
             self._at_context(rows)
         # the index holds the context up to the root: a chain guesses what follows it
-        # (the C mirror's answer where it has one: the same chain, without the Python
-        # index's dictionary, ~15 us a step on SmolLM2 int4 with 2 cores)
-        native = self.context.native
-        got = native.chain(self.context, self.n_chain) if native and self.n_chain > 0 else None
-        self._chain_n, self._chain = got if got is not None else lookup(self.index, self.n_chain)
+        self._chain_n, self._chain = lookup(self.index, self.n_chain)
         if self._chain:
             self._chains.append((len(self.index.tokens), self._chain_n, self._chain))
         kind, arg = self.choose(root)

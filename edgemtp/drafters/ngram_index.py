@@ -64,32 +64,20 @@ class NgramIndex:
     def __init__(self, max_n: int = MAX_NGRAM) -> None:
         self.max_n = max_n
         self.tokens: list[int] = []
-        self._ends: dict[tuple[int, ...], list[int]] = {}
-        self._indexed = 0  # tokens whose n-grams _ends holds (caught up when read)
-
-    @property
-    def ends(self) -> dict[tuple[int, ...], list[int]]:
-        """Every n-gram's end positions, oldest first. Built when read, so a caller that
-        reads the C mirror instead (auto's lookup chains) pays only for the token list."""
-        if self._indexed < len(self.tokens):
-            toks, ends = self.tokens, self._ends
-            for q in range(self._indexed, len(toks)):
-                p = q - 1  # the position that got a follower when token q came
-                for n in range(1, min(self.max_n, p + 1) + 1):
-                    ends.setdefault(tuple(toks[p - n + 1:p + 1]), []).append(p)
-            self._indexed = len(toks)
-        return self._ends
+        self.ends: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, tokens) -> None:
         for t in tokens:
+            p = len(self.tokens) - 1  # the position that just got a follower
             self.tokens.append(int(t))
+            for n in range(1, min(self.max_n, p + 1) + 1):
+                self.ends.setdefault(tuple(self.tokens[p - n + 1:p + 1]), []).append(p)
 
     def match(self, suffix) -> tuple[int, list[int]]:
         """The longest ``n`` whose last ``n`` tokens of ``suffix`` occurred before, and the
         end positions of those occurrences (oldest first); ``(0, [])`` when none did."""
-        ends_of = self.ends
         for n in range(min(self.max_n, len(suffix)), 0, -1):
-            ends = ends_of.get(tuple(suffix[-n:]))
+            ends = self.ends.get(tuple(suffix[-n:]))
             if ends:
                 return n, ends
         return 0, []
@@ -335,30 +323,6 @@ class NativeIndex:
         self._in[:nt] = tail
         self._in[nt:nt + new] = tokens[self._synced:]
         return new, nt
-
-    def chain(self, cm: ContextModel, n: int) -> tuple[int, list[int]] | None:
-        """:func:`~edgemtp.drafters.prompt_lookup.lookup` of ``cm``'s context (``n`` tokens
-        at most), the same chain, from this mirror; None where it cannot tell (more
-        occurrences than it keeps, none with ``n`` followers) or holds no more tokens (an id
-        of 2^20 or more): the Python index answers then."""
-        tokens = cm.index.tokens
-        new = len(tokens) - self._synced
-        if new > len(self._in):
-            self._in = np.zeros(2 * new, dtype=np.int64)
-            self._in_at = self._in.ctypes.data
-        if new:
-            self._in[:new] = tokens[self._synced:]
-        self._grow_out(n)
-        r = self.lib.ctx_chain(self.handle, self._in_at, new, n, self._out_at[5], self._nm_at)
-        if r == -1:
-            raise MemoryError("the native n-gram index ran out of memory")
-        if r == -2:  # a token the C index cannot hold: Python from here on
-            cm.native = None
-            return None
-        self._synced = len(tokens)
-        if r == -3:
-            return None
-        return (int(self._nm[0]), self._out[5][:r].tolist()) if r else (0, [])
 
     def _done(self, n: int, cm: ContextModel) -> int | None:
         self.trees += 1

@@ -122,7 +122,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ctx_new.restype, lib.ctx_new.argtypes = p, [i32]
     lib.ctx_free.restype, lib.ctx_free.argtypes = None, [p]
     lib.ctx_extend.restype, lib.ctx_extend.argtypes = i32, [p, p, i64]
-    lib.ctx_chain.restype, lib.ctx_chain.argtypes = i32, [p, p, i64, i32, p, p]
     lib.ctx_grow.restype = i32
     lib.ctx_grow.argtypes = [p, p, i64, p, p, i64, i32, i64, p, i32, i32, i32, f64, p, p, p, p]
     lib.ctx_layout.restype = i32

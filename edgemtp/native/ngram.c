@@ -118,40 +118,6 @@ static Slot *match(Ctx *c, const int64_t *tail, int ntail, int *matched) {
     return NULL;
 }
 
-/* prompt_lookup.lookup over this index after appending newtok (auto's lookup chain each
- * step, without the Python index's dictionary): up to n tokens that followed the most recent
- * earlier occurrence of the context's longest matched suffix n-gram that has n followers
- * (else the longest continuation), scanned newest first as PLD_OCCURRENCES are, into out;
- * *matched = that n-gram's length (0: no chain). Returns the chain's length; -1 / -2 as
- * ctx_extend; -3 where the OCC stored occurrences cannot tell (the n-gram occurred more often
- * and none of them has n followers: the caller asks the Python index, which keeps them all) */
-int ctx_chain(void *p, const int64_t *newtok, int64_t nnew, int n, int64_t *out,
-              int32_t *matched) {
-    Ctx *c = p;
-    int r = ctx_extend(c, newtok, nnew), m = 0;
-    *matched = 0;
-    if (r) return r;
-    if (n <= 0 || c->ntok == 0) return 0;
-    int nt = c->ntok < c->max_n ? (int)c->ntok : c->max_n;
-    Slot *s = match(c, c->tokens + c->ntok - nt, nt, &m);
-    if (!s) return 0;
-    int stored = s->count < OCC ? (int)s->count : OCC;
-    int64_t best_p = -1, best = 0;
-    for (int i = stored - 1; i >= 0; i--) {
-        int64_t q = s->ends[i], len = c->ntok - 1 - q;
-        if (len > n) len = n;
-        if (len > best) {
-            best = len; best_p = q;
-            if (best == n) break;
-        }
-    }
-    if (best < n && s->count > OCC) return -3;
-    if (best == 0) return 0;
-    memcpy(out, c->tokens + best_p + 1, sizeof(int64_t) * (size_t)best);
-    *matched = m;
-    return (int)best;
-}
-
 /* StoredDistributions.mixture over a slot's last OCC ends, sorted by probability (stable):
  * into tok/pr, returns the count */
 static int mixture(const Slot *s, const int64_t *ids, const float *probs, int64_t dsize, int k,
