@@ -627,3 +627,73 @@ def test_auto_learns_how_much_dearer_blocks_really_are(setup, clock):
         steps = sum(p.get("pld", 0) + p.get("probe", 0) for p in picked)
         assert steps >= 10, picked
         assert lo <= memory["auto-slope"]["a"] <= hi, (memory["auto-slope"], real.seconds)
+
+
+def test_lazy_chain_scoring_matches_scoring_every_step(setup, clock, monkeypatch):
+    """Lookup chains are scored when the chain table is next recomputed (and when a
+    generation ends), not each step: on a clock where steps cost the curve, every pick and
+    the chain table the model keeps equal those of scoring after every step, in the order the
+    steps came to know each chain's outcome."""
+    from edgemtp.drafters.auto import AutoDrafter
+
+    backend, prompts, refs = setup
+    curve = LatencyCurve((1, 2, 4, 60), (0.2, 0.203, 0.3, 2.0))  # chains pay, some long
+    config = GenerationConfig(drafter="auto", bc=30, max_new_tokens=96, latency=curve)
+
+    def run():
+        memory = {}
+        paced = PacedBackend(backend, curve, clock)
+        outs, picked = _generations(paced, prompts, config, memory)
+        table = memory[("auto-chain", 10)]
+        return outs, picked, table["hits"].copy(), table["tries"].copy()
+
+    lazy = run()
+    observe = AutoDrafter.observe
+
+    def eager(self, *args):
+        observe(self, *args)
+        self._score_chains()
+
+    monkeypatch.setattr(AutoDrafter, "observe", eager)
+    every = run()
+    assert lazy[0] == every[0] == refs
+    assert sum(p.get("pld", 0) for p in lazy[1]) >= 20, lazy[1]  # chains ran, and were scored
+    assert lazy[1] == every[1]
+    np.testing.assert_array_equal(lazy[2], every[2])
+    np.testing.assert_array_equal(lazy[3], every[3])
+    assert every[3].max() > 10  # the table learned from many chains
+
+
+def test_engine_close_tells_the_drafter_the_generation_ended(setup):
+    backend, prompts, _ = setup
+    ended = []
+    config = GenerationConfig(drafter="auto", bc=10, max_new_tokens=8, latency=STEEP)
+    gen = Generation(backend, config, prompts[0], memory={})
+    gen.drafter.finish = lambda: ended.append(len(gen.stopper.tokens))
+    gen.run()
+    gen.close()  # (again: a no-op)
+    assert ended == [8]
+
+
+def test_lazy_chain_scores_come_in_the_order_steps_settled_them():
+    """A chain that kept agreeing is settled after a later chain that missed at once: the
+    scores go to the table in that order, as scoring after every step would have."""
+    from types import SimpleNamespace
+
+    from edgemtp.drafters.auto import AutoDrafter
+
+    tokens = list(range(10)) + [5, 6, 7, 8]
+    state = SimpleNamespace(
+        index=SimpleNamespace(tokens=tokens), chain_hits={},
+        # (start, n, chain): A from 10 agrees on all 3 tokens (settled at 13 tokens), B from
+        # 11 misses its first (settled at 12), C from 13 still agrees and waits
+        _chains=[(10, 1, [5, 6, 7]), (11, 2, [9, 9]), (13, 3, [8, 1])],
+        _observed=[11, 12, 13, 14])  # the context's length after each step
+    AutoDrafter._score_chains(state)
+    assert state.chain_hits["scored"] == [(1, 2, 0), (0, 3, 3)]
+    assert state._chains == [(13, 3, [8, 1])] and state._observed == []
+    tokens.append(2)  # C misses its second token
+    state._observed = [15]
+    AutoDrafter._score_chains(state)
+    assert state.chain_hits["scored"] == [(1, 2, 0), (0, 3, 3), (2, 2, 1)]
+    assert state._chains == []
