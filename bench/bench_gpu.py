@@ -72,6 +72,7 @@ import torch  # noqa: E402
 import edgemtp  # noqa: E402
 from edgemtp import GenerationConfig, Model  # noqa: E402
 from edgemtp import drafters as drafter_registry  # noqa: E402
+from edgemtp.drafters.auto import AutoDrafter  # noqa: E402
 from edgemtp.latency import LatencyCurve, measure_latency  # noqa: E402
 from edgemtp.runtimes.torch_backend import TorchBackend  # noqa: E402
 from edgemtp.tools.benchmark import methods  # noqa: E402
@@ -435,7 +436,8 @@ def load(name: str, dtype: str, a):
                  prompts=len(prompts), new_tokens=a.new_tokens, warmup=a.warmup,
                  date=time.strftime("%Y-%m-%d %H:%M"), t_ms={}, tps={}, be={},
                  be_measured={}, tokens={}, forward_calls={}, speedup={}, identical={},
-                 divergences=[], elapsed_s={})
+                 divergences=[], elapsed_s={},
+                 **({"auto_params": dict(a.auto_params)} if a.auto_params else {}))
     return hf, prompts, entry
 
 
@@ -745,6 +747,8 @@ def markdown(summary: dict) -> str:
                            f"{e['be_measured'][d][b]:.3f} | {e['tps'][d][b]:.1f} | "
                            f"{by[b]:.2f}x | {'' if exp is None else f'{exp:.2f}x'} | "
                            f"{ok}/{n} |")
+        if e.get("auto_params"):
+            out += ["", f"AutoDrafter parameters set for this run: {e['auto_params']}"]
         for b, st in e.get("auto_state", {}).items():
             out += ["", f"auto at BC {b}: steps by kind {st['steps_by_kind']}; host time "
                     f"beyond its curve (µs) {st['host_us']}; compute slope {st['slope']}; its "
@@ -823,6 +827,9 @@ def parse(argv=None):
                          "grow only while a node pays for its measured share of a step)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="TorchBackend(batch_invariant=True): every step padded to 64 rows")
+    ap.add_argument("--auto-param", action="append", default=[], metavar="NAME=VALUE",
+                    help="set an AutoDrafter class parameter for this run (repeatable), e.g. "
+                         "host_floor=0; recorded in each entry as auto_params")
     ap.add_argument("--quick", action="store_true", help="toy shapes, 2 prompts, 16 tokens, "
                     "fp32 (a CPU end-to-end check)")
     ap.add_argument("--fresh", action="store_true", help="drop the entries of an earlier run")
@@ -842,6 +849,18 @@ def parse(argv=None):
             ap.error(f"--models takes name:dtype with a name of {', '.join(REAL)}, "
                      f"{', '.join(SHAPES)} and a dtype of {', '.join(DTYPES)}; got "
                      f"{':'.join(m)!r}")
+    a.auto_params = {}
+    for item in a.auto_param:
+        name, eq, value = item.partition("=")
+        default = getattr(AutoDrafter, name, None)
+        if not eq or name.startswith("_") or not isinstance(default, (bool, int, float)):
+            ap.error(f"--auto-param takes NAME=VALUE with NAME a number or switch of "
+                     f"AutoDrafter (e.g. host_floor=0, chain_margin=1.1), got {item!r}")
+        try:
+            a.auto_params[name] = (value.strip().lower() in ("1", "true", "yes")
+                                   if isinstance(default, bool) else type(default)(value))
+        except ValueError:
+            ap.error(f"--auto-param {name} takes a {type(default).__name__}, got {value!r}")
     if a.paired < 0:
         ap.error(f"--paired takes a number of passes >= 0 (0: unpaired), got {a.paired}")
     if a.skip - set(STAGES):
@@ -914,6 +933,8 @@ def main(argv=None) -> int:
         return 0
     a = parse(argv)
     progress = Progress()
+    for name, value in a.auto_params.items():  # (this process only: a run of its own)
+        setattr(AutoDrafter, name, value)
     if a.threads:
         torch.set_num_threads(a.threads)
     # fp32 means fp32: no TF32 matmuls (identity checks and the fp32 entries)

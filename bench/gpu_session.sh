@@ -69,9 +69,15 @@ has R && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R2:-200}" py
   bench/bench_gpu.py --gguf "$GGUF" --models smollm2-gguf:fp32 --prompts 13 --drafters "$RD" \
   --bc 10,60 --paired 1 --warmup 2 --skip static,eager --out "$OUT/real" \
   2>&1 | grep -v "it/s" | tee -a "$OUT/log.txt"
+# R, then: auto without its host-time floor (AutoDrafter.host_floor), paired with plain
+# decoding in the same process, beside part R's auto rows (the floor hypothesis, README)
+has R && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R3:-150}" python3 \
+  bench/bench_gpu.py --gguf "$GGUF" --models smollm2-gguf:fp16 --prompts 13 --drafters auto,pld \
+  --bc 10,60 --paired 2 --warmup 2 --skip static,eager --auto-param host_floor=0 \
+  --out "$OUT/real_nofloor" --fresh 2>&1 | grep -v "it/s" | tee -a "$OUT/log.txt"
 # E: the command line from the tree: doctor, and generate on the GPU
 has E && { timeout 30 python3 bench/edgemtp_tree.py doctor
   timeout 30 python3 bench/edgemtp_tree.py generate --model $S --backend torch --device cuda \
     --dtype fp16 --prompt "Once upon a time" --max-new-tokens 64
 } 2>&1 | tee -a "$OUT/log.txt"
-ls -la "$OUT" "$OUT/static" "$OUT/inv" "$OUT/cost" "$OUT/real"
+ls -la "$OUT" "$OUT/static" "$OUT/inv" "$OUT/cost" "$OUT/real" "$OUT/real_nofloor"

@@ -697,3 +697,18 @@ def test_lazy_chain_scores_come_in_the_order_steps_settled_them():
     AutoDrafter._score_chains(state)
     assert state.chain_hits["scored"] == [(1, 2, 0), (0, 3, 3), (2, 2, 1)]
     assert state._chains == []
+
+
+def test_host_floor_charges_speculative_kinds_at_least_a_plain_steps_host_time():
+    """host_floor (on by default): a kind whose measured host time is below plain's is
+    charged plain's; off, its own (a curve that overstates t(T) in the loop is corrected)."""
+    from types import SimpleNamespace
+
+    from edgemtp.drafters.auto import AutoDrafter
+
+    state = SimpleNamespace(host={"plain": 1e-4, "pld": 4e-5}, _host_plain=1e-4,
+                            _host_max=1e-4, host_floor=AutoDrafter.host_floor)
+    assert AutoDrafter.host_floor is True
+    assert AutoDrafter._host(state, "pld") == 1e-4 and AutoDrafter._host(state, "probe") == 1e-4
+    state.host_floor = False
+    assert AutoDrafter._host(state, "pld") == 4e-5 and AutoDrafter._host(state, "probe") == 1e-4

@@ -110,10 +110,20 @@ def test_bad_arguments_end_in_one_line(bench, tmp_path, capsys):
                        (["--models", "smollm2-gguf:fp16", "--gguf", str(tmp_path / "x.gguf")],
                         "is not a file"),
                        (["--models", "smollm2-gguf:fp16", "--gguf", str(SCRIPT)],
-                        "is not a GGUF file")):
+                        "is not a GGUF file"),
+                       (["--auto-param", "nope=1"], "--auto-param takes NAME=VALUE"),
+                       (["--auto-param", "host_floor"], "--auto-param takes NAME=VALUE"),
+                       (["--auto-param", "chain_margin=wide"], "takes a float")):
         with pytest.raises(SystemExit) as stop:
             bench.parse(["--device", "cpu", *args])
         assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_auto_params_are_parsed_by_the_attributes_type(bench):
+    a = bench.parse(["--device", "cpu", "--auto-param", "host_floor=0",
+                     "--auto-param", "chain_margin=1.1", "--auto-param", "refresh=4"])
+    assert a.auto_params == {"host_floor": False, "chain_margin": 1.1, "refresh": 4}
+    assert bench.parse(["--device", "cpu"]).auto_params == {}
 
 
 def test_shipped_prompt_ids_are_the_tokenizers():

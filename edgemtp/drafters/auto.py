@@ -199,6 +199,12 @@ class AutoDrafter:
     #                    (each older one counts 1 - slope_ema less; 0: no slope, the curve as is)
     slope_range = (0.7, 3.0)  # the slope's bounds
     refresh = 8        # steps between recomputations of the lookup-chain rate table
+    # a speculative kind is charged at least a plain step's host time. Its measured host time
+    # also absorbs the curve's error at the sizes it runs, so where the curve overstates t(T)
+    # in the loop (suspected on the H100 with real weights: auto@10 ran 1555 plain steps to
+    # pld's 902) the floor keeps chains looking dearer than they are; off, that correction
+    # may go below plain's. Kept on until a GPU run compares (bench_gpu.py --auto-param)
+    host_floor = True
     stand_every = 4    # steps between STAND trees while they lose (grown each step they win),
     stand_max = 64     # doubled after every losing tree up to this
     stand_record = 16  # the stored distributions are recorded while STAND trees come this often
@@ -467,9 +473,10 @@ class AutoDrafter:
 
     def _host(self, kind: str) -> float:
         # a step's host time beyond its forward: measured per kind, a kind not measured yet
-        # charged the dearest one seen, and never less than a plain step's
+        # charged the dearest one seen, and (host_floor) never less than a plain step's
         mine = self.host.get(kind)
-        return max(self._host_plain, self._host_max if mine is None else mine)
+        v = self._host_max if mine is None else mine
+        return max(self._host_plain, v) if self.host_floor else v
 
     def _at_context(self, rows: int) -> None:
         # t(T) over a cache of ``rows`` rows (moved every CONTEXT_STEP rows), and the lookup
