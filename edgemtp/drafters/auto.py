@@ -779,7 +779,8 @@ class AutoDrafter:
             w.seen = len(tokens)
             if not w.asleep:
                 w.kept(time.perf_counter() - t0, w is ran)
-        self._observed.append(len(self.index.tokens))
+        if self._chains:  # (an observe before every waiting chain began settles none)
+            self._observed.append(len(self.index.tokens))
         if self._trees:
             self._score_trees()
 
