@@ -84,7 +84,7 @@ def cache_bytes(layers: int, kv_heads: int, head_dim: int, rows: int, kv_cache: 
 
 class Q4W(ctypes.Structure):
     _fields_ = [("G", ctypes.c_int), ("nb", ctypes.c_int), ("w", _P), ("sc", _P), ("zp", _P),
-                ("sc16", _P), ("mn16", _P), ("hi", _P)]
+                ("sc16", _P), ("mn16", _P), ("bits", ctypes.c_int)]
 
 
 class _Model(ctypes.Structure):
@@ -125,15 +125,9 @@ def pack_q4(q: np.ndarray, scales: np.ndarray, zp: np.ndarray,
     qp[:n] = q
     x = qp.reshape(g, 16, nb, 4, 2, 4).transpose(0, 2, 3, 1, 5, 4)  # g b c r e half
     w = np.ascontiguousarray(x[..., 0] | (x[..., 1] << 4))
-    sp = np.zeros((g * 16, nb), np.float32)
-    sp[:n] = scales
+    sc = pack_scales(scales, g)
     zpp = np.full((g * 16, nb), 8, np.uint8)
     zpp[:n] = zp
-    sc = np.ascontiguousarray(sp.reshape(g, 16, nb).transpose(0, 2, 1))
-    with np.errstate(over="ignore"):
-        half = sc.astype(np.float16)
-    if np.array_equal(half.astype(np.float32), sc):
-        sc = half
     z = np.ascontiguousarray(zpp.reshape(g, 16, nb).transpose(0, 2, 1))
     mn = None
     if offsets is not None:
@@ -145,6 +139,21 @@ def pack_q4(q: np.ndarray, scales: np.ndarray, zp: np.ndarray,
         if not zpp[:n].any():
             z = None
     return g, nb, w, sc, z, mn
+
+
+def pack_scales(x: np.ndarray, g: int, dtype=np.float32) -> np.ndarray:
+    """Per column and block ``x [N, nb]`` -> ``[g][nb][16]`` (columns past N: 0); floats come
+    back as halves where every one is a half-precision value (as :func:`pack_q4`'s scales)."""
+    n, nb = x.shape
+    xp = np.zeros((g * 16, nb), dtype)
+    xp[:n] = x
+    out = np.ascontiguousarray(xp.reshape(g, 16, nb).transpose(0, 2, 1))
+    if dtype == np.float32:
+        with np.errstate(over="ignore"):
+            half = out.astype(np.float16)
+        if np.array_equal(half.astype(np.float32), out):
+            return half
+    return out
 
 
 def offset_branches(graph) -> dict:
@@ -393,13 +402,13 @@ class NativeBackend:
             w, sc, z, mn = (arena.put(x) for x in (w, sc, z, mn))  # (the arena keeps them)
             half.append(sc.dtype == np.float16)
             if sc.dtype == np.float16:
-                return Q4W(G, nb, w.ctypes.data, None, _ptr(z), sc.ctypes.data, _ptr(mn), None)
-            return Q4W(G, nb, w.ctypes.data, sc.ctypes.data, _ptr(z), None, _ptr(mn), None)
+                return Q4W(G, nb, w.ctypes.data, None, _ptr(z), sc.ctypes.data, _ptr(mn), 4)
+            return Q4W(G, nb, w.ctypes.data, sc.ctypes.data, _ptr(z), None, _ptr(mn), 4)
 
         def mat8(node, a: dict, n_out: int, k_in: int) -> Q4W:
-            """An 8-bit product (a GGUF's Q8_0 LM head) as decoder.c's two chained 4-bit
-            planes: u - z = lo + 16 hi - z, z in the low plane or, when it is a multiple
-            of 16 (128), z / 16 in the high one (smaller sums either side)."""
+            """An 8-bit product (a GGUF's Q8_0 LM head) as decoder.c's one plane of bytes
+            (Q4W.bits 8): [G][nb][8][16][4], chunk k's bytes r*4 .. r*4 + 3 inputs 4k .. 4k + 3
+            of column 16g + r; zero points only where some are not 128."""
             if a.get("block_size") != BLOCK or a.get("N") != n_out or a.get("K") != k_in:
                 raise ConfigError(f"{where}: {node.name} is not a {k_in} -> {n_out} 8-bit "
                                   f"product in blocks of 32; use --backend onnxruntime")
@@ -411,22 +420,19 @@ class NativeBackend:
                 z = np.asarray(g.array(node.input[3])).reshape(n_out, -1)[:, :nb]
             else:
                 z = np.full((n_out, nb), 128, np.uint8)
-            even = not (z % 16).any()
-            z_lo = np.zeros_like(z) if even else z
-            z_hi = z // 16 if even else np.zeros_like(z)
-            planes = []
-            for q, s, zz in ((u & 15, scales, z_lo), (u >> 4, scales * 16, z_hi)):
-                G, nb_, w, sc, zq, _ = pack_q4(q, s, zz)
-                w, sc, zq = (arena.put(x) for x in (w, sc, zq))
-                half.append(sc.dtype == np.float16)
-                h16 = sc.dtype == np.float16
-                planes.append(Q4W(G, nb_, w.ctypes.data, None if h16 else sc.ctypes.data,
-                                  _ptr(zq), sc.ctypes.data if h16 else None, None, None))
-            lo, hi = planes
-            self._keep.append(hi)
-            lo.hi = ctypes.addressof(hi)
+            G = -(-n_out // 16)
+            up = np.zeros((G * 16, nb * BLOCK), np.uint8)
+            up[:n_out] = u
+            w8 = np.ascontiguousarray(up.reshape(G, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4))
+            sc, zq = pack_scales(scales, G), None
+            if (z != 128).any():  # (decoder.c: an 8-bit plane without zero points takes 128)
+                zq = pack_scales(z, G, np.uint8)
+            w8, sc, zq = (arena.put(x) for x in (w8, sc, zq))
+            half.append(sc.dtype == np.float16)
+            h16 = sc.dtype == np.float16
             self.head_bits = 8
-            return lo
+            return Q4W(G, nb, w8.ctypes.data, None if h16 else sc.ctypes.data, _ptr(zq),
+                       sc.ctypes.data if h16 else None, None, 8)
 
         self.head_bits = 4
         arena = self.arena = _Arena()
@@ -526,8 +532,9 @@ class NativeBackend:
                             emb_zp=None if emb_zp is None else emb_zp.ctypes.data,
                             emb_bits=t._bits)
         self.dims = (L, Hkv, D)
-        # a row's LM head against the whole row, in the kernels' 4-bit products (an 8-bit head
-        # is two 4-bit planes): auto's price of a prompt row's outputs (drafters/auto.py)
+        # a row's LM head against the whole row, counted in 4-bit products (an 8-bit head's
+        # bytes are twice a 4-bit one's): auto's price of a prompt row's outputs
+        # (drafters/auto.py)
         body = L * d * ((H + 2 * Hkv) * D + H * D + 3 * F)
         head = self.vocab_size * d * self.head_bits // 4
         self.lm_row_share = head / (head + body)

@@ -26,9 +26,10 @@ def _run(cc: str, flags: list[str], out: Path, runner: list[str] = ()) -> tuple[
     assert run.returncode == 0, run.stderr[-2000:]
     head, _, body = run.stdout.partition("\n")
     n = (11 + 1 + 2 + 4) * 3 * 16
-    assert head.startswith("kernel ") and len(body.split()) == 4 * n
+    assert head.startswith("kernel ") and len(body.split()) == 5 * n
     words = body.split()
-    for part in (words[:n], words[2 * n:3 * n], words[3 * n:]):  # rows 0, 0-1 and 0-3
+    # rows 0, 0-1 and 0-3
+    for part in (words[:n], words[2 * n:3 * n], words[3 * n:4 * n], words[4 * n:]):
         # alone: the same bits as in 11 rows
         assert part[11 * 48:12 * 48] == part[:48] and part[12 * 48:14 * 48] == part[:96]
         assert part[14 * 48:n] == part[:192]
@@ -36,7 +37,9 @@ def _run(cc: str, flags: list[str], out: Path, runner: list[str] = ()) -> tuple[
     assert words[n:2 * n] == words[:n], "half-precision scales give other bits than floats"
     # Q4_1 blocks: no zero points, offsets added
     assert sum(a != b for a, b in zip(words[2 * n:3 * n], words[:n])) > n // 2
-    assert sum(a != b for a, b in zip(words[3 * n:], words[:n])) > n // 2  # 8 bits: two planes
+    # 8 bits (one plane of bytes), zero point 128 and the columns' own
+    assert sum(a != b for a, b in zip(words[3 * n:4 * n], words[:n])) > n // 2
+    assert sum(a != b for a, b in zip(words[4 * n:], words[3 * n:4 * n])) > n // 2
     return int(head.split()[1]), body
 
 

@@ -131,11 +131,14 @@ static inline size_t vidx8(int p, int e, int D, int cap) {
    A GGUF file's Q4_1 blocks (d q + m) come with their offsets m [G][nb][16] as halves (mn16)
    and no zero points (zp NULL: 0); a block then takes 320 bytes. Each row-block adds
    fma(m, a_scale * sum_j a_j, f) after its scaled integer sum.
-   An 8-bit matrix (a GGUF file's Q8_0 LM head: u = q + 128, zero point 128) is two 4-bit
-   planes of the same shape chained by hi: its low nibbles (scale d, zero point 0), then
-   its high ones (scale 16 d, zero point 8), since u - 128 = (u & 15) + 16 ((u >> 4) - 8);
-   each column's sum runs over the low plane's blocks, then the high plane's, in one set of
-   accumulators. */
+   An 8-bit matrix (bits 8: a GGUF file's Q8_0 LM head, u = q + 128, zero point 128) is one
+   plane of bytes, [G][nb][8][16][4]: in chunk k, bytes r*4 .. r*4 + 3 hold inputs 4k .. 4k + 3
+   of column 16g + r; its zero points are 128 where zp is NULL. A row-block's integer sum
+   sum_j u_j a_j - z sum_j a_j is exact in every kernel (AVX-512 VNNI: 8 vpdpbusd a block; the
+   others add their nibbles' sums as lo + 16 hi in int32, or, with Arm's signed dot product,
+   sum (u - 128) a), then scaled once, as a 4-bit block is. Until 2026-11-28 it was two 4-bit
+   planes (the low nibbles, then the high ones at 16 times the scale) with a scaled float sum
+   each: 16 products a block and their unpacking where VNNI now takes 8. */
 typedef struct Q4W {
     int G, nb;
     const uint8_t *w;
@@ -143,7 +146,7 @@ typedef struct Q4W {
     const uint8_t *zp;                      /* NULL: every zero point 0 */
     const uint16_t *sc16;
     const uint16_t *mn16;                   /* NULL: no offsets */
-    const struct Q4W *hi;                   /* NULL, or the high plane of an 8-bit matrix */
+    int bits;                               /* 4 (or 0), or 8: one plane of bytes (above) */
 } Q4W;
 
 typedef struct {
@@ -293,12 +296,10 @@ static void quant_row(const float *x, int K, int8_t *aq, float *as, int32_t *asu
 /* a row's two int16 sums of one weight block into its 16 float columns f[0], f[1]: to
    32-bit lanes, less zero point x the row's sum, times scale x the row's scale, plus a GGUF
    Q4_1 block's offsets x the row's scale x its sum */
-static inline __attribute__((always_inline)) void q4_fin_avx2(
-        __m256i acc0, __m256i acc1, __m256i z0, __m256i z1, __m256 s0, __m256 s1, float sav,
+static inline __attribute__((always_inline)) void q4_fin32_avx2(
+        __m256i c0, __m256i c1, __m256i z0, __m256i z1, __m256 s0, __m256 s1, float sav,
         int32_t smv, __m256 *f, const int mins, const int zps, __m256 n0, __m256 n1) {
-    const __m256i ones = _mm256_set1_epi16(1);
     const __m256 sa = _mm256_set1_ps(sav);
-    __m256i c0 = _mm256_madd_epi16(acc0, ones), c1 = _mm256_madd_epi16(acc1, ones);
     if (zps) {  /* (a plane without zero points, zp NULL, subtracts nothing: 4 of the ~20
                    instructions a row-block's sums take to finish) */
         const __m256i sm = _mm256_set1_epi32(smv);
@@ -312,6 +313,13 @@ static inline __attribute__((always_inline)) void q4_fin_avx2(
         f[0] = _mm256_fmadd_ps(n0, xs, f[0]);
         f[1] = _mm256_fmadd_ps(n1, xs, f[1]);
     }
+}
+static inline __attribute__((always_inline)) void q4_fin_avx2(
+        __m256i acc0, __m256i acc1, __m256i z0, __m256i z1, __m256 s0, __m256 s1, float sav,
+        int32_t smv, __m256 *f, const int mins, const int zps, __m256 n0, __m256 n1) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    q4_fin32_avx2(_mm256_madd_epi16(acc0, ones), _mm256_madd_epi16(acc1, ones), z0, z1, s0, s1,
+                  sav, smv, f, mins, zps, n0, n1);
 }
 static inline __attribute__((always_inline)) void q4_rows_avx2(
         const int rn, const __m256i u[2][8], const int8_t *a, int Kp, __m256i z0, __m256i z1,
@@ -351,7 +359,7 @@ static inline __attribute__((always_inline)) void q4_block_consts(
         *s1 = _mm256_loadu_ps(p->sc + so + 8);
     }
     const __m128i zz = p->zp ? _mm_loadu_si128((const __m128i *)(p->zp + so))
-                             : _mm_setzero_si128();
+                     : p->bits == 8 ? _mm_set1_epi8((char)128) : _mm_setzero_si128();
     *z0 = _mm256_cvtepu8_epi32(zz);
     *z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zz, 8));
     *n0 = *n1 = _mm256_setzero_ps();
@@ -400,6 +408,40 @@ static inline __attribute__((always_inline)) void q4_rowsn_avx2(
         q4_fin_avx2(acc[r][0], acc[r][1], z0, z1, s0, s1, asb[(size_t)(t + r) * nb],
                     smb[(size_t)(t + r) * nb], f[r], mins, zps, n0, n1);
 }
+
+/* an 8-bit block (bits 8) for rn (<= 2, a constant where inlined) rows: each byte split into
+   its nibbles as it is used, each nibble plane's products summed in int16 (8 pairs of a nibble
+   and an int8: |sum| <= 30480, exact), then c = lo + 16 hi in int32 lanes: sum_j u_j a_j
+   exactly, for q4_fin32_avx2. Two rows at a time: their 8 sums and the 4 nibble vectors fit
+   the 16 AVX registers */
+static inline __attribute__((always_inline)) void q8_rows_avx2(
+        const int rn, const uint8_t *wb, const int8_t *a, int Kp, __m256i (*c)[2]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i lo[2][2], hi[2][2];
+    for (int r = 0; r < rn; r++) lo[r][0] = lo[r][1] = hi[r][0] = hi[r][1] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; k++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wb + 64 * k));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wb + 64 * k + 32));
+        const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
+        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+        for (int r = 0; r < rn; r++) {
+            int32_t ak;
+            memcpy(&ak, a + (size_t)r * Kp + 4 * k, 4);
+            const __m256i x = _mm256_set1_epi32(ak);
+            lo[r][0] = _mm256_add_epi16(lo[r][0], _mm256_maddubs_epi16(l0, x));
+            lo[r][1] = _mm256_add_epi16(lo[r][1], _mm256_maddubs_epi16(l1, x));
+            hi[r][0] = _mm256_add_epi16(hi[r][0], _mm256_maddubs_epi16(h0, x));
+            hi[r][1] = _mm256_add_epi16(hi[r][1], _mm256_maddubs_epi16(h1, x));
+            __asm__("" : "+x"(lo[r][0]), "+x"(lo[r][1]), "+x"(hi[r][0]), "+x"(hi[r][1]));
+        }
+    }
+    const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+    for (int r = 0; r < rn; r++)
+        for (int h = 0; h < 2; h++)
+            c[r][h] = _mm256_add_epi32(_mm256_madd_epi16(lo[r][h], ones),
+                                       _mm256_madd_epi16(hi[r][h], sixteen));
+}
 #endif
 
 #ifdef Q4_VNNI
@@ -408,13 +450,19 @@ static inline __attribute__((always_inline)) void q4_rowsn_avx2(
    bytes, its 16 scales, zero points (0 without) and a GGUF Q4_1 block's offsets (0 without) */
 static inline __attribute__((always_inline)) void q4_block_vnni(
         const Q4W *p, int g, int nb, int b, __m512i u[8], __m512 *s, __m512i *z, __m512 *mn) {
-    const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
-    for (int c = 0; c < 256; c += 64) __builtin_prefetch(wb + 4096 + c, 0, 0);
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    for (int c = 0; c < 4; c++) {
-        __m512i v = _mm512_loadu_si512(wb + 64 * c);
-        u[2 * c] = _mm512_and_si512(v, m4);
-        u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if (p->bits == 8) {  /* bytes [8][16][4]: u[k] lane r = inputs 4k .. 4k + 3 of column r */
+        const uint8_t *wb = p->w + ((size_t)g * nb + b) * 512;
+        for (int c = 0; c < 512; c += 64) __builtin_prefetch(wb + 4096 + c, 0, 0);
+        for (int k = 0; k < 8; k++) u[k] = _mm512_loadu_si512(wb + 64 * k);
+    } else {
+        const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
+        for (int c = 0; c < 256; c += 64) __builtin_prefetch(wb + 4096 + c, 0, 0);
+        const __m512i m4 = _mm512_set1_epi8(0x0F);
+        for (int c = 0; c < 4; c++) {
+            __m512i v = _mm512_loadu_si512(wb + 64 * c);
+            u[2 * c] = _mm512_and_si512(v, m4);
+            u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
     }
     const size_t so = ((size_t)g * nb + b) * 16;
     *s = p->sc16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p->sc16 + so)))
@@ -436,8 +484,9 @@ static inline __attribute__((always_inline)) void q4_tile_vnni(
     const int Kp = nb * 32;
     __m512 f[Q4_TILE];
     for (int i = 0; i < rn; i++) f[i] = _mm512_setzero_ps();
-    for (const Q4W *p = m; p; p = p->hi) {
-        const int zps = p->zp != NULL, mins = p->mn16 != NULL;
+    {
+        const Q4W *p = m;
+        const int zps = p->zp != NULL ? 1 : p->bits == 8 ? 2 : 0, mins = p->mn16 != NULL;
         for (int b = 0; b < nb; b++) {
             __m512i u[8], z;
             __m512 s, mn;
@@ -445,13 +494,18 @@ static inline __attribute__((always_inline)) void q4_tile_vnni(
             for (int i = 0; i < rn; i++) {
                 const int t = t0 + i;
                 const int32_t *a = (const int32_t *)(aq + (size_t)t * Kp + b * 32);
-                __m512i acc = _mm512_setzero_si512();
-                for (int k = 0; k < 8; k++)
+                __m512i acc = _mm512_setzero_si512(), acc2 = _mm512_setzero_si512();
+                for (int k = 0; k < 8; k += 2) {
                     acc = _mm512_dpbusd_epi32(acc, u[k], _mm512_set1_epi32(a[k]));
+                    acc2 = _mm512_dpbusd_epi32(acc2, u[k + 1], _mm512_set1_epi32(a[k + 1]));
+                }
+                acc = _mm512_add_epi32(acc, acc2);
                 const float sa = as[t * nb + b];
                 const int32_t sm = asum[t * nb + b];
-                if (zps)
+                if (zps == 1)
                     acc = _mm512_sub_epi32(acc, _mm512_mullo_epi32(z, _mm512_set1_epi32(sm)));
+                else if (zps == 2)
+                    acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(sm * 128));
                 f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
                                        _mm512_mul_ps(s, _mm512_set1_ps(sa)), f[i]);
                 if (mins)
@@ -491,26 +545,63 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                this loop measured 1.03-1.05x slower at t(8) and t(16) on a 2-core Zen 4) */
             __m512 f[Q4_TILE];
             for (int i = 0; i < Q4_TILE; i++) f[i] = _mm512_setzero_ps();
-            for (const Q4W *p = m; p; p = p->hi) for (int b = 0; b < nb; b++) {
+            const Q4W *p = m;
+            for (int b = 0; b < nb; b++) {
                 __m512i u[8], z;
                 __m512 s, mn;
+                const int zps = p->zp != NULL ? 1 : p->bits == 8 ? 2 : 0, mins = p->mn16 != NULL;
                 q4_block_vnni(p, g, nb, b, u, &s, &z, &mn);
                 for (int i = 0; i < tn; i++) {
                     int t = t0 + i;
                     const int32_t *a = (const int32_t *)(aq + (size_t)t * Kp + b * 32);
-                    __m512i acc = _mm512_setzero_si512();
-                    for (int k = 0; k < 8; k++)
+                    __m512i acc = _mm512_setzero_si512(), acc2 = _mm512_setzero_si512();
+                    for (int k = 0; k < 8; k += 2) {
                         acc = _mm512_dpbusd_epi32(acc, u[k], _mm512_set1_epi32(a[k]));
-                    if (p->zp) acc = _mm512_sub_epi32(acc, _mm512_mullo_epi32(z, _mm512_set1_epi32(asum[t * nb + b])));
-                    f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
-                                           _mm512_mul_ps(s, _mm512_set1_ps(as[t * nb + b])), f[i]);
-                    if (p->mn16)
-                        f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(as[t * nb + b]
-                                                                  * (float)asum[t * nb + b]), f[i]);
+                        acc2 = _mm512_dpbusd_epi32(acc2, u[k + 1], _mm512_set1_epi32(a[k + 1]));
+                    }
+                    acc = _mm512_add_epi32(acc, acc2);
+                    if (zps == 1)
+                        acc = _mm512_sub_epi32(acc, _mm512_mullo_epi32(z, _mm512_set1_epi32(asum[t * nb + b])));
+                    else if (zps == 2)
+                        acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(asum[t * nb + b] * 128));
+                    __m512 fi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
+                                                _mm512_mul_ps(s, _mm512_set1_ps(as[t * nb + b])), f[i]);
+                    if (mins)
+                        fi = _mm512_fmadd_ps(mn, _mm512_set1_ps(as[t * nb + b]
+                                                                * (float)asum[t * nb + b]), fi);
+                    f[i] = fi;
                 }
             }
             for (int i = 0; i < tn; i++) _mm512_storeu_ps(y + (size_t)(t0 + i) * ldy + 16 * g, f[i]);
 #elif defined(Q4_AVX2)
+            if (m->bits == 8) {  /* one plane of bytes, rows two at a time (q8_rows_avx2) */
+                __m256 fr[Q4_TILE][2];
+                for (int i = 0; i < tn; i++) fr[i][0] = fr[i][1] = _mm256_setzero_ps();
+                for (int b = 0; b < nb; b++) {
+                    const uint8_t *wb = m->w + ((size_t)g * nb + b) * 512;
+                    for (int c = 0; c < 512; c += 64) __builtin_prefetch(wb + 4096 + c, 0, 0);
+                    __m256i z0, z1;
+                    __m256 s0, s1, n0, n1;
+                    q4_block_consts(m, g, nb, b, &z0, &z1, &s0, &s1, &n0, &n1);
+                    for (int i0 = 0; i0 < tn; i0 += 2) {
+                        const int8_t *a = aq + (size_t)(t0 + i0) * Kp + b * 32;
+                        __m256i c[2][2];
+                        const int rn = tn - i0 < 2 ? 1 : 2;
+                        if (rn == 2) q8_rows_avx2(2, wb, a, Kp, c);
+                        else q8_rows_avx2(1, wb, a, Kp, c);
+                        for (int r = 0; r < rn; r++) {
+                            const int t = t0 + i0 + r;
+                            q4_fin32_avx2(c[r][0], c[r][1], z0, z1, s0, s1, as[(size_t)t * nb + b],
+                                          asum[(size_t)t * nb + b], fr[i0 + r], 0, 1, n0, n1);
+                        }
+                    }
+                }
+                for (int i = 0; i < tn; i++) {
+                    _mm256_storeu_ps(y + (size_t)(t0 + i) * ldy + 16 * g, fr[i][0]);
+                    _mm256_storeu_ps(y + (size_t)(t0 + i) * ldy + 16 * g + 8, fr[i][1]);
+                }
+                continue;
+            }
             /* each half h of a chunk holds 8 columns' 32-bit lanes; _mm256_maddubs_epi16
                multiplies the unsigned nibbles by the int8 activations and adds neighbouring
                pairs into int16 (|15 * 127 * 2| = 3810: exact), eight of those summed stay
@@ -520,7 +611,8 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                 __m256 fr[Q4_ROWS][2];
                 for (int i = 0; i < tn; i++) fr[i][0] = fr[i][1] = _mm256_setzero_ps();
                 const int8_t *a = aq + (size_t)t0 * Kp;
-                for (const Q4W *p = m; p; p = p->hi) for (int b = 0; b < nb; b++) {
+                const Q4W *p = m;
+                for (int b = 0; b < nb; b++) {
                     const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
                     for (int c = 0; c < 256; c += 64) __builtin_prefetch(wb + 4096 + c, 0, 0);
                     __m256i z0, z1;
@@ -546,7 +638,8 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
             const __m256i m4 = _mm256_set1_epi8(0x0F);
             __m256 f[Q4_TILE][2];
             for (int i = 0; i < Q4_TILE; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
-            for (const Q4W *p = m; p; p = p->hi) for (int b = 0; b < nb; b++) {
+            const Q4W *p = m;
+            for (int b = 0; b < nb; b++) {
                 const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
                 /* the block 4 KB on in this thread's run of the weights: the hardware
                    prefetcher stops at each 4 KB page, so a one-row step streamed the weights
@@ -590,7 +683,41 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
             for (int i = 0; i < 4; i++)
                 for (int q = 0; q < 4; q++) f[i][q] = vdupq_n_f32(0.f);
             const uint8x16_t m4 = vdupq_n_u8(0x0F);
-            for (const Q4W *p = m; p; p = p->hi) for (int b = 0; b < nb; b++) {
+            if (m->bits == 8) for (int b = 0; b < nb; b++) {
+                /* one plane of bytes: u - 128 is a valid int8, so one signed dot product a
+                   4-byte lane gives sum (u - 128) a; less (z - 128) sum a: the same integer */
+                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 512;
+                const size_t so = ((size_t)g * nb + b) * 16;
+                float32x4_t sv[4];
+                int32x4_t zq[4];
+                for (int q = 0; q < 4; q++) {
+                    sv[q] = m->sc16 ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(m->sc16 + so + 4 * q)))
+                                    : vld1q_f32(m->sc + so + 4 * q);
+                    int32_t zz[4];
+                    for (int j = 0; j < 4; j++) zz[j] = m->zp ? (int32_t)m->zp[so + 4 * q + j] - 128 : 0;
+                    zq[q] = vld1q_s32(zz);
+                }
+                for (int i = 0; i < tn; i++) {
+                    int t = t0 + i;
+                    const int8_t *a = aq + (size_t)t * Kp + b * 32;
+                    float32x4_t sa = vdupq_n_f32(as[t * nb + b]);
+                    int32x4_t sm = vdupq_n_s32(asum[t * nb + b]);
+                    for (int q = 0; q < 4; q++) {
+                        int32x4_t acc = vdupq_n_s32(0);
+                        for (int k = 0; k < 8; k++) {
+                            int32_t ak;
+                            memcpy(&ak, a + 4 * k, 4);
+                            int8x16_t v = vreinterpretq_s8_u8(
+                                veorq_u8(vld1q_u8(wb + 64 * k + 16 * q), vdupq_n_u8(0x80)));
+                            acc = vdotq_s32(acc, v, vreinterpretq_s8_s32(vdupq_n_s32(ak)));
+                        }
+                        acc = vsubq_s32(acc, vmulq_s32(zq[q], sm));
+                        f[i][q] = vfmaq_f32(f[i][q], vcvtq_f32_s32(acc), vmulq_f32(sv[q], sa));
+                    }
+                }
+            }
+            else for (int b = 0; b < nb; b++) {
+                const Q4W *p = m;
                 const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
                 int8x16_t lo[4][4], hi[4][4];
                 for (int c = 0; c < 4; c++)
@@ -645,7 +772,26 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
 #else
             float f[4][16];
             memset(f, 0, sizeof f);
-            for (const Q4W *p = m; p; p = p->hi) for (int b = 0; b < nb; b++) {
+            if (m->bits == 8) for (int b = 0; b < nb; b++) {  /* one plane of bytes */
+                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 512;
+                const size_t so = ((size_t)g * nb + b) * 16;
+                for (int i = 0; i < tn; i++) {
+                    int t = t0 + i;
+                    const int8_t *a = aq + (size_t)t * Kp + b * 32;
+                    float sa = as[t * nb + b];
+                    int32_t sm = asum[t * nb + b];
+                    for (int r = 0; r < 16; r++) {
+                        int32_t acc = 0;
+                        for (int k = 0; k < 8; k++)
+                            for (int e = 0; e < 4; e++) acc += wb[64 * k + r * 4 + e] * a[4 * k + e];
+                        float s = m->sc16 ? h2f(m->sc16[so + r]) : m->sc[so + r];
+                        int32_t z = m->zp ? m->zp[so + r] : 128;
+                        f[i][r] = fmaf((float)(acc - z * sm), s * sa, f[i][r]);
+                    }
+                }
+            }
+            else for (int b = 0; b < nb; b++) {
+                const Q4W *p = m;
                 const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
                 const size_t so = ((size_t)g * nb + b) * 16;
                 float s[16];
@@ -1974,3 +2120,4 @@ int decoder_kernel(void) {
     return 0;
 #endif
 }
+
