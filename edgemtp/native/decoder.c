@@ -250,6 +250,36 @@ static void quant_row(const float *x, int K, int8_t *aq, float *as, int32_t *asu
     for (int b = 0; b < nb; b++) {
         int n = K - 32 * b < 32 ? K - 32 * b : 32;
         const float *xb = x + 32 * b;
+#ifdef __AVX2__
+        if (n == 32) {  /* the same bits as the loop below: a maximum is exact in any order,
+                           the products are the same, vcvtps2dq rounds to nearest even as
+                           rintf does, and every code is within +-127 (no saturation) */
+            const __m256 sign = _mm256_set1_ps(-0.f);
+            const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+            const __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+            __m256 mv = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+            const float amax = _mm_cvtss_f32(h);
+            const __m256 iv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv));
+            const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv));
+            const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv));
+            const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
+            const __m256i pk = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            _mm256_storeu_si256((__m256i *)(aq + 32 * b),
+                                _mm256_permutevar8x32_epi32(pk, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            const __m256i sv = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sv), _mm256_extracti128_si256(sv, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            as[b] = amax / 127.f;
+            asum[b] = _mm_cvtsi128_si32(s4);
+            continue;
+        }
+#endif
         float amax = 0.f;
         for (int j = 0; j < n; j++) { float a = fabsf(xb[j]); amax = a > amax ? a : amax; }
         float inv = amax > 0.f ? 127.f / amax : 0.f;

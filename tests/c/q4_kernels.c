@@ -29,6 +29,7 @@ int main(void) {
         zp8[i] = (uint8_t)next();
     }
     for (int i = 0; i < T * NB * 32; i++) x[i] = ((float)(next() % 200001) - 100000.f) / 3e4f;
+    for (int j = 0; j < 32; j++) x[3 * NB * 32 + 32 + j] = 0.f;  /* a block of zeros */
     for (int t = 0; t < T; t++)
         quant_row(x + t * NB * 32, NB * 32, aq + t * NB * 32, as + t * NB, asum + t * NB);
     Q4W m32 = {G, NB, w, sc, zp, NULL, NULL, 4}, m16 = {G, NB, w, NULL, zp, sc16, NULL, 4};
