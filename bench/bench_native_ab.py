@@ -30,10 +30,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from edgemtp import native  # noqa: E402
 from edgemtp.errors import ConfigError  # noqa: E402
 from edgemtp.runtimes.native_backend import NativeBackend  # noqa: E402
+from bench_context import fill  # noqa: E402  (a session with P cached rows)
 
 FILES = ("edgemtp/native/decoder.c", "edgemtp/native/v8.h", "runtimes/native_backend.py")
 
@@ -74,17 +76,6 @@ def load(src: Path | None, package: str, threads: int, kv: str):
         spec.loader.exec_module(mod)
         cls = mod.NativeBackend
     return cls(package, threads=threads, kv_cache=kv, check=False)
-
-
-def fill(backend, p: int, rows: int):
-    s = backend.session(rows=rows)
-    ids = np.arange(p) % 1000 + 100
-    for c in range(0, p, 256):
-        blk = ids[c:c + 256]
-        t = len(blk)
-        s.forward(blk, c + np.arange(t), np.tril(np.ones((t, t), dtype=bool)), None)
-        s.commit(np.arange(t))
-    return s
 
 
 def pairs(sessions, t: int, n: int) -> dict:
@@ -135,8 +126,7 @@ def main(argv=None) -> int:
     except (ConfigError, OSError) as e:
         print(f"bench_native_ab: {e}", file=sys.stderr)
         return 2
-    rows_cap = max(contexts) + max(sizes) + 64
-    sessions = {p: [fill(b, p, rows_cap) for b in backends] for p in contexts}
+    sessions = {p: [fill(b, p) for b in backends] for p in contexts}
     runs: dict = {}
     for r in range(a.rounds):
         for p in contexts:

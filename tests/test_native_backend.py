@@ -628,3 +628,31 @@ def test_bench_prefill_runs_and_leaves_out_what_is_missing(int4_pkg, tmp_path):
     r = subprocess.run([sys.executable, str(bench), "--lengths", "12,abc"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--lengths takes" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_native_ab_pairs_two_builds_in_one_process(int4_pkg, tmp_path):
+    # bench/bench_native_ab.py as a user runs it: HEAD's decoder and Python side against the
+    # working tree's, each step of one paired with the other's; the same source gives the
+    # same bits. Bad input: one line, exit 2, nothing written.
+    script = str(Path(__file__).resolve().parents[1] / "bench" / "bench_native_ab.py")
+    out = tmp_path / "ab.json"
+    run = subprocess.run([sys.executable, script, "--package", str(int4_pkg), "--base", "HEAD",
+                          "--sizes", "1,3", "--contexts", "0,40", "--pairs", "2", "--rounds",
+                          "2", "--threads", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["P"], r["T"]) for r in rows] == [(0, 1), (0, 3), (40, 1), (40, 3)]
+    assert all(len(r["round_ratios"]) == 2 and 0.1 < r["ratio"] < 10 for r in rows)
+    if not subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "edgemtp/native",
+                           "runtimes/native_backend.py"], cwd=Path(script).parents[1]).returncode:
+        assert all(r["same_bits"] for r in rows)  # (the tree's decoder is HEAD's)
+    for bad, line in ((["--sizes", "0,x"], "--sizes takes a comma-separated list of positive "
+                       "integers, got '0,x'"),
+                      (["--base", "no-such-rev"], "--base 'no-such-rev': git has no")):
+        run = subprocess.run([sys.executable, script, "--package", str(int4_pkg), *bad,
+                              "--out", str(tmp_path / "bad.json")],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and "Traceback" not in run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1 and line in run.stderr
+        assert not (tmp_path / "bad.json").exists()
