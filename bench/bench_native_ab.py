@@ -112,8 +112,15 @@ def main(argv=None) -> int:
                          "falls on every size rather than on one")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache", default="fp16", choices=("fp16", "int8"))
+    ap.add_argument("--isa", default="native", choices=("native", "avx2", "portable"),
+                    help="build both for this CPU (native), for AVX2 without AVX-512 (the "
+                         "kernel of AMD Zen 2/3: run here, its speed only hints at theirs), "
+                         "or as portable C")
     ap.add_argument("--out", help="write the rows as JSON here")
     a = ap.parse_args(argv)
+    isa = {"native": ("-march=native",), "avx2": ("-mavx2", "-mfma", "-mf16c"),
+           "portable": ()}[a.isa]
+    native.DECODER_OPTIONS = (("-O3", *isa, "-fopenmp", "-ffp-contract=off"),)
     try:
         sizes, contexts = ints(a.sizes, "sizes"), ints(a.contexts, "contexts")
         if a.pairs < 1 or a.rounds < 1:
@@ -155,7 +162,7 @@ def main(argv=None) -> int:
         Path(a.out).write_text(json.dumps({
             "base": a.base, "new": "working tree", "package": a.package,
             "threads": a.threads, "kv_cache": a.kv_cache, "pairs": a.pairs,
-            "rounds": a.rounds,
+            "rounds": a.rounds, "isa": a.isa,
             "cpu": platform.processor() or platform.machine(),
             "kernel": native.decoder_kernel(), "rows": rows}, indent=1))
     return 0
