@@ -162,12 +162,23 @@ def main(argv=None) -> int:
                          "less than it moves separate medians")
     ap.add_argument("--round-json", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    from edgemtp.errors import ConfigError
     if a.pairs < 0:
-        from edgemtp.errors import ConfigError
         raise ConfigError(f"--pairs takes a number of pairs, 0 or more; got {a.pairs}")
+    bad = [p for p in a.package if "=" not in p or not p.split("=", 1)[0]]
+    if bad:
+        raise ConfigError(f"--package takes NAME=[KIND:]PATH (e.g. q8=native-q8:out/pkg), "
+                          f"got {bad[0]!r}")
     packages = dict(p.split("=", 1) for p in a.package)
-    contexts = [int(c) for c in a.contexts.split(",")]
-    sizes = [int(t) for t in a.sizes.split(",")]
+    try:
+        contexts = [int(c) for c in a.contexts.split(",")]
+        sizes = [int(t) for t in a.sizes.split(",")]
+    except ValueError:
+        raise ConfigError(f"--contexts and --sizes take comma-separated whole numbers, got "
+                          f"{a.contexts!r} and {a.sizes!r}") from None
+    if min(contexts) < 0 or min(sizes) < 1:
+        raise ConfigError(f"--contexts takes cache lengths of 0 or more and --sizes block "
+                          f"rows of 1 or more, got {a.contexts!r} and {a.sizes!r}")
     pairs: dict[str, dict[int, list[float]]] = {}  # package -> t -> long / short, per pair
     if a.isolate:
         times, names = {}, list(packages)

@@ -32,3 +32,19 @@ def test_a_negative_pair_count_is_one_line_and_exit_2(stories_pkg, tmp_path):
     assert run.stderr.strip().splitlines() == [
         "bench_context: --pairs takes a number of pairs, 0 or more; got -3"]
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_a_package_without_a_name_or_bad_lengths_are_one_line_and_exit_2(tmp_path):
+    for args, line in (
+            (["--package", "native:out/pkg"],
+             "--package takes NAME=[KIND:]PATH (e.g. q8=native-q8:out/pkg), got 'native:out/pkg'"),
+            (["--package", "n=out/pkg", "--sizes", "1,x"],
+             "--contexts and --sizes take comma-separated whole numbers"),
+            (["--package", "n=out/pkg", "--sizes", "0"],
+             "--sizes block rows of 1 or more")):
+        run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_context.py"), *args,
+                              "--out", str(tmp_path)], capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 2 and "Traceback" not in run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1 and line in run.stderr
+    assert not list(tmp_path.iterdir())
