@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from edgemtp.config import GenerationConfig  # noqa: E402
+from edgemtp.errors import ConfigError  # noqa: E402
 from tools.prompts import prompt_sets  # noqa: E402
 
 PEERS = ("llama.cpp", "genai", "transformers", "edgemtp")
@@ -270,7 +271,8 @@ def log(msg: str) -> None:
 
 
 def missing(module: str, pip: str) -> str | None:
-    return None if importlib.util.find_spec(module) else f"{module} not installed (pip install {pip})"
+    return (None if importlib.util.find_spec(module)
+            else f"{module} not installed (pip install {pip})")
 
 
 def prepare(a) -> tuple[list[Method], dict[str, str]]:
@@ -531,7 +533,10 @@ def main(argv=None) -> int:
         p.error(f"unknown peers {sorted(unknown)}; expected some of {','.join(PEERS)}")
     for spec in a.drafters.split(","):  # checked before anything is built
         d, _, bc = spec.partition("@")
-        GenerationConfig(drafter=d, bc=int(bc or 0))
+        try:
+            GenerationConfig(drafter=d, bc=int(bc or 0))
+        except (ValueError, ConfigError) as e:
+            p.error(f"--drafters takes drafter@BC, e.g. auto@60; {spec!r}: {e}")
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     load_start = os.getloadavg()[0]
     tasks = prompts_by_category(gguf_path(a.gguf), a.per_category, a.quick)
