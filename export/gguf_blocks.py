@@ -23,7 +23,7 @@ shipped int8 activations, what llama.cpp computes (its ``Q4_1 x Q8_1`` dot produ
 sum(x)`` the same way). The offset branch and the 8-bit product are the same bits for a row
 in any block of 2 rows or more (onnxruntime's CPU provider, T = 2..257; tested), so the
 package's ``min_rows`` 2 keeps speculation lossless. The native decoder reads the branch back
-as half-precision offsets and the 8-bit head as two chained 4-bit planes
+as half-precision offsets and the 8-bit head as one plane of bytes
 (``runtimes.native_backend``, ``decoder.c``).
 
 Rows are matched by value, not by name: ``transformers`` de-quantizes each tensor and
