@@ -532,11 +532,13 @@ class NativeBackend:
                             emb_zp=None if emb_zp is None else emb_zp.ctypes.data,
                             emb_bits=t._bits)
         self.dims = (L, Hkv, D)
-        # a row's LM head against the whole row, counted in 4-bit products (an 8-bit head's
-        # bytes are twice a 4-bit one's): auto's price of a prompt row's outputs
-        # (drafters/auto.py)
+        # a row's LM head against the whole row, in the kernel's products: auto's price of a
+        # prompt row's outputs (drafters/auto.py). An 8-bit head takes as many as a 4-bit one
+        # where a product reads a byte whole (VNNI, Arm, portable C), twice as many on AVX2
+        # (each byte's two nibbles)
         body = L * d * ((H + 2 * Hkv) * D + H * D + 3 * F)
-        head = self.vocab_size * d * self.head_bits // 4
+        twice = self.head_bits == 8 and self.lib.decoder_kernel() == 3
+        head = self.vocab_size * d * (2 if twice else 1)
         self.lm_row_share = head / (head + body)
 
     def _check_against_graph(self) -> None:

@@ -337,7 +337,12 @@ def _close_to_the_files_model(out: Path) -> None:
                                               dtype=torch.float32).eval()
     backend = NativeBackend(out, threads=2)
     assert backend.kept_blocks == 4 * 30 and backend.head_bits == 8
-    assert 0.33 < backend.lm_row_share < 0.37  # the 8-bit head: twice a 4-bit one's bytes
+    # the 8-bit head: twice a 4-bit one's products on AVX2 (two nibbles a byte), as many
+    # where a product reads the byte whole
+    if backend.lib.decoder_kernel() == 3:
+        assert 0.33 < backend.lm_row_share < 0.37
+    else:
+        assert 0.19 < backend.lm_row_share < 0.23
     same = []
     for q in ("Explain why the sky is blue.", "Write a short poem about the sea."):
         ids = tok.apply_chat_template([{"role": "user", "content": q}],

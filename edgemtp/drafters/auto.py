@@ -97,7 +97,8 @@ CONTEXT_STEP = 32    # cache rows between recomputations of the curve at the cur
 LM_ROW_SHARE = 0.2   # a prefill row's cost that is its LM head and top-K (SmolLM2: a fifth of
                      # its multiply-adds; Llama-3.2-1B ~0.21, Qwen3-0.6B ~0.26), where the
                      # backend does not say (the native one's lm_row_share: 0.35 with a GGUF's
-                     # 8-bit head, whose prompt rows measured 0.8-0.95 ms each, not 0.36)
+                     # 8-bit head on AVX2, whose prompt rows measured 0.8-0.95 ms each, not
+                     # 0.36; 0.21 with AVX-512 VNNI, where they measured 0.14 ms, 0.18 of a row)
 PROMPT_ROWS_BUDGET = 0.1  # the most of an answer's plain decoding the prompt rows may cost
 _MEASURING = threading.Lock()  # one latency measurement at a time in a process
 
