@@ -713,49 +713,29 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
             for (int i = 0; i < 4; i++)
                 for (int q = 0; q < 4; q++) f[i][q] = vdupq_n_f32(0.f);
             const uint8x16_t m4 = vdupq_n_u8(0x0F);
-            if (m->bits == 8) for (int b = 0; b < nb; b++) {
-                /* one plane of bytes: u - 128 is a valid int8, so one signed dot product a
-                   4-byte lane gives sum (u - 128) a; less (z - 128) sum a: the same integer */
-                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 512;
-                const size_t so = ((size_t)g * nb + b) * 16;
-                float32x4_t sv[4];
-                int32x4_t zq[4];
-                for (int q = 0; q < 4; q++) {
-                    sv[q] = m->sc16 ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(m->sc16 + so + 4 * q)))
-                                    : vld1q_f32(m->sc + so + 4 * q);
-                    int32_t zz[4];
-                    for (int j = 0; j < 4; j++) zz[j] = m->zp ? (int32_t)m->zp[so + 4 * q + j] - 128 : 0;
-                    zq[q] = vld1q_s32(zz);
-                }
-                for (int i = 0; i < tn; i++) {
-                    int t = t0 + i;
-                    const int8_t *a = aq + (size_t)t * Kp + b * 32;
-                    float32x4_t sa = vdupq_n_f32(as[t * nb + b]);
-                    int32x4_t sm = vdupq_n_s32(asum[t * nb + b]);
-                    for (int q = 0; q < 4; q++) {
-                        int32x4_t acc = vdupq_n_s32(0);
-                        for (int k = 0; k < 8; k++) {
-                            int32_t ak;
-                            memcpy(&ak, a + 4 * k, 4);
-                            int8x16_t v = vreinterpretq_s8_u8(
-                                veorq_u8(vld1q_u8(wb + 64 * k + 16 * q), vdupq_n_u8(0x80)));
-                            acc = vdotq_s32(acc, v, vreinterpretq_s8_s32(vdupq_n_s32(ak)));
-                        }
-                        acc = vsubq_s32(acc, vmulq_s32(zq[q], sm));
-                        f[i][q] = vfmaq_f32(f[i][q], vcvtq_f32_s32(acc), vmulq_f32(sv[q], sa));
-                    }
-                }
-            }
-            else for (int b = 0; b < nb; b++) {
+            const int eight = m->bits == 8;
+            for (int b = 0; b < nb; b++) {
                 const Q4W *p = m;
-                const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
-                int8x16_t lo[4][4], hi[4][4];
-                for (int c = 0; c < 4; c++)
-                    for (int q = 0; q < 4; q++) {
-                        uint8x16_t v = vld1q_u8(wb + 64 * c + 16 * q);
-                        lo[c][q] = vreinterpretq_s8_u8(vandq_u8(v, m4));
-                        hi[c][q] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
-                    }
+                /* wv[k][q]: quarter q's bytes for inputs 4k .. 4k + 3. 4 bits: chunk c's low
+                   nibbles (k = 2c) and high ones (k = 2c + 1). 8 bits (one plane of bytes):
+                   u - 128, a valid int8, so the dot product is sum (u - 128) a, and the zero
+                   point subtracted below is z - 128: the same integer as sum u a - z sum a */
+                int8x16_t wv[8][4];
+                if (eight) {
+                    const uint8_t *wb = p->w + ((size_t)g * nb + b) * 512;
+                    for (int k = 0; k < 8; k++)
+                        for (int q = 0; q < 4; q++)
+                            wv[k][q] = vreinterpretq_s8_u8(
+                                veorq_u8(vld1q_u8(wb + 64 * k + 16 * q), vdupq_n_u8(0x80)));
+                } else {
+                    const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
+                    for (int c = 0; c < 4; c++)
+                        for (int q = 0; q < 4; q++) {
+                            uint8x16_t v = vld1q_u8(wb + 64 * c + 16 * q);
+                            wv[2 * c][q] = vreinterpretq_s8_u8(vandq_u8(v, m4));
+                            wv[2 * c + 1][q] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+                        }
+                }
                 const size_t so = ((size_t)g * nb + b) * 16;
                 float32x4_t sv[4];
                 for (int q = 0; q < 4; q++)
@@ -768,11 +748,12 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                 for (int q = 0; q < 4; q++)
                     mv[q] = p->mn16 ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p->mn16 + so + 4 * q)))
                                     : vdupq_n_f32(0.f);
+                const int32x4_t z8 = vdupq_n_s32(eight && p->zp ? 128 : 0);
                 const int32x4_t zq[4] = {
-                    vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(z0))),
-                    vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(z0))),
-                    vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(z1))),
-                    vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(z1)))};
+                    vsubq_s32(vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(z0))), z8),
+                    vsubq_s32(vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(z0))), z8),
+                    vsubq_s32(vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(z1))), z8),
+                    vsubq_s32(vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(z1))), z8)};
                 for (int i = 0; i < tn; i++) {
                     int t = t0 + i;
                     const int8_t *a = aq + (size_t)t * Kp + b * 32;
@@ -780,12 +761,10 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
                     int32x4_t sm = vdupq_n_s32(asum[t * nb + b]);
                     for (int q = 0; q < 4; q++) {
                         int32x4_t acc = vdupq_n_s32(0);
-                        for (int c = 0; c < 4; c++) {
-                            int32_t a0, a1;
-                            memcpy(&a0, a + 8 * c, 4);
-                            memcpy(&a1, a + 8 * c + 4, 4);
-                            acc = vdotq_s32(acc, lo[c][q], vreinterpretq_s8_s32(vdupq_n_s32(a0)));
-                            acc = vdotq_s32(acc, hi[c][q], vreinterpretq_s8_s32(vdupq_n_s32(a1)));
+                        for (int k = 0; k < 8; k++) {
+                            int32_t ak;
+                            memcpy(&ak, a + 4 * k, 4);
+                            acc = vdotq_s32(acc, wv[k][q], vreinterpretq_s8_s32(vdupq_n_s32(ak)));
                         }
                         acc = vsubq_s32(acc, vmulq_s32(zq[q], sm));
                         f[i][q] = vfmaq_f32(f[i][q], vcvtq_f32_s32(acc),
