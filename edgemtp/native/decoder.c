@@ -781,44 +781,34 @@ static void q4_gemm(const Q4W *m, int T, const int8_t *aq, const float *as, cons
 #else
             float f[4][16];
             memset(f, 0, sizeof f);
-            if (m->bits == 8) for (int b = 0; b < nb; b++) {  /* one plane of bytes */
-                const uint8_t *wb = m->w + ((size_t)g * nb + b) * 512;
-                const size_t so = ((size_t)g * nb + b) * 16;
-                for (int i = 0; i < tn; i++) {
-                    int t = t0 + i;
-                    const int8_t *a = aq + (size_t)t * Kp + b * 32;
-                    float sa = as[t * nb + b];
-                    int32_t sm = asum[t * nb + b];
-                    for (int r = 0; r < 16; r++) {
-                        int32_t acc = 0;
-                        for (int k = 0; k < 8; k++)
-                            for (int e = 0; e < 4; e++) acc += wb[64 * k + r * 4 + e] * a[4 * k + e];
-                        float s = m->sc16 ? h2f(m->sc16[so + r]) : m->sc[so + r];
-                        int32_t z = m->zp ? m->zp[so + r] : 128;
-                        f[i][r] = fmaf((float)(acc - z * sm), s * sa, f[i][r]);
-                    }
-                }
-            }
-            else for (int b = 0; b < nb; b++) {
+            const int eight = m->bits == 8;
+            for (int b = 0; b < nb; b++) {
                 const Q4W *p = m;
-                const uint8_t *wb = p->w + ((size_t)g * nb + b) * 256;
+                /* u[r][j]: column r's weight for input j of the block (4 bits: chunk c's low
+                   nibbles are inputs 8c .. 8c + 3, its high ones 8c + 4 .. 8c + 7; 8 bits: one
+                   plane of bytes, chunk k holding inputs 4k .. 4k + 3) */
+                const uint8_t *wb = p->w + ((size_t)g * nb + b) * (eight ? 512 : 256);
+                uint8_t u[16][32];
+                for (int r = 0; r < 16; r++)
+                    for (int jj = 0; jj < 32; jj++) {
+                        const int e = jj % 4;
+                        u[r][jj] = eight ? wb[64 * (jj / 4) + r * 4 + e]
+                                 : jj % 8 < 4 ? wb[64 * (jj / 8) + r * 4 + e] & 15
+                                              : wb[64 * (jj / 8) + r * 4 + e] >> 4;
+                    }
                 const size_t so = ((size_t)g * nb + b) * 16;
                 float s[16];
                 for (int r = 0; r < 16; r++) s[r] = p->sc16 ? h2f(p->sc16[so + r]) : p->sc[so + r];
-                static const uint8_t zero16[16] = {0};
-                const uint8_t *z = p->zp ? p->zp + ((size_t)g * nb + b) * 16 : zero16;
+                int32_t z[16];  /* zero points: 0 where a 4-bit plane has none, 128 for 8 bits */
+                for (int r = 0; r < 16; r++) z[r] = p->zp ? p->zp[so + r] : eight ? 128 : 0;
                 float mn[16];
                 for (int r = 0; r < 16; r++) mn[r] = p->mn16 ? h2f(p->mn16[so + r]) : 0.f;
                 for (int i = 0; i < tn; i++) {
                     int t = t0 + i;
                     const int8_t *a = aq + (size_t)t * Kp + b * 32;
                     int32_t acc[16] = {0};
-                    for (int c = 0; c < 4; c++)
-                        for (int r = 0; r < 16; r++)
-                            for (int e = 0; e < 4; e++) {
-                                uint8_t v = wb[64 * c + r * 4 + e];
-                                acc[r] += (v & 15) * a[8 * c + e] + (v >> 4) * a[8 * c + 4 + e];
-                            }
+                    for (int r = 0; r < 16; r++)
+                        for (int jj = 0; jj < 32; jj++) acc[r] += u[r][jj] * a[jj];
                     float sa = as[t * nb + b];
                     int32_t sm = asum[t * nb + b];
                     for (int r = 0; r < 16; r++)
