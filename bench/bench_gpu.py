@@ -275,6 +275,8 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
         sizes.seconds.clear()
     outputs, tokens, calls, seconds, p_tokens, p_seconds = [], [], 0, [], [], []
     kinds: Counter = Counter()  # auto: its timed steps per kind (plain, pld, probe, stand...)
+    stages: Counter = Counter()  # seconds per stage of the decode steps (step_us)
+    steps = 0
     for k in range(passes):
         for i, ids in enumerate(prompts):
             order = ([config] if beside is None else
@@ -301,14 +303,37 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
                 seconds.append(dt)
                 kinds.update(r.stats.steps_by_kind)
                 calls += r.stats.forward_calls
+                steps += r.stats.forward_calls - 1  # (the first call is the prefill)
+                for st in STEP_STAGES:
+                    stages[st] += getattr(r.stats, f"time_{st}")
+                stages["wall"] += dt - r.stats.time_prefill
     out = dict(outputs=outputs, tokens=tokens, forward_calls=calls, seconds=seconds,
                block_sizes=dict(sorted(sizes.counts.items())) if sizes is not None else None,
                block_ms=None if sizes is None else {
                    t: round(sizes.seconds[t] / n * 1e3, 4)
                    for t, n in sorted(sizes.counts.items())},
-               steps_by_kind=dict(kinds))
+               steps_by_kind=dict(kinds), step_us=step_us(stages, steps))
     if beside is not None:
         out.update(plain_tokens=p_tokens, plain_seconds=p_seconds)
+    return out
+
+
+STEP_STAGES = ("draft", "forward", "bind", "verify", "commit")
+
+
+def step_us(stages: Counter, steps: int) -> dict[str, float]:
+    """Microseconds a decode step spends per stage (the engine's timers: drafting, the
+    runtime's forward call, binding, verification, commit), ``other`` the rest of its wall
+    time, and ``step`` all of it: where a speculative step's time goes beside a plain one's.
+
+    >>> us = step_us(Counter(draft=0.002, forward=0.02, wall=0.025), 10)
+    >>> us["draft"], us["forward"], us["commit"], us["other"], us["step"]
+    (200.0, 2000.0, 0.0, 300.0, 2500.0)
+    """
+    n = max(steps, 1)
+    out = {st: round(1e6 * stages[st] / n, 1) for st in STEP_STAGES}
+    out["other"] = round(1e6 * stages["wall"] / n - sum(out.values()), 1)
+    out["step"] = round(1e6 * stages["wall"] / n, 1)
     return out
 
 
@@ -473,6 +498,7 @@ def run_entry(key: str, a, progress: Progress, summary: dict, checkpoint) -> Non
     plain = edgemtp_run(model, prompts, greedy, a.device, a.warmup)
     entry["tps"]["plain"] = round(rate(plain), 2)
     entry["tps_plain_runs"] = [entry["tps"]["plain"]]
+    entry.setdefault("step_us", {})["plain"] = plain["step_us"]
     entry["tps_plain_on_hf_prompts"] = round(rate(plain, min(a.hf_prompts, len(prompts))), 2)
     stage("plain")
     if "drafters" not in a.skip:
@@ -565,6 +591,7 @@ def run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progre
         entry["tokens"].setdefault(drafter, {})[b] = sum(run["tokens"])
         entry["forward_calls"].setdefault(drafter, {})[b] = run["forward_calls"]
         entry["tps"].setdefault(drafter, {})[b] = round(rate(run), 2)
+        entry.setdefault("step_us", {}).setdefault(drafter, {})[b] = run["step_us"]
         if paired:  # against plain decoding timed beside it
             beside = sum(run["plain_tokens"]) / sum(run["plain_seconds"])
             entry.setdefault("tps_plain_paired", {}).setdefault(drafter, {})[b] = round(
@@ -747,6 +774,17 @@ def markdown(summary: dict) -> str:
                            f"{e['be_measured'][d][b]:.3f} | {e['tps'][d][b]:.1f} | "
                            f"{by[b]:.2f}x | {'' if exp is None else f'{exp:.2f}x'} | "
                            f"{ok}/{n} |")
+        if e.get("step_us"):  # where a decode step's time goes (the engine's timers)
+            cols = (*STEP_STAGES, "other", "step")
+            out += ["", "Host and device time of a decode step, µs (the engine's stage timers; "
+                    "`forward`: the runtime's call, graph replay and its one synchronisation "
+                    "included; `other`: the step's wall time beyond the stages):", "",
+                    "| method | BC | " + " | ".join(cols) + " |",
+                    "|---|---:|" + "---:|" * len(cols)]
+            for d, by in e["step_us"].items():
+                for b, us in ({"1": by} if d == "plain" else by).items():
+                    out.append(f"| {d} | {b} | " + " | ".join(f"{us[c]:.0f}" for c in cols)
+                               + " |")
         if e.get("auto_params"):
             out += ["", f"AutoDrafter parameters set for this run: {e['auto_params']}"]
         for b, st in e.get("auto_state", {}).items():

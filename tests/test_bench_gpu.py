@@ -87,6 +87,15 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
         assert sum(st["steps_by_kind"].values()) == (stories["forward_calls"]["auto"][b]
                                                      - stories["prompts"]), b
         assert "plain" in st["host_us"] and st["curve_ms"]["1"] > 0 and st["slope"] > 0
+    # where a decode step's time goes, per method: the stages and the rest add up to the step,
+    # and a step is mostly its forward call
+    for d, by in stories["step_us"].items():
+        for b, us in ({"1": by} if d == "plain" else by).items():
+            parts = sum(us[k] for k in ("draft", "forward", "bind", "verify", "commit", "other"))
+            assert parts == pytest.approx(us["step"], abs=1.0), (d, b, us)
+            assert 0 < us["forward"] < us["step"] and us["draft"] >= 0, (d, b, us)
+    assert set(stories["step_us"]) == {"plain", *drafters}
+    assert "Host and device time of a decode step" in (tmp_path / "gpu_cpu.md").read_text()
     assert stories["block_sizes"]["probe"]["10"] == {"10": stories["forward_calls"]["probe"]["10"]
                                                     - stories["prompts"]}
     for key in ("smollm2-135m/fp32", "qwen3-0.6b/fp32", "llama3.2-1b/fp32"):
