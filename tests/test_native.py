@@ -72,6 +72,40 @@ def test_native_trees_equal_the_python_grower(seed, vocab, k, n, max_n):
     assert fast.native is not None  # it ran in C throughout
 
 
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 70), k=st.integers(0, 3),
+       ties=st.booleans())
+def test_native_layout_with_masks_equals_the_python_layout(seed, n, k, ties):
+    """ctx_layout (the hybrid's split laid out in C): the same parents, ids and mask rows as
+    :func:`layout`, for any first r nodes of a grown tree and any masked subset of them,
+    equal scores (the grow order breaks ties) and masks deeper than every node included."""
+    rng = np.random.default_rng(seed)
+    tree = GrownTree(int(rng.integers(0, 50)), (1,), 3)
+    for _ in range(n - 1):  # scores never rise as a tree grows; ties where asked
+        parent = int(rng.integers(0, len(tree)))
+        s = tree.scores[-1] if ties and rng.random() < 0.5 else tree.scores[-1] * rng.random()
+        tree.add(int(rng.integers(0, 50)), parent, float(s))
+    r = int(rng.integers(1, n + 1))
+    masked = sorted(rng.choice(r, int(rng.integers(0, r + 1)), replace=False).tolist()) if k \
+        else []
+    want_par, want_tok, want_rows = layout(tree, r, masked, k, 1000)
+    lib = native.lib()
+    arr = [np.array(a, dtype=d) for a, d in ((tree.tokens, np.int32), (tree.parents, np.int32),
+                                             (tree.depths, np.int32), (tree.scores, np.float64),
+                                             (masked or [0], np.int32))]
+    total = r + len(masked) * k
+    par, tok, rows = (np.zeros(max(total, 1), d) for d in (np.int32, np.int64, np.int64))
+    got = lib.ctx_layout(r, *(a.ctypes.data for a in arr), len(masked), k, 1000,
+                         par.ctypes.data, tok.ctypes.data, rows.ctypes.data)
+    assert got == total
+    assert tuple(par[:total].tolist()) == want_par
+    assert tok[:total].tolist() == want_tok.tolist()
+    for i, v in enumerate(masked):
+        node = want_par[int(rows[i * k])]  # the masked node: its first mask's parent
+        assert rows[i * k:(i + 1) * k].tolist() == want_rows[node].tolist()
+    assert len(want_rows) == len(masked)
+
+
 def test_a_token_id_the_c_index_cannot_hold_falls_back_to_python():
     cm = ContextModel(2, 3, native=True)
     big = NativeIndex.TOKEN_LIMIT + 5

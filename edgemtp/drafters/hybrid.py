@@ -464,8 +464,9 @@ def place_masks(tree: GrownTree, bc: int, k: int, vocab: int, gain: float,
     # arrays that small cost more than the arithmetic (~70 us a step at BC 30 on a 2-core
     # CPU; a GPU step is ~0.5 ms)
     if native is not None:
-        r, masked = native.place_masks(len(tree), bc, k, gain, min_score)
-        return layout(tree, r, masked, k, vocab)
+        out = native.place_masks(len(tree), bc, k, vocab, gain, min_score)
+        if out is not None:
+            return out
     s, par = tree.scores, tree.parents
     best, choice, worse = -np.inf, (min(len(s), bc), []), 0
     # grown scores never increase, so each mask displaces a node worth at least the last

@@ -301,8 +301,11 @@ class NativeIndex:
         if n <= self._cap:
             return
         self._cap = n = max(n, 2 * self._cap)
+        # the grown nodes' tokens, parents, depths and scores; a layout's parents and ids; the
+        # masked nodes of a split; the layout's mask rows
         self._out = [np.zeros(n, dtype=d) for d in
-                     (np.int32, np.int32, np.int32, np.float64, np.int32, np.int64)]
+                     (np.int32, np.int32, np.int32, np.float64, np.int32, np.int64, np.int32,
+                      np.int64)]
         self._out_at = [a.ctypes.data for a in self._out]
 
     def _prepare(self, cm: ContextModel, tail: tuple, max_nodes: int) -> tuple[int, int]:
@@ -406,17 +409,29 @@ class NativeIndex:
             raise MemoryError("the native learner ran out of memory")
         return bool(info[0]), int(info[1])
 
-    def place_masks(self, n: int, bc: int, k: int, gain: float,
-                    min_score: float) -> tuple[int, list[int]]:
-        """:func:`~edgemtp.drafters.hybrid.place_masks`' split for the tree this index grew
-        last (``n`` nodes): the draft nodes kept and the nodes that carry masks."""
+    def place_masks(self, n: int, bc: int, k: int, vocab: int, gain: float, min_score: float
+                    ) -> tuple[tuple[int, ...], np.ndarray, dict[int, np.ndarray]] | None:
+        """:func:`~edgemtp.drafters.hybrid.place_masks` for the tree this index grew last
+        (``n`` nodes), split and laid out here: the same parents, ids and mask rows as
+        :func:`layout` of the same split. None where the split would not fit the buffers
+        (a budget above the tree's node limit: the caller lays it out in Python)."""
+        if bc > self._cap:
+            return None
         o = self._out_at
-        m, masked = self._nm, self._out[4]  # (the layout buffer: free until the layout)
-        r = self.lib.ctx_place_masks(n, o[3], o[1], bc, k, gain, min_score, o[4],
+        r = self.lib.ctx_place_masks(n, o[3], o[1], bc, k, gain, min_score, o[6],
                                      self._nm_at)
         if r < 0:
             raise MemoryError("the native mask placement ran out of memory")
-        return r, masked[:int(m[0])].tolist()
+        m = int(self._nm[0])
+        total = self.lib.ctx_layout(r, o[0], o[1], o[2], o[3], o[6], m, k, vocab, o[4], o[5],
+                                    o[7])
+        if total < 0:
+            raise MemoryError("the native tree layout ran out of memory")
+        parents = self._out[4][:total].tolist()
+        rows = self._out[7][:m * k].reshape(m, k)
+        # each masked node (the parent of its first mask) and its mask rows, in rows' order
+        masks_of = {parents[int(rows[i, 0])]: rows[i].copy() for i in range(m)}
+        return tuple(parents), self._out[5][:total].copy(), masks_of
 
     def grow(self, cm: ContextModel, root: int, tail: tuple, max_nodes: int, max_depth: int,
              min_score: float) -> tuple[list, list, list, list] | None:
@@ -431,7 +446,7 @@ class NativeIndex:
         if n is None:
             return None
         o = self._out_at
-        if self.lib.ctx_layout(n, o[0], o[1], o[2], o[3], o[4], o[5]) < 0:
+        if self.lib.ctx_layout(n, o[0], o[1], o[2], o[3], None, 0, 0, 0, o[4], o[5], None) < 0:
             raise MemoryError("the native tree layout ran out of memory")
         return tuple(self._out[4][:n].tolist()), self._out[5][:n].copy(), n
 

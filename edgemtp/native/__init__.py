@@ -125,7 +125,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ctx_grow.restype = i32
     lib.ctx_grow.argtypes = [p, p, i64, p, p, i64, i32, i64, p, i32, i32, i32, f64, p, p, p, p]
     lib.ctx_layout.restype = i32
-    lib.ctx_layout.argtypes = [i32, p, p, p, p, p, p]
+    lib.ctx_layout.argtypes = [i32, p, p, p, p, p, i32, i32, i64, p, p, p]
     lib.ctx_grow_hybrid.restype = i32
     lib.ctx_grow_hybrid.argtypes = [p, p, f64] + [p] * 13
     lib.ctx_place_masks.restype = i32

@@ -254,30 +254,55 @@ done:
     return rc;
 }
 
-/* layout(tree, r) without masks: the first r grown nodes in depth order, best first within a
- * depth (a stable sort on (depth, -score)); parents re-indexed. Returns r, or -1 (memory). */
+/* ngram_index.layout(tree, r, masked, k, vocab): the first r grown nodes plus k mask leaves
+ * (ids vocab + j, a chain under their node) under each of the m nodes in masked, in a plan's
+ * order: a stable sort on (depth, 0, -score) for a node and (depth of its node + 1 + j, 1,
+ * node) for mask j (entries numbered as the Python appends them: the r nodes, then each masked
+ * node's k masks). out_par: parents re-indexed; out_tok: ids; out_rows[i * k + j]: the row of
+ * masked[i]'s mask j (NULL where m = 0). Returns r + m * k, or -1 (memory). */
 int ctx_layout(int r, const int32_t *tok, const int32_t *par, const int32_t *depth,
-               const double *score, int32_t *out_par, int64_t *out_tok) {
-    int32_t *order = malloc(sizeof(int32_t) * (size_t)(r > 0 ? r : 1));
-    int32_t *newidx = malloc(sizeof(int32_t) * (size_t)(r > 0 ? r : 1));
-    if (!order || !newidx) { free(order); free(newidx); return -1; }
-    for (int i = 0; i < r; i++) order[i] = i;
-    for (int i = 1; i < r; i++) {
+               const double *score, const int32_t *masked, int m, int k, int64_t vocab,
+               int32_t *out_par, int64_t *out_tok, int64_t *out_rows) {
+    const int n = r + m * k;
+    int32_t *order = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
+    int32_t *newidx = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
+    int32_t *d = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
+    if (!order || !newidx || !d) { free(order); free(newidx); free(d); return -1; }
+    for (int e = 0; e < n; e++) {
+        order[e] = e;
+        d[e] = e < r ? depth[e] : depth[masked[(e - r) / k]] + 1 + (e - r) % k;
+    }
+    for (int i = 1; i < n; i++) {  /* insertion sort: stable, a tree is at most BC nodes */
         int32_t o = order[i]; int j = i - 1;
-        while (j >= 0 && (depth[order[j]] > depth[o]
-                          || (depth[order[j]] == depth[o] && -score[order[j]] > -score[o]))) {
-            order[j + 1] = order[j]; j--;
+        for (; j >= 0; j--) {
+            int32_t q = order[j];
+            int after = d[q] > d[o];
+            if (d[q] == d[o]) {
+                int kq = q >= r, ko = o >= r;
+                after = kq != ko ? kq > ko
+                      : !ko ? -score[q] > -score[o]
+                      : masked[(q - r) / k] > masked[(o - r) / k];
+            }
+            if (!after) break;
+            order[j + 1] = q;
         }
         order[j + 1] = o;
     }
-    for (int i = 0; i < r; i++) newidx[order[i]] = i;
-    for (int i = 0; i < r; i++) {
+    for (int i = 0; i < n; i++) newidx[order[i]] = i;
+    for (int i = 0; i < n; i++) {
         int32_t o = order[i];
-        out_par[i] = par[o] < 0 ? -1 : newidx[par[o]];
-        out_tok[i] = tok[o];
+        if (o < r) {
+            out_par[i] = par[o] < 0 ? -1 : newidx[par[o]];
+            out_tok[i] = tok[o];
+        } else {
+            int j = (o - r) % k;
+            out_par[i] = j == 0 ? newidx[masked[(o - r) / k]] : newidx[o - 1];
+            out_tok[i] = vocab + j;
+        }
     }
-    free(order); free(newidx);
-    return r;
+    for (int e = r; e < n; e++) out_rows[e - r] = newidx[e];
+    free(order); free(newidx); free(d);
+    return n;
 }
 
 /* ---- the hybrid drafter's tree (edgemtp/drafters/hybrid.py: HybridDrafter.propose's grow,
