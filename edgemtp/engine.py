@@ -264,10 +264,13 @@ class Generation:
             if len(self._blocks) >= BLOCK_CACHE:
                 del self._blocks[next(iter(self._blocks))]
             n, k = plan.n_nodes, plan.k
-            slots = np.tile(self.backend.vocab_size + np.arange(k), n)
-            extra = np.zeros(plan.bc - n * (k + 1), dtype=np.int64)
-            block = (plan, n, np.concatenate([np.zeros(n, dtype=np.int64), slots, extra]),
-                     np.empty(plan.bc, dtype=np.int64),
+            if k == 0:  # (lookup trees, a new one most steps: no mask slots to lay out)
+                ids = np.zeros(plan.bc, dtype=np.int64)
+            else:
+                slots = np.tile(self.backend.vocab_size + np.arange(k), n)
+                extra = np.zeros(plan.bc - n * (k + 1), dtype=np.int64)
+                ids = np.concatenate([np.zeros(n, dtype=np.int64), slots, extra])
+            block = (plan, n, ids, np.empty(plan.bc, dtype=np.int64),
                      n + np.arange(n * k, dtype=np.int64).reshape(n, k))
             block[4].flags.writeable = False  # drafters get views of it
             self._blocks[id(plan)] = block

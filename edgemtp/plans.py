@@ -60,7 +60,7 @@ class Plan:
     counts: tuple[int, ...] = field(init=False, repr=False, compare=False)  # nodes per depth
 
     def __post_init__(self) -> None:
-        parents = tuple(int(p) for p in self.parents)
+        parents = tuple(map(int, self.parents))
         object.__setattr__(self, "parents", parents)
         if not parents or parents[0] != -1:
             raise ConfigError(f"a plan's node 0 must be the root (parent -1), got parents {parents[:4]}")
@@ -82,7 +82,7 @@ class Plan:
         for d in depth[1:]:
             counts[d - 1] += 1
         object.__setattr__(self, "depth", frozen(np.array(depth, dtype=np.int64)))
-        object.__setattr__(self, "children", tuple(tuple(c) for c in kids))
+        object.__setattr__(self, "children", tuple(map(tuple, kids)))
         object.__setattr__(self, "counts", tuple(counts))
         object.__setattr__(self, "tree_mask", frozen(self._build_mask()))
         object.__setattr__(self, "positions", frozen(self._build_positions()))

@@ -97,11 +97,9 @@ class LookaheadPlan(Plan):
         return mask
 
     def _build_positions(self) -> np.ndarray:
-        pos = np.empty(self.bc, dtype=np.int64)
-        pos[:self.n_nodes] = self.depth
-        lvl, col = np.indices(self.grid.shape)
-        pos[self.grid.ravel()[1:]] = (lvl + col).ravel()[1:]
-        return pos
+        # the window's cells follow the tree in the grid's order (row-major, cell (0, 0)
+        # being the root): level + column each, the same for every tree (_window_positions)
+        return np.concatenate((self.depth, _window_positions(self.levels, self.window)))
 
     def _labels(self) -> list[str]:
         names = [f"node {i}" for i in range(self.n_nodes)]
@@ -123,6 +121,19 @@ def _window_mask(levels: int, window: int) -> np.ndarray:
             mask[g[lvl, i], g[1:lvl + 1, i]] = True
     mask.flags.writeable = False
     return mask
+
+
+@lru_cache(maxsize=64)
+def _window_positions(levels: int, window: int) -> np.ndarray:
+    """Positions (level + column) of a window's cells after its root, in block order.
+
+    >>> _window_positions(2, 3).tolist()
+    [1, 2, 1, 2, 3]
+    """
+    lvl, col = np.indices((levels, window))
+    out = (lvl + col).ravel()[1:].astype(np.int64)
+    out.flags.writeable = False
+    return out
 
 
 @lru_cache(maxsize=1024)
@@ -171,22 +182,29 @@ class NgramPool:
         self.table: dict[int, list[tuple[int, ...]]] = {}
 
     def add(self, key: int, cont: tuple[int, ...]) -> None:
+        self.add_many([(key, cont)])
+
+    def add_many(self, grams: list[tuple[int, tuple[int, ...]]]) -> None:
+        """:meth:`add` for each ``(key, continuation)`` in order (one call a step: the
+        window's columns)."""
         if self.size <= 0:
             return
-        row = self.table.setdefault(key, [])
-        if cont in row:
-            row.remove(cont)
-        elif len(row) >= self.size:
-            del row[0]
-        row.append(cont)
+        table, size = self.table, self.size
+        for key, cont in grams:
+            row = table.setdefault(key, [])
+            if cont in row:
+                row.remove(cont)
+            elif len(row) >= size:
+                del row[0]
+            row.append(cont)
 
     def get(self, key: int) -> list[tuple[int, ...]]:
         return self.table.get(key, [])
 
     def add_sequence(self, tokens: list[int], n: int, first: int = 0) -> None:
         """Every n-gram of ``tokens`` that starts at or after ``first``."""
-        for s in range(first, len(tokens) - n + 1):
-            self.add(tokens[s], tuple(tokens[s + 1:s + n]))
+        self.add_many([(tokens[s], tuple(tokens[s + 1:s + n]))
+                       for s in range(first, len(tokens) - n + 1)])
 
 
 class MirroredPool(NgramPool):
@@ -197,10 +215,10 @@ class MirroredPool(NgramPool):
         super().__init__(size)
         self.native = native
 
-    def add(self, key: int, cont: tuple[int, ...]) -> None:
-        super().add(key, cont)
+    def add_many(self, grams: list[tuple[int, tuple[int, ...]]]) -> None:
+        super().add_many(grams)
         if self.size > 0 and self.native is not None:  # (None: the C grower was dropped)
-            self.native.pending.append((key, *cont))
+            self.native.pending.extend((key, *cont) for key, cont in grams)
 
 
 class JacobiWindow:
@@ -234,9 +252,9 @@ class JacobiWindow:
         """After a step: pool every column's n-gram, then move the window up a level (the
         last level's outputs become its new last level)."""
         fresh = argmax[plan.grid[-1]].astype(np.int64)
-        cells, add = self.cells, self.pool.add
-        for column, last in zip(cells.T.tolist(), fresh.tolist()):  # column i: its n-gram
-            add(column[0], (*column[1:], last))
+        cells = self.cells
+        self.pool.add_many([(column[0], (*column[1:], last))  # column i: its n-gram
+                            for column, last in zip(cells.T.tolist(), fresh.tolist())])
         self.cells = np.concatenate((cells[1:], fresh[None, :]))
 
 

@@ -491,11 +491,18 @@ class GrownTree:
     def from_arrays(cls, tokens: list, parents: list, depths: list, scores: list,
                     tail: tuple[int, ...], n: int) -> GrownTree:
         """A tree grown elsewhere (:class:`NativeIndex`), nodes in the order grown; only the
-        root's tail is kept (the tree is not grown further)."""
-        t = cls(tokens[0], tail, n)
+        root's tail is kept (the tree is not grown further). Its ``child`` table is built
+        when first read (a hybrid step grown and learned from in C never reads it)."""
+        t = cls.__new__(cls)
         t.tokens, t.parents, t.depths, t.scores = tokens, parents, depths, scores
-        t.child = {(p, x): v for v, (p, x) in enumerate(zip(parents, tokens)) if v}
+        t.tails, t.n = [tail], n
         return t
+
+    def __getattr__(self, name: str):
+        if name != "child":  # (only a tree from from_arrays lacks an attribute: its table)
+            raise AttributeError(name)
+        self.child = {(p, x): v for v, (p, x) in enumerate(zip(self.parents, self.tokens)) if v}
+        return self.child
 
     def add(self, token: int, parent: int, score: float) -> int:
         node = len(self.tokens)
