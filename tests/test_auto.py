@@ -300,11 +300,13 @@ def test_a_measured_curve_is_kept_for_the_next_process(setup, stories_pkg, tmp_p
     assert latency.cached_latency(ort, (1, 2, 4), repeats=1).context == 64
     assert len(calls) == 6 and json.loads(kept.read_text())["curve"]["context"] == 64
     assert not list((tmp_path / "latency").glob("*.tmp"))
+    latency.cached_latency(ort, (1, 2, 4), repeats=1, again=True)  # kept, measured anyway
+    assert len(calls) == 7 and json.loads(kept.read_text())["measured"] > entry["measured"]
     latency.cached_latency(setup[0], (1, 2), repeats=1)  # torch, a named folder: kept too
     assert len(list((tmp_path / "latency").glob("*.json"))) == 4
     monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "0")
     latency.cached_latency(ort, (1, 2, 4), repeats=1)
-    assert len(calls) == 8
+    assert len(calls) == 9
     monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "on")
     with pytest.raises(ConfigError, match="EDGEMTP_LATENCY_CACHE must be 1 .* or 0 .*'on'"):
         latency.cached_latency(ort, (1, 2, 4), repeats=1)
@@ -313,7 +315,38 @@ def test_a_measured_curve_is_kept_for_the_next_process(setup, stories_pkg, tmp_p
     monkeypatch.setenv("EDGEMTP_CACHE", str(blocked / "edgemtp"))
     monkeypatch.setenv("EDGEMTP_LATENCY_CACHE", "1")
     assert latency.cached_latency(ort, (1, 2, 4), repeats=1).sizes == (1, 2, 4)
-    assert len(calls) == 9  # measured, no error, nothing kept
+    assert len(calls) == 10  # measured, no error, nothing kept
+
+
+def test_a_pair_saying_more_cache_costs_less_is_measured_again():
+    """A long-context curve cheaper than the short one (measured through a passing load):
+    both measured again, bypassing the cache, each size keeping its fastest reading; a
+    consistent pair is taken as it is."""
+    from types import SimpleNamespace
+
+    from edgemtp import latency
+
+    backend = SimpleNamespace(max_context=2048)
+    readings = {  # (context, again) -> the curves measured, in order
+        (64, False): [(0.0044, 0.0045)], (512, False): [(0.0041, 0.0045)],
+        (64, True): [(0.0045, 0.0046), (0.0032, 0.0033)],
+        (512, True): [(0.0040, 0.0046), (0.0038, 0.0042)]}
+    asked = []
+
+    def measure(ctx, again):
+        asked.append((ctx, again))
+        return latency.LatencyCurve((1, 2), readings[(ctx, again)].pop(0), ctx)
+
+    pair = latency.curve_pair(measure, backend, (1, 2))
+    # the first retry still said 4.0 ms over 512 rows against 4.4 over 64; the second fixed it
+    assert asked == [(64, False), (512, False), (64, True), (512, True), (64, True),
+                     (512, True)]
+    assert pair.seconds == (0.0032, 0.0033) and pair.long.seconds == (0.0038, 0.0042)
+    assert latency.consistent(pair, pair.long)
+    asked.clear()
+    readings.update({(64, False): [(0.003, 0.004)], (512, False): [(0.0035, 0.0045)]})
+    assert latency.curve_pair(measure, backend, (1, 2)).long.seconds == (0.0035, 0.0045)
+    assert asked == [(64, False), (512, False)]  # consistent: no second measurement
 
 
 def test_stats_say_which_kinds_of_step_auto_took(setup):
@@ -481,7 +514,7 @@ def test_auto_reads_its_curve_at_the_cache_length(setup, monkeypatch):
     long = LatencyCurve((1, 2, 60), (0.25, 2.0, 20.0), long_ctx)  # ... and dear over 501 rows
     calls = []
 
-    def measured(backend, sizes, context=64, repeats=7, topk=0):
+    def measured(backend, sizes, context=64, repeats=7, topk=0, again=False):
         calls.append(context)
         return short if context == 64 else long
 

@@ -95,8 +95,8 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
     sizes = sorted({1, 2, budget, *(b for b in BC_GRID if b <= budget)})
     # over 64 and over 512 cached rows, as auto measures them (it reads t(T) at the cache's
     # length off the line through both)
-    latency = curve_pair(lambda ctx: measure_latency(model.backend, sizes, context=ctx,
-                                                     repeats=15), model.backend, sizes)
+    latency = curve_pair(lambda ctx, again: measure_latency(model.backend, sizes, context=ctx,
+                                                            repeats=15), model.backend, sizes)
     package = getattr(model.backend, "package", None)
     plans = candidates(budget, tuple(h.kind for h in package.meta.heads) if package else ())
     rows = []

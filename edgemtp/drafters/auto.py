@@ -236,8 +236,9 @@ class AutoDrafter:
         else:
             with _MEASURING:  # concurrent first generations (a server): one measures, on an
                 if key not in memory:  # otherwise idle model; the others wait and read it
-                    memory[key] = curve_pair(lambda ctx: cached_latency(
-                        backend, sizes, context=ctx, topk=self.width), backend, sizes)
+                    memory[key] = curve_pair(lambda ctx, again: cached_latency(
+                        backend, sizes, context=ctx, topk=self.width, again=again),
+                        backend, sizes)
             self.latency = memory[key]
         self.latency_long = self.latency.long
         # whole drafters cost host time every step they are kept current (~0.2-0.5 ms on a
