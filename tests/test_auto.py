@@ -740,8 +740,41 @@ def test_host_floor_charges_speculative_kinds_at_least_a_plain_steps_host_time()
     from edgemtp.drafters.auto import AutoDrafter
 
     state = SimpleNamespace(host={"plain": 1e-4, "pld": 4e-5}, _host_plain=1e-4,
-                            _host_max=1e-4, host_floor=AutoDrafter.host_floor)
+                            _host_max=1e-4, _host_own=1e-4, host_floor=AutoDrafter.host_floor)
     assert AutoDrafter.host_floor is True
     assert AutoDrafter._host(state, "pld") == 1e-4 and AutoDrafter._host(state, "probe") == 1e-4
     state.host_floor = False
     assert AutoDrafter._host(state, "pld") == 4e-5 and AutoDrafter._host(state, "probe") == 1e-4
+
+
+def test_a_kind_never_run_is_charged_the_dearest_host_time_of_its_own_sort(setup):
+    """A kind auto has not run yet is charged the dearest measured host time of its sort:
+    auto's own kinds (mask, lookup, probing, STAND) that of its own kinds, a whole drafter
+    that of all. A hybrid's large host time (a GPU step's ~1.6 ms) must not lock a k = 1
+    probe out before it is ever measured. In a real generation the per-step bookkeeping
+    keeps the own kinds' maximum current, and a drafter loaded on the same memory starts
+    from it."""
+    from types import SimpleNamespace
+
+    from edgemtp.drafters.auto import OWN_KINDS, AutoDrafter
+
+    state = SimpleNamespace(host={"plain": 1e-4, "mask": 3e-4, "hybrid": 2e-3},
+                            _host_plain=1e-4, _host_max=2e-3, _host_own=3e-4,
+                            host_floor=True)
+    assert AutoDrafter._host(state, "probe") == 3e-4   # like the mask step, not the hybrid
+    assert AutoDrafter._host(state, "stand") == 3e-4
+    assert AutoDrafter._host(state, "lade") == 2e-3    # a whole drafter: the dearest of all
+    assert AutoDrafter._host(state, "hybrid") == 2e-3
+    assert OWN_KINDS == {"plain", "mask", "pld", "probe", "stand"}
+
+    backend, prompts, refs = setup
+    memory = {}
+    config = GenerationConfig(drafter="auto", bc=10, max_new_tokens=24, latency=FLAT)
+    gen = Generation(RecordingBackend(backend), config, prompts[0], memory=memory)
+    assert gen.run().token_ids == refs[0][:24]
+    own = [v for k, v in memory["auto-host-by-kind"].items() if k in OWN_KINDS]
+    assert len(own) >= 2, memory["auto-host-by-kind"]  # plain and at least one other kind
+    assert gen.drafter._host_own == max(own)
+    memory["auto-host-by-kind"]["hybrid"] = max(own) + 1.0  # a whole drafter's, dearer
+    fresh = AutoDrafter(backend, config, memory)
+    assert fresh._host_own == max(own) and fresh._host_max == max(own) + 1.0

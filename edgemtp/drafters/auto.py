@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     from ..config import GenerationConfig
 
 PLAIN = Plan.root_only()
+OWN_KINDS = frozenset(("plain", "mask", "pld", "probe", "stand"))  # auto's own step kinds
 MASK_ONLY = Plan((-1,), 1)  # root + its mask: one token, and candidates for the next step
 MASK_ONLY_2 = Plan((-1,), 2)  # the same with 2 masks: candidates for a k = 2 plan
 WHOLE_MIN_T1 = 0.004  # seconds: t(1) below which whole drafters and STAND trees are not weighed
@@ -327,6 +328,7 @@ class AutoDrafter:
         # "stand", or a whole drafter's name): binding new shapes and drafting
         self.host = memory.setdefault("auto-host-by-kind", {})
         self._host_max = max(self.host.values(), default=0.0)
+        self._host_own = max((v for k, v in self.host.items() if k in OWN_KINDS), default=0.0)
         self._host_plain = self.host.get("plain", 0.0)
         self._t_step: float | None = None
         self._last: tuple[str, int] = ("plain", 1)  # kind and T of the last step
@@ -474,10 +476,15 @@ class AutoDrafter:
                 / (self._lat[2 * (m + 1)] + self._host("probe")))
 
     def _host(self, kind: str) -> float:
-        # a step's host time beyond its forward: measured per kind, a kind not measured yet
-        # charged the dearest one seen, and (host_floor) never less than a plain step's
+        # a step's host time beyond its forward: measured per kind, and (host_floor) never
+        # less than a plain step's. A kind not measured yet is charged the dearest one seen
+        # of its own sort: auto's own kinds (plain, mask, lookup, probing, STAND) the dearest
+        # of those, a whole drafter the dearest of all. (Charged a hybrid's host time, ~1.6 ms
+        # a step on a GPU, a k = 1 probe that never ran could never win a step, so it would
+        # never be measured.)
         mine = self.host.get(kind)
-        v = self._host_max if mine is None else mine
+        v = ((self._host_own if kind in OWN_KINDS else self._host_max) if mine is None
+             else mine)
         return max(self._host_plain, v) if self.host_floor else v
 
     def _at_context(self, rows: int) -> None:
@@ -673,6 +680,8 @@ class AutoDrafter:
             h = self.host.get(kind)
             self.host[kind] = extra if h is None else h + self.host_ema * (extra - h)
             self._host_max, self._host_plain = max(self.host.values()), self.host.get("plain", 0.0)
+            if kind in OWN_KINDS:
+                self._host_own = max(v for k, v in self.host.items() if k in OWN_KINDS)
             c = self._try_cost
             c["time"] += now - self._t_step
             if self._tried_tokens is not None:  # signed: a try that won earns its cost back
