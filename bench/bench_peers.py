@@ -90,14 +90,22 @@ def hf_folder(gguf: Path, work: Path) -> Path:
     return dest
 
 
-def edgemtp_package(gguf: Path, work: Path, dtype: str) -> Path:
-    from edgemtp.export.onnx_export import export_package
-    from edgemtp.runtimes.package import is_package
+def edgemtp_package(gguf: Path, work: Path, dtype: str, context: int = 2048) -> Path:
+    """The edgemtp package of ``dtype`` in ``work``, exported again where other export code
+    wrote the one there (its manifest's ``exporter`` digest), so the sitting measures this
+    edgemtp's graph."""
+    from edgemtp.export.onnx_export import exporter_digest, export_package
+    from edgemtp.runtimes.package import MANIFEST, is_package
 
     dest = work / f"edgemtp-{dtype}"
-    if not is_package(str(dest)):
-        log(f"exporting the edgemtp {dtype} package to {dest} ...")
-        export_package(str(gguf), str(dest), dtype=dtype, max_context=2048, force=True)
+    why = "exporting"
+    if is_package(str(dest)):
+        if json.loads((dest / MANIFEST).read_text()).get("exporter") == exporter_digest():
+            return dest
+        why = "other export code wrote the one there: exporting again"
+    log(f"the edgemtp {dtype} package in {dest}: {why} ...")
+    export_package(str(gguf), str(dest), dtype=dtype, max_context=context, force=True,
+                   progress=False)
     return dest
 
 

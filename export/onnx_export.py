@@ -20,6 +20,7 @@ import struct
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -145,6 +146,22 @@ class ExportOptions:
 
         budgets, skipped = _plannable(self.budgets, fits)
         return budgets, [*self.skipped, *skipped]
+
+
+@lru_cache(maxsize=1)
+def exporter_digest() -> str:
+    """16 hex digits of SHA-256 over the code that writes a package's graph and weights
+    (``edgemtp.export`` and the PyTorch models it traces, ``edgemtp.models``), recorded in
+    the manifest: a package that holds another digest was written by other export code."""
+    import hashlib
+
+    from edgemtp import models
+
+    h = hashlib.sha256()
+    for folder in (Path(__file__).parent, Path(models.__file__).parent):
+        for f in sorted(folder.glob("*.py")):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _is_int(v) -> bool:
@@ -368,7 +385,8 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
     with _stage(bar, "manifest", tmp):
         cfg, layers = hf.config, len(decoder.model.layers)
         manifest = Manifest(
-            edgemtp_version=__version__, source=_source_name(job), family=job.family.name,
+            edgemtp_version=__version__, exporter=exporter_digest(),
+            source=_source_name(job), family=job.family.name,
             model_type=cfg.model_type,
             architectures=tuple(getattr(cfg, "architectures", None) or ()),
             hidden_size=int(cfg.hidden_size), num_layers=layers,

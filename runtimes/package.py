@@ -520,6 +520,10 @@ class Manifest:
 
     format_version: int = FORMAT_VERSION
     edgemtp_version: str = ""
+    # a digest of the export code that wrote it (edgemtp.export.onnx_export.exporter_digest;
+    # "" in packages from before it was recorded): benches re-export a package another
+    # version of that code wrote, so they measure this edgemtp's graph
+    exporter: str = ""
     source: str = ""
     family: str
     model_type: str = ""
@@ -946,8 +950,8 @@ def describe(pkg: Package) -> str:
     g, check = m.graph, m.self_check
     lines = [
         f"package   {pkg.root}",
-        f"format    {m.format_version} (edgemtp {m.edgemtp_version or '?'}), "
-        f"from {m.source or '?'}",
+        f"format    {m.format_version} (edgemtp {m.edgemtp_version or '?'}, exporter "
+        f"{m.exporter or '?'}), from {m.source or '?'}",
         f"model     {m.family} ({', '.join(m.architectures) or m.family}): "
         f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
         f"{m.num_kv_heads} KV heads x {m.head_dim}, vocab {m.vocab_size}",
