@@ -318,6 +318,24 @@ def test_the_default_main_job_chats_with_smollm2_int4(tmp_path):
     assert "transformers" not in proc.stdout.split("method")[1], proc.stdout
 
 
+def test_the_main_jobs_cached_package_is_exported_again_after_the_export_code_changed(
+        stories_path, tmp_path):
+    # ./run.sh keeps its chat package between runs: while this export code wrote it (the
+    # manifest's exporter digest) it is current, and once other code wrote it, not
+    from edgemtp.export.onnx_export import export_package
+    from tools.demo import _current
+
+    pkg = tmp_path / "stories-int4"
+    export_package(stories_path, pkg, dtype="int4", max_context=256, progress=False)
+    assert _current(str(pkg), "int4") and not _current(str(pkg), "int8")
+    manifest = pkg / "edgemtp.json"
+    data = json.loads(manifest.read_text())
+    data["exporter"] = "0" * 16
+    manifest.write_text(json.dumps(data))
+    assert not _current(str(pkg), "int4")
+    assert not _current(str(tmp_path / "none"), "int4")
+
+
 def test_demo_with_no_rounds_is_one_line(stories_pkg):
     proc = subprocess.run([sys.executable, "-m", "edgemtp.cli", "demo", "--model",
                            str(stories_pkg), "--rounds", "0"],
