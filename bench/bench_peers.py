@@ -94,15 +94,14 @@ def edgemtp_package(gguf: Path, work: Path, dtype: str, context: int = 2048) -> 
     """The edgemtp package of ``dtype`` in ``work``, exported again where other export code
     wrote the one there (its manifest's ``exporter`` digest), so the sitting measures this
     edgemtp's graph."""
-    from edgemtp.export.onnx_export import exporter_digest, export_package
-    from edgemtp.runtimes.package import MANIFEST, is_package
+    from edgemtp.export.onnx_export import export_package, exported_here
+    from edgemtp.runtimes.package import is_package
 
     dest = work / f"edgemtp-{dtype}"
-    why = "exporting"
-    if is_package(str(dest)):
-        if json.loads((dest / MANIFEST).read_text()).get("exporter") == exporter_digest():
-            return dest
-        why = "other export code wrote the one there: exporting again"
+    if exported_here(dest):
+        return dest
+    why = ("other export code wrote the one there: exporting again" if is_package(str(dest))
+           else "exporting")
     log(f"the edgemtp {dtype} package in {dest}: {why} ...")
     export_package(str(gguf), str(dest), dtype=dtype, max_context=context, force=True,
                    progress=False)

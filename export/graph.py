@@ -141,7 +141,7 @@ class ExportTreeDecoder(TreeDecoder):
 
     # the past's row count, read once from the first layer's past for every layer (traced:
     # one Shape node for the graph, not one per layer, where the past's rows are not fixed
-    # at load)
+    # at load); set by body(), which every attention call runs under
     _past_rows = None
 
     def body(self, input_ids, position_ids, tree_mask, mask_embeds, past_keys, past_values,
@@ -219,7 +219,7 @@ class ExportTreeDecoder(TreeDecoder):
         scale, or None where q already carries it. Returns the output and the block's V as
         the cache keeps it (on the exact sums' grid, float64, in an int4/int8 export)."""
         hd, g = self.head_dim, self.n_heads // self.n_kv
-        past = self._past_rows if self._past_rows is not None else past_k.shape[self.cache_axis]
+        past = self._past_rows
         scores = torch.cat([self._past_scores(q, past_k),                  # [H_kv, g*T, P]
                             torch.matmul(q, k_t)], dim=-1).float()
         # a finite mask value: -inf makes a fully masked row NaN, and -65504 (fp16's lowest)
@@ -252,8 +252,7 @@ class ExportTreeDecoder(TreeDecoder):
             return torch.matmul(q, past_k.squeeze(0).permute(1, 2, 0))
         g, hd = self.n_heads // self.n_kv, self.head_dim
         s = torch.matmul(q.reshape(1, self.n_kv, g, -1, hd), past_k.unsqueeze(2).transpose(-1, -2))
-        return s.reshape(self.n_kv, -1, past_k.shape[2] if self._past_rows is None
-                         else self._past_rows)
+        return s.reshape(self.n_kv, -1, self._past_rows)
 
     def _past_values(self, p, past_v):
         # p [H_kv, g*T, P] -> [H_kv, g*T, D]

@@ -55,3 +55,11 @@ def test_a_package_other_export_code_wrote_is_exported_again(tmp_path, stories_p
     assert load_package(str(pkg)).meta.exporter == ""
     edgemtp_package(Path(stories_path), tmp_path, "fp32", context=256)
     assert json.loads(manifest.read_text())["exporter"] == digest
+    # not a package, or a manifest that is not JSON: not this code's package
+    from edgemtp.export.onnx_export import exported_here
+
+    assert exported_here(pkg) and not exported_here(tmp_path / "none")
+    manifest.write_text("{not json")
+    assert not exported_here(pkg)
+    manifest.write_text("[1, 2]")
+    assert not exported_here(pkg)

@@ -109,25 +109,20 @@ def command(a) -> int:
 
 def _current(path: str, dtype: str) -> bool:
     """A package already at ``path`` that this version would export the same way: written by
-    this export code (the manifest's ``exporter`` digest), of ``dtype`` (an int4 or int8
-    package from before the exact attention sums, before its values were kept in float64, or
-    before its fused kernels, is exported again too)."""
-    if not is_package(path):
+    this export code (the manifest's ``exporter`` digest; a package from before it was
+    recorded is exported again), of ``dtype``, and loadable."""
+    from edgemtp.export.onnx_export import exported_here
+
+    if not exported_here(path):
         return False
-    from edgemtp.export.onnx_export import exporter_digest
     from edgemtp.runtimes.package import load_package
 
     from edgemtp.errors import EdgeMTPError
 
     try:
-        pkg = load_package(path)
+        return load_package(path).weights.format == dtype
     except EdgeMTPError:
         return False
-    if pkg.meta.exporter != exporter_digest():
-        return False
-    return pkg.weights.format == dtype and (dtype not in ("int4", "int8") or (
-        pkg.weights.softmax == "exact" and pkg.meta.cache.value_dtype == "fp64"
-        and pkg.weights.fused))
 
 
 def _questions(n: int) -> list[str]:
