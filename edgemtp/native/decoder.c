@@ -77,6 +77,45 @@ static inline __attribute__((always_inline)) __m256i dpwssd8(__m256i acc, __m256
 }
 #endif
 
+#ifdef __AVX512F__
+/* vexp_neg and vexp on 16 lanes: the same operations lane by lane, so the same bits as the
+   8-lane forms (and as a build without AVX-512), one instruction where those take two: the
+   exp's throughput bounds a softmax over a long list, the log-softmax over the vocabulary
+   and SiLU */
+static inline __m512 vexp2_in16(__m512 t) {
+    __m512 r = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)),
+                             _mm512_set1_ps(12582912.0f));
+    __m512 f = _mm512_sub_ps(t, r);
+    __m512 p = _mm512_add_ps(_mm512_mul_ps(f, _mm512_set1_ps(1.5403530393381606e-4f)),
+                             _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
+    __m512i n = _mm512_cvtps_epi32(r);
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p),
+                                                _mm512_slli_epi32(n, 23)));
+}
+
+static inline __m512 vexp16_neg(__m512 x) {
+    return vexp2_in16(_mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
+                                    _mm512_set1_ps(1.44269504088896341f)));
+}
+
+static inline __m512 vexp16(__m512 x) {  /* (finite x: vexp's clamps are these constants) */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    return vexp2_in16(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)));
+}
+
+/* sum + the low 8 lanes of e, then + its high 8: an 8-lane accumulator's order over a list
+   read 16 at a time */
+static inline v8 add_halves(v8 sum, __m512 e) {
+    sum += (v8)_mm512_castps512_ps256(e);
+    return sum + (v8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1));
+}
+#endif
+
 /* a * b + c rounded once, lane by lane (as fmaf) */
 static inline v8 fma8(v8 a, v8 b, v8 c) {
 #ifdef __FMA__
@@ -1128,6 +1167,16 @@ static float pv_weights(const float *x, const float *vs, int n0, int n, int P, c
     float m = 0.f;
     int i = 0;
     v8 mv = {0};
+#ifdef __AVX512F__
+    {  /* (a maximum is exact: lanes may take the list in any grouping) */
+        __m512 m16 = _mm512_setzero_ps();
+        for (; i + 16 <= n0; i += 16)
+            m16 = _mm512_max_ps(m16, _mm512_mul_ps(_mm512_loadu_ps(x + i),
+                                                   _mm512_loadu_ps(vs + i)));
+        mv = max8((v8)_mm512_castps512_ps256(m16),
+                  (v8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1)));
+    }
+#endif
     for (; i + 8 <= n0; i += 8) mv = max8(mv, load8(x + i) * load8(vs + i));
     for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
     for (; i < n; i++) {
@@ -1141,6 +1190,18 @@ static float pv_weights(const float *x, const float *vs, int n0, int n, int P, c
     }
     const float inv = 32767.f / m;
     i = 0;
+#ifdef __AVX512F__
+    {  /* the same rounding, clamp and (signed saturating) narrowing */
+        const __m512 inv16 = _mm512_set1_ps(inv);
+        const __m512i hi16 = _mm512_set1_epi32(32767);
+        for (; i + 16 <= n0; i += 16) {
+            __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(
+                _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(vs + i)), inv16));
+            _mm256_storeu_si256((__m256i *)(wq + i),
+                                _mm512_cvtsepi32_epi16(_mm512_min_epi32(a, hi16)));
+        }
+    }
+#endif
 #ifdef __AVX2__
     const __m256i hi = _mm256_set1_epi32(32767);
     for (; i + 16 <= n0; i += 16) {
@@ -1327,13 +1388,35 @@ static void row_softmax(const float *q, const int32_t *qp, float qsc, const void
     int n8 = (n + 7) / 8 * 8, i;
     for (i = n; i < n8; i++) x[i] = -INFINITY;
     v8 mx = load8(x);
-    for (i = 8; i < n8; i += 8) mx = max8(mx, load8(x + i));
+    i = 8;
+#ifdef __AVX512F__
+    if (n8 >= 24) {  /* (a maximum is exact: any grouping gives the same) */
+        __m512 m16 = _mm512_loadu_ps(x + 8);
+        for (i = 24; i + 16 <= n8; i += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(x + i));
+        mx = max8(mx, max8((v8)_mm512_castps512_ps256(m16), (v8)_mm256_castpd_ps(
+                                _mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1))));
+    }
+#endif
+    for (; i < n8; i += 8) mx = max8(mx, load8(x + i));
     float m = mx[0];
     for (int l = 1; l < 8; l++) m = mx[l] > m ? mx[l] : m;
     v8 sum = {0};
-    for (i = 0; i < n8; i += 8) {
+    i = 0;
+#ifdef __AVX512F__
+    {  /* 16 lanes a pass, then at most one 8-lane pass */
+        const __m512 m16 = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
+        for (; i + 16 <= n8; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            __mmask16 live = _mm512_cmp_ps_mask(v, ninf, _CMP_GT_OQ);  /* padding: 0 */
+            __m512 e = _mm512_maskz_mov_ps(live, vexp16_neg(_mm512_sub_ps(v, m16)));
+            _mm512_storeu_ps(x + i, e);
+            sum = add_halves(sum, e);
+        }
+    }
+#endif
+    for (; i < n8; i += 8) {
         v8 v = load8(x + i);
-        v8 e = vexp(v - m);
+        v8 e = vexp_neg(v - m);
         vi8 live = v > -INFINITY;  /* padding lanes add exactly 0 */
         e = (v8)((vi8)e & live);
         store8(x + i, e);
@@ -1757,7 +1840,15 @@ static void row_out(const float *lg, int V, int k, int64_t *argmax, int64_t *ids
     if (k <= 0) return;
     if (k > 64) k = 64;
     v8 s = {0};
-    for (i = 0; i + 8 <= V; i += 8) s += vexp(load8(lg + i) - m);
+    i = 0;
+#ifdef __AVX512F__
+    {
+        const __m512 m16 = _mm512_set1_ps(m);
+        for (; i + 16 <= V; i += 16)
+            s = add_halves(s, vexp16_neg(_mm512_sub_ps(_mm512_loadu_ps(lg + i), m16)));
+    }
+#endif
+    for (; i + 8 <= V; i += 8) s += vexp_neg(load8(lg + i) - m);
     float tot = sum8(s);
     for (; i < V; i++) tot += fexp(lg[i] - m);
     float lse = m + logf(tot);
@@ -2021,6 +2112,16 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                 const float *gr = gu + (size_t)t * Ngu;
                 float *mr = mm + (size_t)t * kf;
                 int i = 0;
+#ifdef __AVX512F__
+                for (; i + 16 <= F; i += 16) {
+                    __m512 z = _mm512_loadu_ps(gr + i);
+                    __m512 e = vexp16(_mm512_castsi512_ps(_mm512_xor_si512(  /* -z, as a sign flip */
+                        _mm512_castps_si512(z), _mm512_set1_epi32((int)0x80000000u))));
+                    _mm512_storeu_ps(mr + i, _mm512_mul_ps(
+                        _mm512_div_ps(z, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                        _mm512_loadu_ps(gr + F + i)));
+                }
+#endif
                 for (; i + 8 <= F; i += 8) {
                     v8 z = load8(gr + i);
                     store8(mr + i, z / (1.0f + vexp(-z)) * load8(gr + F + i));

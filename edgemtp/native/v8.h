@@ -36,13 +36,10 @@ static inline v8 max8(v8 a, v8 b) {  /* lanes of b where b > a, else a */
 #endif
 }
 
-/* e^x to ~2e-7 relative, 8 lanes at once, branch-free: 2^(x log2 e) split into an integer
-   and a fraction in [-0.5, 0.5], the fraction by its Taylor polynomial */
-static inline v8 vexp(v8 x) {
-    v8 lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
-    x = max8(lo, x);
-    x = -max8(-hi, -x);
-    v8 t = x * 1.44269504088896341f;
+/* 2^t for t in [-126, 127] (t = x log2 e of e^x), to ~2e-7 relative: t split into an
+   integer and a fraction in [-0.5, 0.5], the fraction by its Taylor polynomial (products and
+   sums rounded one by one: the same bits on every machine, fused multiply-adds or not) */
+static inline v8 vexp2_in(v8 t) {
     v8 r = (t + 12582912.0f) - 12582912.0f;
     v8 f = t - r;
     v8 p = f * 1.5403530393381606e-4f + 1.3333558146428443e-3f;
@@ -53,6 +50,20 @@ static inline v8 vexp(v8 x) {
     p = p * f + 1.0f;
     vi8 n = __builtin_convertvector(r, vi8);
     return (v8)((vi8)p + (vi8)((vu8)n << 23));  /* n * 2^23 mod 2^32, by a shift */
+}
+
+/* e^x to ~2e-7 relative, 8 lanes at once, branch-free: x clamped to [-87, 88] */
+static inline v8 vexp(v8 x) {
+    v8 lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
+    x = max8(lo, x);
+    x = -max8(-hi, -x);
+    return vexp2_in(x * 1.44269504088896341f);
+}
+
+/* e^x for x <= 0 (a softmax's x - max): vexp's bits there with one clamp rather than two
+   (-inf gives e^-87 where vexp gives NaN: callers that meet it mask those lanes) */
+static inline v8 vexp_neg(v8 x) {
+    return vexp2_in(max8(bcast8(-87.0f), x) * 1.44269504088896341f);
 }
 
 static inline float fexp(float x) {  /* vexp on one lane (tails and scalars) */
