@@ -402,6 +402,25 @@ def test_the_portable_build_computes_the_same_bits(int4_pkg, backend):
     q8p = NativeBackend(str(int4_pkg), threads=1, check=False, kv_cache="int8")
     q8p.lib = portable.lib
     assert np.array_equal(_prefill(q8, ids)[1].logits, _prefill(q8p, ids)[1].logits)
+    # lists long enough for the 16-lane softmax, maximum and value-weight loops and their
+    # 8-lane tails, the vocabulary's log-softmax (top-K), on both attention paths
+    ids = np.random.default_rng(5).integers(0, backend.vocab_size, 45)
+    for group_min_p in (-1, 0):  # rows always, then the grouped passes always
+        got = []
+        for b in (backend, portable, q8, q8p):
+            b.lib.decoder_set_group_min_p(group_min_p)
+            try:
+                s = _prefill(b, ids)[0]
+                got.append(s.forward(ids[:3], 45 + np.arange(3),
+                                     np.tril(np.ones((3, 3), bool)), None, topk=8))
+                got.append(s.forward(ids[:1], 45 + np.arange(1), np.ones((1, 1), bool), None,
+                                     topk=8))
+            finally:
+                b.lib.decoder_set_group_min_p(-2)
+        for a, c in ((got[0:2], got[2:4]), (got[4:6], got[6:8])):
+            for x, y in zip(a, c):
+                assert np.array_equal(x.topk_ids, y.topk_ids)
+                assert np.array_equal(x.topk_logprobs, y.topk_logprobs)
 
 
 def test_auto_picks_native_for_an_int4_package_only(int4_pkg, stories_pkg, monkeypatch):
