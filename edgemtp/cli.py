@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import drafters
@@ -561,6 +562,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("edgemtp: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`edgemtp doctor | head`): stop quietly, as other command-line
+        # tools do; stdout goes to devnull so the interpreter's flush at exit cannot fail too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, a shell's status for a writer killed by a closed pipe
 
 
 if __name__ == "__main__":

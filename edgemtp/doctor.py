@@ -97,6 +97,7 @@ class Facts:
     system: str = ""                      # "Linux x86_64"
     python: str = ""                      # "3.11.2"
     cpu_cores: int | None = None
+    load1: float | None = None            # the 1-minute load average (os.getloadavg)
     host_total: int | None = None         # /proc/meminfo MemTotal, bytes
     host_available: int | None = None     # MemAvailable
     jetson_model: str | None = None       # /proc/device-tree/model
@@ -193,7 +194,9 @@ def _read(path: str) -> str | None:
 def _host(_) -> dict:
     info = _read("/proc/meminfo") or ""
     kib = {k: int(v) * 1024 for k, v in re.findall(r"^(\w+):\s+(\d+) kB", info, re.M)}
-    return {"host_total": kib.get("MemTotal"), "host_available": kib.get("MemAvailable")}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"host_total": kib.get("MemTotal"), "host_available": kib.get("MemAvailable"),
+            "load1": load}
 
 
 def parse_tegra_release(text: str) -> str | None:
@@ -649,6 +652,9 @@ def describe_machine(f: Facts) -> list[str]:
     lines = [f"machine   {f.system}, Python {f.python}, {_or(f.cpu_cores, '?')} CPU cores",
              f"memory    host {size(f.host_total)} total, {size(f.host_available)} available"
              + ("; on Jetson the GPU shares this memory" if f.jetson else "")]
+    if f.load1 is not None:
+        lines.append(f"load      {f.load1:.2f} runnable over the last minute on "
+                     f"{_or(f.cpu_cores, '?')} cores" + (busy_note() if busy(f) else ""))
     if f.jetson:
         jp = f.jetpack
         jetpack = (f"JetPack {jp[0]} (CUDA {jp[1]}, TensorRT {jp[2]})" if jp
@@ -681,6 +687,24 @@ def describe_machine(f: Facts) -> list[str]:
               else f"          learned heads in onnxruntime ({f.native_heads})"]
     lines += [f"problem   {p}" for p in f.problems]
     return lines
+
+
+def busy(f: Facts) -> bool:
+    """Other work holds the CPU: a 1-minute load average of at least 3/4 of the cores (and
+    at least 1).
+
+    >>> busy(Facts(cpu_cores=2, load1=1.6)), busy(Facts(cpu_cores=2, load1=0.4))
+    (True, False)
+    """
+    return (f.load1 is not None and f.cpu_cores is not None
+            and f.load1 >= max(1.0, 0.75 * f.cpu_cores))
+
+
+def busy_note() -> str:
+    return ("; busy: the native backend's C decoder runs a thread per core and they meet "
+            "~300 times a step, each meeting waiting for a thread another process holds off "
+            "its core (on a 2-core machine running a test suite beside it: 20-29 tok/s with "
+            "2 threads, 86-120 with --threads 1): give --threads the cores left free")
 
 
 def describe_verdicts(vs: list[Verdict]) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import re
 import subprocess
@@ -39,6 +40,18 @@ DESKTOP = Facts(system="Linux x86_64", python="3.11.7", cpu_cores=16, host_total
                 onnxruntime="1.22.0", ort_providers=("CPUExecutionProvider",))
 
 
+def test_a_busy_cpu_is_named_with_the_threads_to_give():
+    busy = doctor.describe_machine(replace(DESKTOP, cpu_cores=2, load1=1.9))
+    quiet = doctor.describe_machine(replace(DESKTOP, cpu_cores=2, load1=0.3))
+    line = next(x for x in busy if x.startswith("load"))
+    assert "1.90 runnable" in line and "--threads" in line
+    assert [x for x in quiet if x.startswith("load")] == [
+        "load      0.30 runnable over the last minute on 2 cores"]
+    assert not [x for x in doctor.describe_machine(DESKTOP) if x.startswith("load")]
+    if hasattr(os, "getloadavg"):
+        assert doctor.probe().load1 >= 0
+
+
 def by_pair(facts: Facts) -> dict[tuple[str, str], doctor.Verdict]:
     return {(v.backend, v.device): v for v in doctor.verdicts(facts)}
 
@@ -68,6 +81,16 @@ def test_probe_reads_this_machine():
 def _doctor(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgemtp.cli", "doctor", *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_a_reader_that_goes_away_ends_the_report_quietly():
+    # `edgemtp doctor | head -1`: the pipe closes before the report is written
+    p = subprocess.Popen([sys.executable, "-m", "edgemtp.cli", "doctor"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 @pytest.fixture(scope="module")
