@@ -9,10 +9,18 @@ Runs uninstalled from this tree (a bare GPU machine with PyTorch):
         --drafters none,probe,pld,stand,hybrid,auto --bc 10,60 --tree-cost measured \
         --profile hybrid@10
 
-Every configuration generates the same prompts (4 untimed, then ``--prompts`` timed, 128 new
-tokens each) on one loaded model; a step's parts are the engine's timers summed over the timed
-prompts and divided by their decode steps (prefill left out). ``other`` is the rest of the wall
-time: the engine's loop, stop checks, the drafter's observe.
+On real weights (SmolLM2-135M-Instruct from the shared GGUF, carried to the GPU machine by
+``bench/gguf_gpu_parts.sh``), a ``.gguf`` model reads Spec-Bench's chat prompts as that model's
+token ids (``bench/data/gpu_prompts_smollm2.json``; ``--prompts-file`` for others):
+
+    python bench/bench_step_host.py /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf --backend torch \
+        --device cuda --dtype fp16 --drafters none,hybrid,auto --bc 60 --profile hybrid@60
+
+Every configuration generates the same prompts (4 untimed, then ``--prompts`` timed,
+``--new-tokens`` new tokens each, 128 by default) on one loaded model; a step's parts are the
+engine's timers summed over the timed prompts and divided by their decode steps (prefill left
+out). ``other`` is the rest of the wall time: the engine's loop, stop checks, the drafter's
+observe.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import PROMPTS_FILE, sync  # noqa: E402  (imports edgemtp from the tree)
+from bench_gpu import CHAT_PROMPTS_FILE, PROMPTS_FILE, sync  # noqa: E402  (imports edgemtp)
 
 from edgemtp import GenerationConfig, Model  # noqa: E402
 from edgemtp import drafters as drafter_registry  # noqa: E402
@@ -36,9 +44,10 @@ from edgemtp.errors import EdgeMTPError  # noqa: E402
 PARTS = ("draft", "forward", "bind", "verify", "commit")
 
 
-def prompts(n: int) -> list[list[int]]:
-    """The shared story prompts as stories260K's token ids (bench_gpu's file)."""
-    return json.loads(PROMPTS_FILE.read_text())["prompts"][:n]
+def prompts(n: int, path: Path = PROMPTS_FILE) -> list[list[int]]:
+    """The first ``n`` prompts of a bench_gpu prompts file (token ids): by default the shared
+    story prompts as stories260K's ids."""
+    return json.loads(Path(path).read_text())["prompts"][:n]
 
 
 def run(model: Model, texts: list[list[int]], config: GenerationConfig, device: str,
@@ -74,15 +83,23 @@ def main(argv=None) -> int:
     ap.add_argument("--bc", default="10,60")
     ap.add_argument("--tree-cost", default="budget", choices=("budget", "measured"))
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts-file", default=None,
+                    help="token-id prompts (bench_gpu's JSON; default: the story prompts, or "
+                         "SmolLM2's Spec-Bench chat prompts for a .gguf model)")
+    ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--profile", default="", help="DRAFTER@BC,... to run again under cProfile")
     ap.add_argument("--out", default=None, help="write the table (JSON) here")
     a = ap.parse_args(argv)
+    source = a.prompts_file or (CHAT_PROMPTS_FILE if a.model.endswith(".gguf")
+                                else PROMPTS_FILE)
+    if not Path(source).is_file():
+        ap.error(f"--prompts-file {source}: no such file")
     rows = []
     configs = {}
     try:
         for d in a.drafters.split(","):
             for bc in ([1] if d == "none" else [int(b) for b in a.bc.split(",")]):
-                c = GenerationConfig(drafter=d, bc=bc, max_new_tokens=128)
+                c = GenerationConfig(drafter=d, bc=bc, max_new_tokens=a.new_tokens)
                 if a.tree_cost != "budget" and "tree_cost" in drafter_registry.get(d).options:
                     c = c.with_(tree_cost=a.tree_cost)
                 configs[f"{d}@{bc}"] = c
@@ -93,7 +110,7 @@ def main(argv=None) -> int:
         ap.error(f"--profile {','.join(unknown)}: not among the configurations run "
                  f"({', '.join(configs)})")
     model = Model.load(a.model, backend=a.backend, device=a.device, dtype=a.dtype)
-    texts = prompts(a.prompts + 4)
+    texts = prompts(a.prompts + 4, source)
     print("| config | BE | step µs | " + " | ".join(PARTS) + " | other |")
     print("|---|---:|---:|" + "---:|" * (len(PARTS) + 1))
     for label, c in configs.items():

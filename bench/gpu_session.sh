@@ -5,7 +5,8 @@
 # PARTS picks the parts (default ABCDE, ~11 min: more than one call's 10, so run
 # PARTS=ABC then PARTS=DEF on the warm machine; F, tree_cost=measured, G, the per-stage
 # host time of a step, and H, learned heads through the torch backend, are not in the
-# default; R, the real SmolLM2 GGUF, needs bench/gguf_gpu_parts.sh first);
+# default; R, the real SmolLM2 GGUF, needs bench/gguf_gpu_parts.sh first, and S, a step's
+# stages and cProfile on that GGUF, runs in a call of its own after R);
 # budgets (seconds): A, B, C, D, F, G. The onnxruntime CUDA EP is measured apart
 # (bench/ort_gpu_parts.sh carries onnxruntime-gpu; bench/bench_ort_gpu.py measures it).
 set -u
@@ -69,6 +70,13 @@ has R && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R2:-200}" py
   bench/bench_gpu.py --gguf "$GGUF" --models smollm2-gguf:fp32 --prompts 13 --drafters "$RD" \
   --bc 10,60 --paired 1 --warmup 2 --skip static,eager --out "$OUT/real" \
   2>&1 | grep -v "it/s" | tee -a "$OUT/log.txt"
+# S: where a real-weights step's time goes (the engine's stage timers, and cProfile of
+# hybrid@60: the H100 showed ~1.6 ms a step beyond its forward there); needs R's GGUF parts,
+# its own call (R alone is near a call's 600 s)
+has S && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${S4:-90}" python3 \
+  bench/bench_step_host.py "$GGUF" --backend torch --device cuda --dtype fp16 \
+  --drafters none,hybrid,auto --bc 60 --prompts 8 --profile hybrid@60 \
+  --out "$OUT/real/step_host_gguf.json" 2>&1 | grep -v "it/s" | tee "$OUT/real/step_host_gguf.md"
 # R, then: auto without its host-time floor (AutoDrafter.host_floor), paired with plain
 # decoding in the same process, beside part R's auto rows (the floor hypothesis, README)
 has R && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R3:-150}" python3 \

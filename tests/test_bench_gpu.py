@@ -335,6 +335,23 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def test_step_host_bench_reads_the_chat_prompts_for_a_gguf(tmp_path):
+    """A .gguf model reads SmolLM2's Spec-Bench chat prompts (the real weights' token ids);
+    a --prompts-file that is not there is one line and exit 2, before any model loads."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_step_host
+
+    chat = bench_step_host.prompts(3, bench_step_host.CHAT_PROMPTS_FILE)
+    assert len(chat) == 3 and max(max(p) for p in chat) >= 512  # beyond stories260K's vocab
+    assert chat != bench_step_host.prompts(3)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step_host.py"),
+                           str(tmp_path / "model.gguf"), "--prompts-file",
+                           str(tmp_path / "nope.json")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("nope.json: no such file")
+
+
 @pytest.mark.slow  # a bench script run in a subprocess (7-17 s here): CI only
 def test_step_host_bench_runs_on_cpu(tmp_path):
     """bench/bench_step_host.py (where a GPU step's time goes) runs from the tree on CPU: one
