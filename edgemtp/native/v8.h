@@ -37,8 +37,9 @@ static inline v8 max8(v8 a, v8 b) {  /* lanes of b where b > a, else a */
 }
 
 /* 2^t for t in [-126, 127] (t = x log2 e of e^x), to ~2e-7 relative: t split into an
-   integer and a fraction in [-0.5, 0.5], the fraction by its Taylor polynomial (products and
-   sums rounded one by one: the same bits on every machine, fused multiply-adds or not) */
+   integer and a fraction in [-0.5, 0.5], the fraction by its Taylor polynomial (in decoder.c,
+   built without contraction, products and sums round one by one: the same bits on every
+   machine, with fused multiply-adds or without) */
 static inline v8 vexp2_in(v8 t) {
     v8 r = (t + 12582912.0f) - 12582912.0f;
     v8 f = t - r;
