@@ -654,7 +654,7 @@ def describe_machine(f: Facts) -> list[str]:
              + ("; on Jetson the GPU shares this memory" if f.jetson else "")]
     if f.load1 is not None:
         lines.append(f"load      {f.load1:.2f} runnable over the last minute on "
-                     f"{_or(f.cpu_cores, '?')} cores" + (busy_note() if busy(f) else ""))
+                     f"{_or(f.cpu_cores, '?')} cores" + (BUSY_NOTE if busy(f) else ""))
     if f.jetson:
         jp = f.jetpack
         jetpack = (f"JetPack {jp[0]} (CUDA {jp[1]}, TensorRT {jp[2]})" if jp
@@ -700,11 +700,10 @@ def busy(f: Facts) -> bool:
             and f.load1 >= max(1.0, 0.75 * f.cpu_cores))
 
 
-def busy_note() -> str:
-    return ("; busy: the native backend's C decoder runs a thread per core and they meet "
-            "~300 times a step, each meeting waiting for a thread another process holds off "
-            "its core (on a 2-core machine running a test suite beside it: 20-29 tok/s with "
-            "2 threads, 86-120 with --threads 1): give --threads the cores left free")
+BUSY_NOTE = ("; busy: the native backend's C decoder runs a thread per core and they meet "
+             "~300 times a step, each meeting waiting for a thread another process holds off "
+             "its core (on a 2-core machine running a test suite beside it: 20-29 tok/s with "
+             "2 threads, 86-120 with --threads 1): give --threads the cores left free")
 
 
 def describe_verdicts(vs: list[Verdict]) -> list[str]:

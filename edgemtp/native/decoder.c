@@ -108,12 +108,15 @@ static inline __m512 vexp16(__m512 x) {  /* (finite x: vexp's clamps are these c
     return vexp2_in16(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)));
 }
 
+/* the low and the high 8 lanes of a 16-lane vector */
+static inline v8 lo8(__m512 e) { return (v8)_mm512_castps512_ps256(e); }
+static inline v8 hi8(__m512 e) {
+    return (v8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1));
+}
+
 /* sum + the low 8 lanes of e, then + its high 8: an 8-lane accumulator's order over a list
    read 16 at a time */
-static inline v8 add_halves(v8 sum, __m512 e) {
-    sum += (v8)_mm512_castps512_ps256(e);
-    return sum + (v8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1));
-}
+static inline v8 add_halves(v8 sum, __m512 e) { return (sum + lo8(e)) + hi8(e); }
 #endif
 
 /* a * b + c rounded once, lane by lane (as fmaf) */
@@ -1173,8 +1176,7 @@ static float pv_weights(const float *x, const float *vs, int n0, int n, int P, c
         for (; i + 16 <= n0; i += 16)
             m16 = _mm512_max_ps(m16, _mm512_mul_ps(_mm512_loadu_ps(x + i),
                                                    _mm512_loadu_ps(vs + i)));
-        mv = max8((v8)_mm512_castps512_ps256(m16),
-                  (v8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1)));
+        mv = max8(lo8(m16), hi8(m16));
     }
 #endif
     for (; i + 8 <= n0; i += 8) mv = max8(mv, load8(x + i) * load8(vs + i));
@@ -1393,8 +1395,7 @@ static void row_softmax(const float *q, const int32_t *qp, float qsc, const void
     if (n8 >= 24) {  /* (a maximum is exact: any grouping gives the same) */
         __m512 m16 = _mm512_loadu_ps(x + 8);
         for (i = 24; i + 16 <= n8; i += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(x + i));
-        mx = max8(mx, max8((v8)_mm512_castps512_ps256(m16), (v8)_mm256_castpd_ps(
-                                _mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1))));
+        mx = max8(mx, max8(lo8(m16), hi8(m16)));
     }
 #endif
     for (; i < n8; i += 8) mx = max8(mx, load8(x + i));
