@@ -273,6 +273,8 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
     if sizes is not None:
         sizes.counts.clear()
         sizes.seconds.clear()
+    events = getattr(model.backend, "graph_events", None)  # the torch backend's
+    before = dict(events) if events is not None else {}
     outputs, tokens, calls, seconds, p_tokens, p_seconds = [], [], 0, [], [], []
     kinds: Counter = Counter()  # auto: its timed steps per kind (plain, pld, probe, stand...)
     stages: Counter = Counter()  # seconds per stage of the decode steps (step_us)
@@ -313,6 +315,10 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
                    t: round(sizes.seconds[t] / n * 1e3, 4)
                    for t, n in sorted(sizes.counts.items())},
                steps_by_kind=dict(kinds), step_us=step_us(stages, steps))
+    if events is not None:  # step shapes first met (an eager run) and CUDA graphs captured
+        # in the timed passes (plain decoding's beside them too), with their host seconds
+        out["graphs"] = {k: round(events[k] - before.get(k, 0), 4)
+                         for k in ("shapes", "shape_s", "captures", "capture_s")}
     if beside is not None:
         out.update(plain_tokens=p_tokens, plain_seconds=p_seconds)
     return out
@@ -607,6 +613,8 @@ def run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progre
         if drafter == "auto":
             entry.setdefault("auto_state", {})[b] = auto_state(model.memory,
                                                                 run["steps_by_kind"])
+        if "graphs" in run:
+            entry.setdefault("graphs", {}).setdefault(drafter, {})[b] = run["graphs"]
         if run["block_sizes"] is not None:
             block_sizes.setdefault(drafter, {})[b] = {str(t): n for t, n in
                                                      run["block_sizes"].items()}
@@ -785,6 +793,16 @@ def markdown(summary: dict) -> str:
                 for b, us in ({"1": by} if d == "plain" else by).items():
                     out.append(f"| {d} | {b} | " + " | ".join(f"{us[c]:.0f}" for c in cols)
                                + " |")
+        if e.get("graphs"):  # shapes met and graphs captured inside the timed passes
+            out += ["", "Step shapes first met (an eager run) and CUDA graphs captured inside "
+                    "the timed passes (plain decoding's beside them included), with their "
+                    "host seconds:", "",
+                    "| method | BC | new shapes | s | captures | s |",
+                    "|---|---:|---:|---:|---:|---:|"]
+            for d, by in e["graphs"].items():
+                for b, g in by.items():
+                    out.append(f"| {d} | {b} | {g['shapes']:.0f} | {g['shape_s']:.3f} | "
+                               f"{g['captures']:.0f} | {g['capture_s']:.3f} |")
         if e.get("auto_params"):
             out += ["", f"AutoDrafter parameters set for this run: {e['auto_params']}"]
         for b, st in e.get("auto_state", {}).items():

@@ -57,6 +57,8 @@ def run(model: Model, texts: list[list[int]], config: GenerationConfig, device: 
     acc = dict.fromkeys(PARTS, 0.0)
     steps = tokens = calls = 0
     wall = 0.0
+    events = getattr(model.backend, "graph_events", None)  # the torch backend's
+    before = dict(events) if events is not None else {}
     for t in texts:
         sync(device)
         t0 = time.perf_counter()
@@ -70,7 +72,14 @@ def run(model: Model, texts: list[list[int]], config: GenerationConfig, device: 
     us = {k: round(1e6 * v / steps, 1) for k, v in acc.items()}
     us["other"] = round(1e6 * wall / steps - sum(us.values()), 1)
     us["step"] = round(1e6 * wall / steps, 1)
-    return dict(us=us, be=round(tokens / calls, 3), steps=steps)
+    out = dict(us=us, be=round(tokens / calls, 3), steps=steps)
+    if events is not None:  # step shapes first met and CUDA graphs captured in the timed
+        # prompts (after the warm-up), and their host seconds as µs a step: inside `forward`
+        out["graphs"] = {k: events[k] - before.get(k, 0) for k in ("shapes", "captures")}
+        out["graphs"].update({f"{k[:-2]}_us": round(1e6 * (events[k] - before.get(k, 0))
+                                                    / steps, 1)
+                              for k in ("shape_s", "capture_s")})
+    return out
 
 
 def main(argv=None) -> int:
@@ -118,6 +127,15 @@ def main(argv=None) -> int:
         rows.append(dict(config=label, **r))
         print(f"| {label} | {r['be']:.2f} | {r['us']['step']:.0f} | "
               + " | ".join(f"{r['us'][k]:.0f}" for k in (*PARTS, "other")) + " |", flush=True)
+    graphs = [r for r in rows if "graphs" in r]
+    if graphs:
+        print("\nStep shapes first met (an eager run) and CUDA graphs captured in the timed "
+              "prompts, with their host time as µs a step (part of `forward` above):\n")
+        print("| config | new shapes | µs/step | captures | µs/step |\n|---|---:|---:|---:|---:|")
+        for r in graphs:
+            g = r["graphs"]
+            print(f"| {r['config']} | {g['shapes']} | {g['shape_us']:.0f} | {g['captures']} | "
+                  f"{g['capture_us']:.0f} |")
     for label in filter(None, a.profile.split(",")):
         pr = cProfile.Profile()
         pr.enable()

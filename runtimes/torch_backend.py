@@ -7,7 +7,9 @@ import contextlib
 import gc
 import json
 import threading
+import time
 import weakref
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -170,6 +172,10 @@ class TorchBackend:
         # turns (each session's graphs share a memory pool of its own); on CPU they run side
         # by side
         self.lock = threading.Lock() if cuda else contextlib.nullcontext()
+        # step shapes met (StepGraph's first, eager run), CUDA graphs captured, and the
+        # seconds each took on the host (a capture mid-generation stalls that step): what a
+        # bench sets beside the steps' time (bench_step_host, bench_gpu)
+        self.graph_events = Counter()
         self.vocab_size = int(cfg.vocab_size)
         self.hidden_size = int(cfg.hidden_size)
         self.max_context = max_context(cfg, self.family, requested_context)
@@ -448,9 +454,14 @@ class StepGraph:
         self.uses += 1
         b = self.session.backend
         if not (self.cuda and b.cuda_graphs) or self.uses == 1:
+            t0 = time.perf_counter() if self.uses == 1 else 0.0
             self._compute()  # CPU; and on CUDA a shape's first use (most never recur)
+            if self.uses == 1:
+                b.graph_events["shapes"] += 1
+                b.graph_events["shape_s"] += time.perf_counter() - t0
             return
         if self.graph is None:
+            t0 = time.perf_counter()
             side = torch.cuda.Stream(device=b.device)
             side.wait_stream(torch.cuda.current_stream(b.device))
             with torch.cuda.stream(side):
@@ -469,6 +480,8 @@ class StepGraph:
             finally:
                 if enabled:
                     gc.enable()
+            b.graph_events["captures"] += 1
+            b.graph_events["capture_s"] += time.perf_counter() - t0
         self.graph.replay()
 
     def read(self, t: int, full_logits: bool, hidden: bool) -> StepOut:

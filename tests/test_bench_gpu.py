@@ -95,6 +95,10 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
             assert parts == pytest.approx(us["step"], abs=1.0), (d, b, us)
             assert 0 < us["forward"] < us["step"] and us["draft"] >= 0, (d, b, us)
     assert set(stories["step_us"]) == {"plain", *drafters}
+    # step shapes met and graphs captured inside the timed passes: none captured on a CPU
+    for d in drafters:
+        for b, g in stories["graphs"][d].items():
+            assert g["captures"] == 0 and g["capture_s"] == 0 and g["shapes"] >= 0, (d, b, g)
     assert "Host and device time of a decode step" in (tmp_path / "gpu_cpu.md").read_text()
     assert stories["block_sizes"]["probe"]["10"] == {"10": stories["forward_calls"]["probe"]["10"]
                                                     - stories["prompts"]}
@@ -371,3 +375,6 @@ def test_step_host_bench_runs_on_cpu(tmp_path):
         assert us["forward"] > 0 and abs(parts - us["step"]) < 1.0
     assert rows["none@1"]["be"] == 1.0 and rows["probe@10"]["be"] >= 1.0
     assert "| probe@10 |" in proc.stdout
+    for r in rows.values():  # the torch backend's step shapes and (GPU only) captures
+        assert r["graphs"]["captures"] == 0 and r["graphs"]["shapes"] >= 0, r
+    assert "CUDA graphs captured" in proc.stdout

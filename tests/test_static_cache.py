@@ -103,6 +103,11 @@ def test_block_buckets_pad_blocks_to_powers_of_two_and_stay_exact(stories_refs):
             out = Generation(backend, config, ids, session=session).run()
             assert out.token_ids == ref[:64], (drafter, bc)
     assert {g.t for g in session._graphs.values()} <= {1, 2, 4, 8, 16, 32, 64}
+    # the backend counts each step shape at its first (eager) use, once: the benches set
+    # these beside a step's time; no graph is captured where CUDA is absent
+    ev = backend.graph_events
+    assert ev["shapes"] == len(session._graphs) > 0 and ev["shape_s"] > 0, ev
+    assert ev["captures"] == 0 and ev["capture_s"] == 0, ev
 
 
 def test_a_dropped_session_frees_its_step_graphs_at_once():
