@@ -73,7 +73,7 @@ def first_difference(a: list, b: list) -> int:
 
 
 def simulate(gguf: Path, seq: list[int], prompts: list[list[int]], new_tokens: int,
-             threads: int, int4: bool = False) -> list[dict]:
+             threads: int, int4: bool = False, a8: bool = False) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama
@@ -89,6 +89,11 @@ def simulate(gguf: Path, seq: list[int], prompts: list[list[int]], new_tokens: i
             for mod in hf.modules():
                 if isinstance(mod, torch.nn.Linear):
                     mod.weight.copy_(torch.from_numpy(requantize(mod.weight.numpy(), 4)))
+    if a8:  # every linear layer's input rounded to int8 per block of 32 (amax / 127), as the
+        # native decoder's int4 products take their activations (quant_row)
+        for mod in hf.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.register_forward_pre_hook(lambda _, args: (fake_quant(args[0], 8, 32),))
     plain = modeling_llama.eager_attention_forward
     mode: dict = {}
 
@@ -166,6 +171,9 @@ def main(argv=None) -> int:
     p.add_argument("--package", help="an int4 package: its real int8 cache, as a check")
     p.add_argument("--int4-weights", action="store_true",
                    help="simulate on the int4 package's weights (the export's quantizer)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="round every linear layer's input to int8 blocks of 32, as the "
+                        "native decoder does")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv_quant_smollm2"))
     a = p.parse_args(argv)
     gguf = Path(a.gguf)
@@ -176,16 +184,19 @@ def main(argv=None) -> int:
     chat = json.loads(CHAT.read_text())["prompts"]
     seq = [t for ids in chat for t in ids][:a.tokens]
     t0 = time.perf_counter()
-    rows = simulate(gguf, seq, chat[:a.prompts], a.new_tokens, a.threads, a.int4_weights)
+    rows = simulate(gguf, seq, chat[:a.prompts], a.new_tokens, a.threads, a.int4_weights,
+                    a.int8_activations)
     real = native_int8(a.package, seq, a.threads) if a.package else None
     result = dict(command=" ".join(sys.argv), gguf=gguf.name, int4_weights=a.int4_weights,
+                  int8_activations=a.int8_activations,
                   tokens=len(seq),
                   prompts=a.prompts, new_tokens=a.new_tokens, rows=rows, native_int8=real,
                   seconds=round(time.perf_counter() - t0, 1))
     out = Path(a.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     md = [f"# A quantized K/V cache's fidelity, simulated on {gguf.name}"
-          + (" (int4 weights)" if a.int4_weights else ""), "",
+          + (" (int4 weights)" if a.int4_weights else "")
+          + (" (int8 activations)" if a.int8_activations else ""), "",
           f"`{result['command']}` ({result['seconds']} s). Teacher-forced over {len(seq)} "
           "tokens of Spec-Bench chat prompts (SmolLM2's template); greedy answers to "
           f"{a.prompts} of them, {a.new_tokens} new tokens, against the float cache's.", "",

@@ -2,7 +2,6 @@
 native int8 cache's, its measures say what they claim, and bad arguments are one line."""
 
 import doctest
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +16,10 @@ SCRIPT = ROOT / "bench" / "bench_kv_quant.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kv_quant", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_kv_quant
+
+    return bench_kv_quant
 
 
 def test_doctests(bench):
