@@ -6,7 +6,9 @@
 #   here:   bash bench/gguf_gpu_parts.sh split     # carry/gguf/p0, carry/gguf/p1, carry/whl
 #   there:  run(carry=["carry/gguf/p0"], command="bash bench/gguf_gpu_parts.sh take 0")
 #           run(carry=["carry/gguf/p1", "carry/whl"],
-#               command="bash bench/gguf_gpu_parts.sh take 1 && PARTS=R bash bench/gpu_session.sh")
+#               command="bash bench/gguf_gpu_parts.sh take 1 && PARTS=S bash bench/gpu_session.sh")
+#           then PARTS=R (fp16, ~250 s), Q (fp32), N (auto without its host floor): see
+#           bench/gpu_session.sh
 #   (2026-11-28, H100: the first call 0.3 s after a ~35 s start; part R's fp16 run 226 s)
 set -euo pipefail
 cd "$(dirname "$0")/.."

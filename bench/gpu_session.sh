@@ -5,8 +5,10 @@
 # PARTS picks the parts (default ABCDE, ~11 min: more than one call's 10, so run
 # PARTS=ABC then PARTS=DEF on the warm machine; F, tree_cost=measured, G, the per-stage
 # host time of a step, and H, learned heads through the torch backend, are not in the
-# default; R, the real SmolLM2 GGUF, needs bench/gguf_gpu_parts.sh first, and S, a step's
-# stages and cProfile on that GGUF, runs in a call of its own after R);
+# default; R, the real SmolLM2 GGUF in fp16 (~250 s), needs bench/gguf_gpu_parts.sh first,
+# as do Q (the same in fp32, ~200 s), N (auto without its host-time floor, ~150 s) and S (a
+# step's stages, the graphs captured mid-generation and cProfile on that GGUF, ~90 s). With
+# 15 minutes of device time a lease: take 0, then take 1 && PARTS=S, then PARTS=R, then N);
 # budgets (seconds): A, B, C, D, F, G. The onnxruntime CUDA EP is measured apart
 # (bench/ort_gpu_parts.sh carries onnxruntime-gpu; bench/bench_ort_gpu.py measures it).
 set -u
@@ -66,7 +68,8 @@ has R && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R:-250}" pyt
   bench/bench_gpu.py --gguf "$GGUF" --models smollm2-gguf:fp16 --prompts 13 --drafters "$RD" \
   --bc 10,60 --paired 2 --warmup 2 --hf-prompts 4 --skip static --out "$OUT/real" --fresh \
   2>&1 | grep -v "it/s" | tee -a "$OUT/log.txt"
-has R && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R2:-200}" python3 \
+# Q: the same in fp32 (identity against plain decoding must be 13/13 per drafter there)
+has Q && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R2:-200}" python3 \
   bench/bench_gpu.py --gguf "$GGUF" --models smollm2-gguf:fp32 --prompts 13 --drafters "$RD" \
   --bc 10,60 --paired 1 --warmup 2 --skip static,eager --out "$OUT/real" \
   2>&1 | grep -v "it/s" | tee -a "$OUT/log.txt"
@@ -77,9 +80,9 @@ has S && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${S4:-90}" pyt
   bench/bench_step_host.py "$GGUF" --backend torch --device cuda --dtype fp16 \
   --drafters none,hybrid,auto --bc 60 --prompts 8 --profile hybrid@60 \
   --out "$OUT/real/step_host_gguf.json" 2>&1 | grep -v "it/s" | tee "$OUT/real/step_host_gguf.md"
-# R, then: auto without its host-time floor (AutoDrafter.host_floor), paired with plain
-# decoding in the same process, beside part R's auto rows (the floor hypothesis, README)
-has R && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R3:-150}" python3 \
+# N: auto without its host-time floor (AutoDrafter.host_floor), paired with plain decoding
+# in the same process, beside part R's auto rows (the floor hypothesis, README)
+has N && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R3:-150}" python3 \
   bench/bench_gpu.py --gguf "$GGUF" --models smollm2-gguf:fp16 --prompts 13 --drafters auto,pld \
   --bc 10,60 --paired 2 --warmup 2 --skip static,eager --auto-param host_floor=0 \
   --out "$OUT/real_nofloor" --fresh 2>&1 | grep -v "it/s" | tee -a "$OUT/log.txt"
