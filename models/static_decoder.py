@@ -46,6 +46,10 @@ class StaticTreeDecoder(TreeDecoder):
         self.qkv = [_fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
                     for layer in self.model.layers]
         self.gate_up = [_fuse(layer.mlp, ("gate_proj", "up_proj")) for layer in self.model.layers]
+        # on a GPU in float16/bfloat16 the LM head writes float32 logits (see _logits)
+        w = self.lm_head.weight
+        self.fp32_logits = (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16)
+                            and self.lm_head.bias is None)
 
     def step(self, ids, pos, tree_mask, mask_embeds, p, k_cache, v_cache, width: int):
         """One block: ``ids``/``pos`` [T] int64, ``tree_mask`` [T, T] bool, ``mask_embeds``
@@ -70,7 +74,22 @@ class StaticTreeDecoder(TreeDecoder):
             x = x + self._fused_mlp(layer, self.gate_up[i],
                                      rms_norm(layer.post_attention_layernorm, x))
         h = rms_norm(self.model.norm, x)[0]
-        return h, self.lm_head(h)
+        return h, self._logits(h)
+
+    def _logits(self, h):
+        """The LM head. On a GPU in float16/bfloat16, one cuBLAS product whose float32 sums are
+        written as float32 (``torch.mm``'s ``out_dtype``) rather than rounded to the model's
+        dtype: a float16 logit near 20 is a multiple of 1/64, so two tokens a hair apart tie,
+        and which one the T = 1 kernel and a block's kernel pick is a coin toss (the H100's
+        fp16 divergences from plain decoding sat at logit gaps 0, 1/64 and 1/32). Where this
+        torch cannot (CPU, or a torch without the overload), the model's own head; the first
+        call of each step shape runs eagerly, so that is settled before any graph capture."""
+        if self.fp32_logits:
+            try:
+                return torch.mm(h, self.lm_head.weight.t(), out_dtype=torch.float32)
+            except (NotImplementedError, RuntimeError, TypeError):
+                self.fp32_logits = False
+        return self.lm_head(h)
 
     @staticmethod
     def _fused_mlp(layer, gate_up, h):

@@ -309,3 +309,22 @@ def test_fused_projections_share_the_weights(stories_path):
         assert w.shape[0] == attn.q_proj.out_features + 2 * attn.k_proj.out_features
     with torch.no_grad():
         assert torch.equal(hf(ids).logits, before)
+
+
+def test_the_float32_logits_head_falls_back_where_torch_cannot():
+    """On a GPU in float16/bfloat16 the LM head writes float32 logits (torch.mm's out_dtype,
+    CUDA only): off on CPU; asked for here anyway, the first step finds the overload missing,
+    turns it off and gives the model's own head's logits, the same as never asking."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(family_configs()["llama3"]).eval()
+    plain = TorchBackend.from_model(hf)
+    assert not plain.decoder.fp32_logits
+    forced = TorchBackend.from_model(hf)
+    forced.decoder.fp32_logits = True
+    ids = np.arange(7) % plain.vocab_size
+    causal = np.tril(np.ones((7, 7), dtype=bool))
+    a = plain.session().forward(ids, np.arange(7), causal, None, topk=4, full_logits=True)
+    b = forced.session().forward(ids, np.arange(7), causal, None, topk=4, full_logits=True)
+    assert not forced.decoder.fp32_logits
+    np.testing.assert_array_equal(a.logits, b.logits)
+    np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
