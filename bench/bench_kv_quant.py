@@ -176,6 +176,9 @@ def main(argv=None) -> int:
                         "native decoder does")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv_quant_smollm2"))
     a = p.parse_args(argv)
+    for name in ("tokens", "prompts", "new_tokens", "threads"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: expected a positive count")
     gguf = Path(a.gguf)
     if not gguf.is_file():
         p.error(f"--gguf {gguf}: no such file")

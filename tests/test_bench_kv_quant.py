@@ -58,3 +58,10 @@ def test_a_missing_gguf_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("x.gguf: no such file")
+
+
+def test_a_count_that_is_not_positive_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tokens", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("--tokens 0: expected a positive count")
