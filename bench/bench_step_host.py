@@ -40,6 +40,7 @@ from bench_gpu import CHAT_PROMPTS_FILE, PROMPTS_FILE, sync  # noqa: E402  (impo
 from edgemtp import GenerationConfig, Model  # noqa: E402
 from edgemtp import drafters as drafter_registry  # noqa: E402
 from edgemtp.errors import EdgeMTPError  # noqa: E402
+from edgemtp.latency import measure_latency  # noqa: E402
 
 PARTS = ("draft", "forward", "bind", "verify", "commit")
 
@@ -97,6 +98,10 @@ def main(argv=None) -> int:
                          "SmolLM2's Spec-Bench chat prompts for a .gguf model)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--profile", default="", help="DRAFTER@BC,... to run again under cProfile")
+    ap.add_argument("--topk-curve", type=int, default=0, metavar="K",
+                    help="also t(T) at T = 1, 2, 8, 16, 64 with and without a top-K of K "
+                         "(bench_gpu's t_ms is without: drafters that read candidates pay "
+                         "the log-softmax and top-K over the vocabulary on top)")
     ap.add_argument("--out", default=None, help="write the table (JSON) here")
     a = ap.parse_args(argv)
     source = a.prompts_file or (CHAT_PROMPTS_FILE if a.model.endswith(".gguf")
@@ -114,6 +119,8 @@ def main(argv=None) -> int:
                 configs[f"{d}@{bc}"] = c
     except (ValueError, EdgeMTPError) as e:  # a drafter or budget that does not exist
         ap.error(str(e))
+    if a.topk_curve < 0:
+        ap.error(f"--topk-curve must be >= 0, got {a.topk_curve}")
     unknown = [x for x in filter(None, a.profile.split(",")) if x not in configs]
     if unknown:
         ap.error(f"--profile {','.join(unknown)}: not among the configurations run "
@@ -136,6 +143,18 @@ def main(argv=None) -> int:
             g = r["graphs"]
             print(f"| {r['config']} | {g['shapes']} | {g['shape_us']:.0f} | {g['captures']} | "
                   f"{g['capture_us']:.0f} |")
+    curves = {}
+    if a.topk_curve:
+        sizes = [t for t in (1, 2, 8, 16, 64) if t < model.backend.max_context - 65]
+        for k in (0, a.topk_curve):
+            sync(a.device)
+            c = measure_latency(model.backend, sizes, context=64, repeats=7, topk=k)
+            curves[k] = {str(t): round(s * 1e6, 1) for t, s in zip(c.sizes, c.seconds)}
+        print(f"\nt(T) in µs over 64 cached rows, without and with a top-{a.topk_curve}:\n")
+        print("| top-K | " + " | ".join(f"T={t}" for t in sizes) + " |\n|---|"
+              + "---:|" * len(sizes))
+        for k, row in curves.items():
+            print(f"| {k} | " + " | ".join(f"{row[str(t)]:.0f}" for t in sizes) + " |")
     for label in filter(None, a.profile.split(",")):
         pr = cProfile.Profile()
         pr.enable()
@@ -145,7 +164,8 @@ def main(argv=None) -> int:
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
         print(f"## {label} under cProfile\n{s.getvalue()}")
     if a.out:
-        Path(a.out).write_text(json.dumps(dict(command=" ".join(sys.argv), rows=rows), indent=1))
+        Path(a.out).write_text(json.dumps(dict(command=" ".join(sys.argv), rows=rows,
+                                               topk_curves=curves), indent=1))
     return 0
 
 

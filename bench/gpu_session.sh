@@ -6,9 +6,10 @@
 # PARTS=ABC then PARTS=DEF on the warm machine; F, tree_cost=measured, G, the per-stage
 # host time of a step, and H, learned heads through the torch backend, are not in the
 # default; R, the real SmolLM2 GGUF in fp16 (~250 s), needs bench/gguf_gpu_parts.sh first,
-# as do Q (the same in fp32, ~200 s), N (auto without its host-time floor, ~150 s) and S (a
-# step's stages, the graphs captured mid-generation and cProfile on that GGUF, ~90 s). With
-# 15 minutes of device time a lease: take 0, then take 1 && PARTS=S, then PARTS=R, then N);
+# as do Q (the same in fp32, ~200 s), N (auto without its host-time floor, ~150 s), S (a
+# step's stages, the graphs captured mid-generation and cProfile on that GGUF, ~120 s) and W
+# (S's table with every step over the whole cache: no captures mid-generation, ~100 s). With
+# 15 minutes of device time a lease: take 0, then take 1 && PARTS=SW, then PARTS=R, then N);
 # budgets (seconds): A, B, C, D, F, G. The onnxruntime CUDA EP is measured apart
 # (bench/ort_gpu_parts.sh carries onnxruntime-gpu; bench/bench_ort_gpu.py measures it).
 set -u
@@ -75,11 +76,24 @@ has Q && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R2:-200}" py
   2>&1 | grep -v "it/s" | tee -a "$OUT/log.txt"
 # S: where a real-weights step's time goes (the engine's stage timers, and cProfile of
 # hybrid@60: the H100 showed ~1.6 ms a step beyond its forward there); needs R's GGUF parts,
-# its own call (R alone is near a call's 600 s)
-has S && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${S4:-90}" python3 \
+# its own call (R alone is near a call's 600 s). pld and stand beside them: on the H100 pld
+# and LADE ran within ~0.1 ms a step of what bench/emulate_gpu.py charges them, STAND +0.25
+# ms, auto +0.2, the hybrid +0.6-1.2 (bench/results/emulated_h100_smollm2.md); and t(T) with
+# a top-16, which t_ms leaves out and every drafter reading candidates pays
+has S && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${S4:-120}" python3 \
   bench/bench_step_host.py "$GGUF" --backend torch --device cuda --dtype fp16 \
-  --drafters none,hybrid,auto --bc 60 --prompts 8 --profile hybrid@60 \
+  --drafters none,pld,stand,hybrid,auto --bc 60 --prompts 8 --profile hybrid@60,stand@60 \
+  --topk-curve 16 \
   --out "$OUT/real/step_host_gguf.json" 2>&1 | grep -v "it/s" | tee "$OUT/real/step_host_gguf.md"
+# W: S's step table again with every step attending over the whole cache
+# (EDGEMTP_ATTENTION_SPAN=full: one step shape per block size, so no graph is captured once
+# the first steps are past; each step reads the whole cache instead); set beside S's rows
+has W && EDGEMTP_ATTENTION_SPAN=full PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
+  timeout "${W4:-100}" python3 \
+  bench/bench_step_host.py "$GGUF" --backend torch --device cuda --dtype fp16 \
+  --drafters none,pld,stand,hybrid,auto --bc 60 --prompts 8 \
+  --out "$OUT/real/step_host_gguf_full_span.json" 2>&1 | grep -v "it/s" \
+  | tee "$OUT/real/step_host_gguf_full_span.md"
 # N: auto without its host-time floor (AutoDrafter.host_floor), paired with plain decoding
 # in the same process, beside part R's auto rows (the floor hypothesis, README)
 has N && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R3:-150}" python3 \

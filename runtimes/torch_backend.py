@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import threading
 import time
 import weakref
@@ -27,6 +28,25 @@ SLACK = 64        # cache rows past the max context where a block's K/V wait for
 PAD_TO = 64       # blocks longer than this (prefill) are padded to a multiple of it, so one
                   # step shape (and one CUDA graph) serves many prompt lengths
 BUCKET = {"cuda": 256, "cpu": 64}  # attention spans the cache in buckets of this many rows
+SPAN_ENV = "EDGEMTP_ATTENTION_SPAN"  # rows per bucket (a multiple of 64), or "full"
+FULL_SPAN = 1 << 40  # a bucket no cache reaches: every step attends over the whole cache
+
+
+def attention_bucket(device_type: str) -> int:
+    """Cache rows a step's attention spans at a time: the device's default, or
+    ``$EDGEMTP_ATTENTION_SPAN`` (a multiple of 64, or ``full``: one span, the whole cache, so
+    a step's shape, and so its CUDA graph, never depends on the cache's length: the graphs of
+    a generation are captured by its first steps, not whenever the cache enters a bucket it
+    has not reached before; each step reads the whole cache's K/V instead)."""
+    value = os.environ.get(SPAN_ENV, "").strip().lower()
+    if not value:
+        return BUCKET["cuda" if device_type == "cuda" else "cpu"]
+    if value == "full":
+        return FULL_SPAN
+    if not value.isdigit() or int(value) < 64 or int(value) % 64:
+        raise ConfigError(f"{SPAN_ENV} must be a multiple of 64 cached rows or 'full', got "
+                          f"{value!r}")
+    return int(value)
 EMBED_ROWS = 8192  # embedding rows kept on the host by a GPU backend (mask-embedding updates)
 
 
@@ -167,7 +187,7 @@ class TorchBackend:
         self.cuda_graphs = cuda and self.static_cache and cuda_graphs is not False
         self.block_buckets = self.static_cache and (
             self.cuda_graphs if block_buckets is None else bool(block_buckets))
-        self.bucket = BUCKET["cuda" if cuda else "cpu"]
+        self.bucket = attention_bucket(self.device.type)
         # one CUDA stream does the work of every session: steps of concurrent sessions take
         # turns (each session's graphs share a memory pool of its own); on CPU they run side
         # by side
@@ -216,7 +236,7 @@ class TorchBackend:
                 f"{sum(s.st_size for s in stats)}"
         return (f"torch {torch.__version__}|{self.device}|{self.dtype}|"
                 f"threads={torch.get_num_threads()}|static={self.static_cache}|"
-                f"graphs={self.cuda_graphs}|invariant={self.batch_invariant}|"
+                f"graphs={self.cuda_graphs}|invariant={self.batch_invariant}|span={self.bucket}|"
                 f"ctx={self.max_context}|{self.source}|{stamp}")
 
     @torch.inference_mode()

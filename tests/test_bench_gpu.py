@@ -363,7 +363,8 @@ def test_step_host_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "steps.json"
     proc = subprocess.run([sys.executable, "-c", BARE, str(ROOT / "bench" / "bench_step_host.py"),
                            str(STORIES), "--backend", "torch", "--drafters", "none,probe",
-                           "--bc", "10", "--prompts", "1", "--out", str(out)],
+                           "--bc", "10", "--prompts", "1", "--topk-curve", "4",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -378,3 +379,8 @@ def test_step_host_bench_runs_on_cpu(tmp_path):
     for r in rows.values():  # the torch backend's step shapes and (GPU only) captures
         assert r["graphs"]["captures"] == 0 and r["graphs"]["shapes"] >= 0, r
     assert "CUDA graphs captured" in proc.stdout
+    curves = json.loads(out.read_text())["topk_curves"]  # t(T) without and with a top-4
+    assert set(curves) == {"0", "4"}
+    for row in curves.values():
+        assert list(row) == ["1", "2", "8", "16", "64"] and min(row.values()) > 0
+    assert "without and with a top-4" in proc.stdout

@@ -236,6 +236,38 @@ def test_batch_invariant_fp16_speculation_equals_its_plain_decoding():
         assert outputs(exact, drafter, bc) == plain, drafter
 
 
+def test_full_attention_span_gives_one_shape_per_block_size_and_the_same_tokens(
+        stories_path, stories_refs, monkeypatch):
+    """EDGEMTP_ATTENTION_SPAN=full: every step attends over the whole cache (the columns past
+    the committed rows masked), so its shape does not depend on the cache's length and a
+    generation's CUDA graphs are all met by its first steps; outputs are transformers' greedy
+    as with the default buckets, which span the cache in pieces (several widths here)."""
+    hf, prompts, refs = stories_refs
+    default = TorchBackend.from_model(hf, block_buckets=True, max_context=256)
+    monkeypatch.setenv("EDGEMTP_ATTENTION_SPAN", "full")
+    full = TorchBackend.from_model(hf, block_buckets=True, max_context=256)
+    # a latency curve measured over one span is not read back for another
+    assert f"span={full.bucket}|" in TorchBackend(stories_path).identity()
+    widths = {}
+    for name, backend in (("default", default), ("full", full)):
+        session = backend.session()
+        for drafter, bc in (("none", 1), ("hybrid", 30)):
+            config = GenerationConfig(max_new_tokens=100, bc=max(bc, 10), drafter=drafter)
+            for ids, ref in zip(prompts[:2], refs[:2]):
+                out = Generation(backend, config, ids, session=session).run()
+                assert out.token_ids == ref[:100], (name, drafter)
+        widths[name] = {g.width for g in session._graphs.values()}
+        if name == "full":
+            assert widths[name] == {session.rows}, widths
+            assert len(session._graphs) == len({(g.t, g.embeds.shape[0], g.topk)
+                                               for g in session._graphs.values()})
+    assert len(widths["default"]) > 1, widths  # the default did span the cache in pieces
+    for bad in ("100", "0", "half"):
+        monkeypatch.setenv("EDGEMTP_ATTENTION_SPAN", bad)
+        with pytest.raises(Exception, match="multiple of 64 cached rows or 'full'"):
+            TorchBackend.from_model(hf)
+
+
 def test_batch_invariant_on_another_backend_is_one_line_and_exit_2(stories_pkg):
     run = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model",
                           stories_pkg, "--batch-invariant", "--prompt", "Once",
