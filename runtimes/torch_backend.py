@@ -427,12 +427,13 @@ class StepGraph:
             self.staging = torch.zeros(2 * t + 1, dtype=torch.long).pin_memory()
             self.embeds_staging = torch.zeros((k, b.hidden_size), dtype=b.dtype).pin_memory()
             self.packed_host = torch.zeros((t, 1 + 2 * topk), dtype=torch.float32).pin_memory()
+            self.mask_staging = torch.zeros((t, t), dtype=torch.bool).pin_memory()
+        self._mask_of = None  # the (immutable) plan mask self.mask holds now
         self.graph = None
         self.uses = 0
 
     def load(self, ids, positions, tree_mask, mask_embeds, p: int) -> None:
         t, tp = len(ids), self.t
-        b = self.session.backend
         flat = (self.staging if self.cuda else self.inputs).numpy()
         host = flat[:2 * tp].reshape(2, tp)
         host[0, :t], host[1, :t] = ids, positions
@@ -442,7 +443,7 @@ class StepGraph:
         flat[2 * tp] = p
         if self.cuda:
             self.inputs.copy_(self.staging, non_blocking=True)
-        self.mask.copy_(b.device_mask(tree_mask, tp))
+        self._load_mask(tree_mask, t)
         if mask_embeds is None:
             if not self.embeds_zero:
                 self.embeds.zero_()
@@ -455,6 +456,28 @@ class StepGraph:
             else:
                 self.embeds.copy_(m)
             self.embeds_zero = False
+
+    def _load_mask(self, tree_mask: np.ndarray, t: int) -> None:
+        """The block's [T, T] mask into ``self.mask``, padding rows each seeing only itself:
+        on a GPU written into pinned memory and copied without blocking (a tree drafter's plan
+        is new most steps; a blocking copy of it from pageable memory waited for the stream
+        every step), and nothing at all when the plan is the one already there (a static
+        plan's steps: plain decoding, probing, chains of one length)."""
+        if tree_mask is self._mask_of:
+            return
+        tp = self.t
+        host = (self.mask_staging if self.cuda else self.mask).numpy()
+        host[:t, :t] = tree_mask
+        if tp != t:
+            host[:t, t:] = False
+            host[t:] = False
+            pad = np.arange(t, tp)
+            host[pad, pad] = True
+        if self.cuda:
+            self.mask.copy_(self.mask_staging, non_blocking=True)
+        # only a read-only (plan) mask can be known again by identity: a writable one may
+        # have changed in place since
+        self._mask_of = None if tree_mask.flags.writeable else tree_mask
 
     def _compute(self) -> None:
         s = self.session

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from conftest import QUICK, family_configs
 from edgemtp.config import GenerationConfig
 from edgemtp.engine import Generation
-from edgemtp.plans import dynamic_plans
+from edgemtp.plans import Plan, dynamic_plans
 from edgemtp.runtimes.torch_backend import PAD_TO, SLACK, ConcatSession, TorchBackend, TorchSession
 
 
@@ -234,6 +234,49 @@ def test_batch_invariant_fp16_speculation_equals_its_plain_decoding():
     plain = outputs(exact, "none")
     for drafter, bc in (("probe", 10), ("hybrid", 30)):
         assert outputs(exact, drafter, bc) == plain, drafter
+
+
+def test_a_step_graph_reloads_a_changed_mask_and_keeps_a_plans():
+    """A step's mask is written into the step shape's buffer only when it is not the plan mask
+    already there: a writable mask changed in place is read again (and gives the reference
+    session's rows), a plan's read-only one is kept, and a padded shape's padding rows still
+    see only themselves after a smaller block."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(family_configs()["llama3"]).eval()
+    static = TorchBackend.from_model(hf, block_buckets=True)
+    reference = TorchBackend.from_model(hf, static_cache=False)
+    s, r = static.session(), reference.session()
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, static.vocab_size, size=20)
+    causal = np.tril(np.ones((20, 20), dtype=bool))
+    for sess in (s, r):
+        sess.forward(prompt, np.arange(20), causal, None)
+        sess.commit(np.arange(20))
+    ids = rng.integers(0, static.vocab_size, size=4)
+    pos = 20 + np.array([0, 1, 1, 2])
+    mask = np.tril(np.ones((4, 4), dtype=bool))  # writable: a caller's own
+    first = s.forward(ids, pos, mask, None, topk=3)
+    mask[2, 1] = False  # row 2 a sibling of row 1 now, not its child
+    second = s.forward(ids, pos, mask, None, topk=3)
+    want = r.forward(ids, pos, mask, None, topk=3)
+    _same_rows = np.testing.assert_array_equal
+    _same_rows(second.argmax, want.argmax)
+    np.testing.assert_allclose(second.topk_logprobs, want.topk_logprobs, atol=2e-5)
+    assert not np.allclose(first.topk_logprobs[2], second.topk_logprobs[2])
+    big, full = Plan.top1((2,), 1), Plan.top1((3,), 1)  # 6 rows (padded to 8), and 8
+    for plan in (big, big, full, big):
+        t = plan.bc
+        block = rng.integers(0, static.vocab_size + 1, size=t)
+        embeds = rng.normal(size=(1, static.hidden_size)).astype(np.float32)
+        got = s.forward(block, plan.positions + 20, plan.tree_mask, embeds, topk=3)
+        ref = r.forward(block, plan.positions + 20, plan.tree_mask, embeds, topk=3)
+        _same_rows(got.argmax, ref.argmax)
+        np.testing.assert_allclose(got.topk_logprobs, ref.topk_logprobs, atol=2e-5)
+    (g,) = [g for g in s._graphs.values() if g.t == 8]
+    m = g.mask.numpy()  # after the 8-row block, the 6-row plan's padding again
+    assert m[:6, :6].tolist() == big.tree_mask.tolist()
+    assert m[6:, 6:].tolist() == np.eye(2, dtype=bool).tolist()
+    assert not m[6:, :6].any() and not m[:6, 6:].any()
 
 
 def test_full_attention_span_gives_one_shape_per_block_size_and_the_same_tokens(
