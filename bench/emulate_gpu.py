@@ -75,19 +75,56 @@ class Curve:
         return self.t[1 << (rows - 1).bit_length()] + self.binding
 
 
+class Extras:
+    """Costs a GPU step may carry beyond the curve, per step (seconds): ``topk`` where the
+    step asks for a top-K (the curve is measured without one), ``plan`` where its tree mask
+    is not among the last MASKS the device holds (a new plan: the torch backend's device
+    copies of plan masks, kept by identity, before they went from pinned memory)."""
+
+    MASKS = 512
+
+    def __init__(self, topk_ms: float = 0.0, plan_ms: float = 0.0,
+                 capture_ms: float = 0.0) -> None:
+        self.topk, self.plan, self.capture = topk_ms / 1e3, plan_ms / 1e3, capture_ms / 1e3
+        self._held: dict[int, object] = {}  # id -> the mask (held: ids are not reused)
+
+    def captured(self, shapes: dict, key: tuple) -> float:
+        """A session's step of shape ``key``: the torch backend runs a shape eagerly at its
+        first use and captures its CUDA graph at its second (charged ``capture``)."""
+        shapes[key] = shapes.get(key, 0) + 1
+        return self.capture if shapes[key] == 2 else 0.0
+
+    def __call__(self, tree_mask, topk: int) -> float:
+        extra = self.topk if topk else 0.0
+        if self.plan and id(tree_mask) not in self._held:
+            extra += self.plan
+            if len(self._held) >= self.MASKS:
+                del self._held[next(iter(self._held))]
+            self._held[id(tree_mask)] = tree_mask
+        return extra
+
+
 class EmuSession:
     """A CPU session whose forward passes are charged the GPU curve's time."""
 
     rows_from = False  # the torch backend computes every prompt row (no rows_from)
 
-    def __init__(self, inner, clock: VirtualClock, curve: Curve) -> None:
-        self._inner, self._clock, self._curve = inner, clock, curve
+    def __init__(self, inner, clock: VirtualClock, curve: Curve, extras: Extras) -> None:
+        self._inner, self._clock, self._curve, self._extras = inner, clock, curve, extras
         self.last_run_s = None
+        self._shapes: dict[tuple, int] = {}  # the step shapes this session met, and uses
 
-    def forward(self, input_ids, *args, **kwargs):
+    def forward(self, input_ids, position_ids, tree_mask, mask_embeds=None, **kwargs):
         t0 = time.perf_counter()
-        out = self._inner.forward(input_ids, *args, **kwargs)
-        modelled = self._curve(len(input_ids))
+        p = self._inner.cache_len
+        out = self._inner.forward(input_ids, position_ids, tree_mask, mask_embeds, **kwargs)
+        t, topk = len(input_ids), kwargs.get("topk", 0)
+        # the torch backend's step shape (runtimes/torch_backend.py): rows padded to a power
+        # of two up to 64 (a multiple of 64 past it), the cache spanned in 256-row buckets
+        tp = 1 << (t - 1).bit_length() if t <= PAD_TO else -(-t // PAD_TO) * PAD_TO
+        key = (tp, -(-(p + tp) // 256), 1 if mask_embeds is None else len(mask_embeds), topk)
+        modelled = (self._curve(t) + self._extras(tree_mask, topk)
+                    + self._extras.captured(self._shapes, key))
         self._clock.forward_took(time.perf_counter() - t0, modelled)
         self.last_run_s = modelled
         return out
@@ -100,11 +137,13 @@ class EmuBackend:
     """The CPU backend, its sessions charged the GPU curve; no identity (``auto``'s latency
     curve is measured, under the virtual clock, never read from the cache of real curves)."""
 
-    def __init__(self, inner, clock: VirtualClock, curve: Curve) -> None:
+    def __init__(self, inner, clock: VirtualClock, curve: Curve,
+                 extras: Extras | None = None) -> None:
         self._inner, self._clock, self._curve = inner, clock, curve
+        self._extras = Extras() if extras is None else extras
 
     def session(self):
-        return EmuSession(self._inner.session(), self._clock, self._curve)
+        return EmuSession(self._inner.session(), self._clock, self._curve, self._extras)
 
     def identity(self):
         return None
@@ -157,6 +196,15 @@ def main(argv=None) -> int:
                          "decoding's step 2.20 ms against t(1) = 2.06)")
     ap.add_argument("--host-scale", type=float, default=1.0,
                     help="this host's time outside forward passes is multiplied by this")
+    ap.add_argument("--topk-ms", type=float, default=0.0,
+                    help="charged to every step that asks for a top-K (H100, SmolLM2 fp16: "
+                         "probing's steps ran ~0.28 ms over the emulation at --host-scale 0.5)")
+    ap.add_argument("--plan-ms", type=float, default=0.0,
+                    help="charged to every step whose plan mask is new to the device (LADE "
+                         "at BC 60 there: ~0.3 ms)")
+    ap.add_argument("--capture-ms", type=float, default=0.0,
+                    help="charged at a step shape's second use in a session, where the torch "
+                         "backend captures its CUDA graph")
     ap.add_argument("--drafters", default="pld,stand,lade,hybrid,auto")
     ap.add_argument("--bc", default="60")
     ap.add_argument("--prompts-file", default=str(PROMPTS_FILE),
@@ -173,8 +221,9 @@ def main(argv=None) -> int:
     for name, value in (("--prompts", a.prompts), ("--new-tokens", a.new_tokens)):
         if value < 1:
             ap.error(f"{name} must be >= 1, got {value}")
-    if a.host_scale <= 0 or a.binding_ms < 0:
-        ap.error("--host-scale must be > 0 and --binding-ms >= 0")
+    if a.host_scale <= 0 or min(a.binding_ms, a.topk_ms, a.plan_ms, a.capture_ms) < 0:
+        ap.error("--host-scale must be > 0 and --binding-ms, --topk-ms, --plan-ms, "
+                 "--capture-ms >= 0")
     try:
         t_ms, curve_name = load_curve(a.curve)
         curve = Curve(t_ms, a.binding_ms)
@@ -197,7 +246,8 @@ def main(argv=None) -> int:
         model = Model.load(a.package, backend=a.backend)
     except EdgeMTPError as e:
         ap.error(str(e))
-    model.backend = EmuBackend(model.backend, clock, curve)
+    model.backend = EmuBackend(model.backend, clock, curve, Extras(a.topk_ms, a.plan_ms,
+                                                                     a.capture_ms))
     try:
         prompts = json.loads(Path(a.prompts_file).read_text())["prompts"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -238,14 +288,17 @@ def main(argv=None) -> int:
               + (f"  picked {picked}" if picked else ""), flush=True)
     if a.out:
         meta = dict(command=" ".join(sys.argv), curve=curve_name, t_ms=t_ms,
-                    binding_ms=a.binding_ms, host_scale=a.host_scale, package=a.package,
+                    binding_ms=a.binding_ms, host_scale=a.host_scale, topk_ms=a.topk_ms,
+                    plan_ms=a.plan_ms, capture_ms=a.capture_ms, package=a.package,
                     prompts=len(timed), new_tokens=a.new_tokens,
                     date=time.strftime("%Y-%m-%d %H:%M"), auto_param=a.auto_param)
         Path(a.out + ".json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
         base = res["plain"]["tps"]
         lines = [f"# Emulated on {curve_name}'s curve (virtual clock; not a GPU measurement)",
                  "", f"`{meta['command']}`, {meta['date']}. Forward passes cost the curve "
-                 f"(t_ms {t_ms}) + {a.binding_ms} ms; the rest is this host's time x "
+                 f"(t_ms {t_ms}) + {a.binding_ms} ms, + {a.topk_ms} ms a step with a "
+                 f"top-K, + {a.plan_ms} ms a step with a plan new to the device, + "
+                 f"{a.capture_ms} ms a graph capture; the rest is this host's time x "
                  f"{a.host_scale}.", "",
                  "| method | BE | virtual tok/s | x plain | identical |",
                  "|---|---:|---:|---:|---:|"]

@@ -35,6 +35,21 @@ def test_curve_charges_the_padded_bucket(emu):
         emu.Curve({"1": 1.0, "64": 2.0}, 0.0)
 
 
+def test_extras_charge_top_k_steps_and_plans_new_to_the_device(emu):
+    from edgemtp.plans import Plan
+
+    x = emu.Extras(topk_ms=0.3, plan_ms=0.5)
+    a, b = Plan.top1((3,), 1).tree_mask, Plan.top1((2,), 1).tree_mask
+    assert x(a, topk=0) == pytest.approx(0.5e-3)      # a plan the device has not held
+    assert x(a, topk=0) == 0.0                       # held now
+    assert x(a, topk=8) == pytest.approx(0.3e-3)     # a top-K step
+    assert x(b, topk=8) == pytest.approx(0.8e-3)     # both
+    one = emu.Extras(plan_ms=0.5)
+    one.MASKS = 1                                    # the device holds one plan mask
+    assert [one(m, topk=0) for m in (a, a, b, a)] == pytest.approx([5e-4, 0.0, 5e-4, 5e-4])
+    assert emu.Extras()(b, topk=8) == 0.0            # none asked: none charged
+
+
 def test_the_virtual_clock_replaces_forward_time_and_scales_the_rest(emu):
     real = iter([100.0, 101.0, 113.0]).__next__  # real seconds at each read
     clock = emu.VirtualClock(host_scale=0.5, real=real)
