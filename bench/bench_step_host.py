@@ -60,6 +60,8 @@ def run(model: Model, texts: list[list[int]], config: GenerationConfig, device: 
     wall = 0.0
     events = getattr(model.backend, "graph_events", None)  # the torch backend's
     before = dict(events) if events is not None else {}
+    inside = getattr(model.backend, "step_seconds", None)  # (also the torch backend's)
+    inside_before = dict(inside) if inside is not None else {}
     for t in texts:
         sync(device)
         t0 = time.perf_counter()
@@ -74,6 +76,11 @@ def run(model: Model, texts: list[list[int]], config: GenerationConfig, device: 
     us["other"] = round(1e6 * wall / steps - sum(us.values()), 1)
     us["step"] = round(1e6 * wall / steps, 1)
     out = dict(us=us, be=round(tokens / calls, 3), steps=steps)
+    if inside is not None:  # inside the backend's forward, µs per decode step
+        n = inside["steps"] - inside_before.get("steps", 0)
+        if n:
+            out["inside_us"] = {k: round(1e6 * (inside[k] - inside_before.get(k, 0)) / n, 1)
+                                for k in ("load", "run", "wait", "read")}
     if events is not None:  # step shapes first met and CUDA graphs captured in the timed
         # prompts (after the warm-up), and their host seconds as µs a step: inside `forward`
         out["graphs"] = {k: events[k] - before.get(k, 0) for k in ("shapes", "captures")}
@@ -155,6 +162,16 @@ def main(argv=None) -> int:
               + "---:|" * len(sizes))
         for k, row in curves.items():
             print(f"| {k} | " + " | ".join(f"{row[str(t)]:.0f}" for t in sizes) + " |")
+    inside = [r for r in rows if "inside_us" in r]
+    if inside:
+        print("\nInside the torch backend's forward, µs a decode step: loading the inputs, "
+              "running (CPU) or replaying (GPU) the step, waiting for the device, reading the "
+              "outputs back:\n")
+        print("| config | load | run | wait | read |\n|---|---:|---:|---:|---:|")
+        for r in inside:
+            i = r["inside_us"]
+            print(f"| {r['config']} | {i['load']:.0f} | {i['run']:.0f} | {i['wait']:.0f} | "
+                  f"{i['read']:.0f} |")
     for label in filter(None, a.profile.split(",")):
         pr = cProfile.Profile()
         pr.enable()

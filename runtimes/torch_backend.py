@@ -196,6 +196,9 @@ class TorchBackend:
         # seconds each took on the host (a capture mid-generation stalls that step): what a
         # bench sets beside the steps' time (bench_step_host, bench_gpu)
         self.graph_events = Counter()
+        # seconds inside a step, summed over steps (TorchSession.forward): loading the inputs,
+        # running or replaying the step, waiting for the device, reading the outputs back
+        self.step_seconds = Counter()
         self.vocab_size = int(cfg.vocab_size)
         self.hidden_size = int(cfg.hidden_size)
         self.max_context = max_context(cfg, self.family, requested_context)
@@ -371,10 +374,27 @@ class TorchSession:
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = StepGraph(self, tp, width, k, topk)
-        with b.lock:
+        clock = time.perf_counter
+        with b.lock:  # (the step's timers too: steps of concurrent sessions take turns here)
+            t0 = clock()
             g.load(input_ids, position_ids, tree_mask, mask_embeds, p)
+            t1 = clock()
             g.run()
-            return g.read(t, full_logits, hidden)
+            t2 = clock()
+            out = g.read(t, full_logits, hidden)
+            t3 = clock()
+            # where a step's time goes inside the backend (host seconds, summed over the
+            # steps after a prompt's first block): the bench sets them beside a step's stages
+            # (bench_step_host); "wait" is the synchronisation in read, the device finishing
+            # the step (CPU: 0, the work ran in "run")
+            if p:
+                st = b.step_seconds
+                st["load"] += t1 - t0
+                st["run"] += t2 - t1
+                st["read"] += t3 - t2 - g.waited
+                st["wait"] += g.waited
+                st["steps"] += 1
+        return out
 
     @torch.inference_mode()
     def commit(self, rows) -> None:
@@ -429,6 +449,7 @@ class StepGraph:
             self.packed_host = torch.zeros((t, 1 + 2 * topk), dtype=torch.float32).pin_memory()
             self.mask_staging = torch.zeros((t, t), dtype=torch.bool).pin_memory()
         self._mask_of = None  # the (immutable) plan mask self.mask holds now
+        self.waited = 0.0  # seconds the last read waited for the device
         self.graph = None
         self.uses = 0
 
@@ -539,7 +560,9 @@ class StepGraph:
             host = self.packed_host[:t]
             host.copy_(self.packed[:t], non_blocking=True)
             extra = [x.to("cpu", non_blocking=True) for x in extra]
+            t0 = time.perf_counter()
             torch.cuda.current_stream(self.session.backend.device).synchronize()
+            self.waited = time.perf_counter() - t0
             packed = host.numpy()
             k = self.topk
             parts = [packed[:, 0].astype(np.int64)]  # (fresh arrays: the buffer is reused)

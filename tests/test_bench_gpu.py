@@ -384,3 +384,8 @@ def test_step_host_bench_runs_on_cpu(tmp_path):
     for row in curves.values():
         assert list(row) == ["1", "2", "8", "16", "64"] and min(row.values()) > 0
     assert "without and with a top-4" in proc.stdout
+    for r in rows.values():  # inside the backend's forward: the parts of `forward`
+        i = r["inside_us"]
+        assert i["wait"] == 0 and i["run"] > 0 and min(i.values()) >= 0, i
+        assert i["load"] + i["run"] + i["read"] <= r["us"]["forward"] + 1.0, (i, r["us"])
+    assert "Inside the torch backend's forward" in proc.stdout

@@ -97,17 +97,25 @@ def test_block_buckets_pad_blocks_to_powers_of_two_and_stay_exact(stories_refs):
     hf, prompts, refs = stories_refs
     backend = TorchBackend.from_model(hf, block_buckets=True)
     session = backend.session()
+    runs = []
     for drafter, bc in (("stand", 10), ("hybrid", 30), ("probe", 60)):
         config = GenerationConfig(max_new_tokens=64, bc=bc, drafter=drafter)
         for ids, ref in zip(prompts[:2], refs[:2]):
             out = Generation(backend, config, ids, session=session).run()
             assert out.token_ids == ref[:64], (drafter, bc)
+            runs.append(out)
     assert {g.t for g in session._graphs.values()} <= {1, 2, 4, 8, 16, 32, 64}
     # the backend counts each step shape at its first (eager) use, once: the benches set
     # these beside a step's time; no graph is captured where CUDA is absent
     ev = backend.graph_events
     assert ev["shapes"] == len(session._graphs) > 0 and ev["shape_s"] > 0, ev
     assert ev["captures"] == 0 and ev["capture_s"] == 0, ev
+    # and its time inside each decode step (the prefill's first block left out): no device
+    # to wait for here, the step's work all in "run"
+    st = backend.step_seconds
+    steps = sum(r.stats.forward_calls - 1 for r in runs)
+    assert st["steps"] == steps > 0 and st["wait"] == 0, st
+    assert st["run"] > st["load"] > 0 and st["read"] > 0, st
 
 
 def test_a_dropped_session_frees_its_step_graphs_at_once():
