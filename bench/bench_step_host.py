@@ -90,6 +90,16 @@ def run(model: Model, texts: list[list[int]], config: GenerationConfig, device: 
     return out
 
 
+def table(rows: list[dict], key: str, fields: tuple, heads: tuple, title: str) -> None:
+    """A Markdown table of ``row[key][field]`` per configuration that has ``key``."""
+    rows = [r for r in rows if key in r]
+    if rows:
+        print(f"\n{title}:\n\n| config | " + " | ".join(heads) + " |\n|---|"
+              + "---:|" * len(heads))
+        for r in rows:
+            print(f"| {r['config']} | " + " | ".join(f"{r[key][f]:.0f}" for f in fields) + " |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a Hugging Face folder or an exported package")
@@ -141,15 +151,10 @@ def main(argv=None) -> int:
         rows.append(dict(config=label, **r))
         print(f"| {label} | {r['be']:.2f} | {r['us']['step']:.0f} | "
               + " | ".join(f"{r['us'][k]:.0f}" for k in (*PARTS, "other")) + " |", flush=True)
-    graphs = [r for r in rows if "graphs" in r]
-    if graphs:
-        print("\nStep shapes first met (an eager run) and CUDA graphs captured in the timed "
-              "prompts, with their host time as µs a step (part of `forward` above):\n")
-        print("| config | new shapes | µs/step | captures | µs/step |\n|---|---:|---:|---:|---:|")
-        for r in graphs:
-            g = r["graphs"]
-            print(f"| {r['config']} | {g['shapes']} | {g['shape_us']:.0f} | {g['captures']} | "
-                  f"{g['capture_us']:.0f} |")
+    table(rows, "graphs", ("shapes", "shape_us", "captures", "capture_us"),
+          ("new shapes", "µs/step", "captures", "µs/step"),
+          "Step shapes first met (an eager run) and CUDA graphs captured in the timed "
+          "prompts, with their host time as µs a step (part of `forward` above)")
     curves = {}
     if a.topk_curve:
         sizes = [t for t in (1, 2, 8, 16, 64) if t < model.backend.max_context - 65]
@@ -162,16 +167,9 @@ def main(argv=None) -> int:
               + "---:|" * len(sizes))
         for k, row in curves.items():
             print(f"| {k} | " + " | ".join(f"{row[str(t)]:.0f}" for t in sizes) + " |")
-    inside = [r for r in rows if "inside_us" in r]
-    if inside:
-        print("\nInside the torch backend's forward, µs a decode step: loading the inputs, "
-              "running (CPU) or replaying (GPU) the step, waiting for the device, reading the "
-              "outputs back:\n")
-        print("| config | load | run | wait | read |\n|---|---:|---:|---:|---:|")
-        for r in inside:
-            i = r["inside_us"]
-            print(f"| {r['config']} | {i['load']:.0f} | {i['run']:.0f} | {i['wait']:.0f} | "
-                  f"{i['read']:.0f} |")
+    table(rows, "inside_us", ("load", "run", "wait", "read"), ("load", "run", "wait", "read"),
+          "Inside the torch backend's forward, µs a decode step: loading the inputs, running "
+          "(CPU) or replaying (GPU) the step, waiting for the device, reading the outputs back")
     for label in filter(None, a.profile.split(",")):
         pr = cProfile.Profile()
         pr.enable()
