@@ -275,6 +275,8 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
         sizes.seconds.clear()
     events = getattr(model.backend, "graph_events", None)  # the torch backend's
     before = dict(events) if events is not None else {}
+    inside = getattr(model.backend, "step_seconds", None)  # (the torch backend's too)
+    inside_acc: Counter = Counter()  # this method's steps' seconds inside the forward
     outputs, tokens, calls, seconds, p_tokens, p_seconds = [], [], 0, [], [], []
     kinds: Counter = Counter()  # auto: its timed steps per kind (plain, pld, probe, stand...)
     stages: Counter = Counter()  # seconds per stage of the decode steps (step_us)
@@ -287,6 +289,7 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
                 mine = c is config
                 if sizes is not None:
                     sizes.on = mine
+                snap = dict(inside) if inside is not None else {}
                 try:
                     sync(device)
                     t0 = time.perf_counter()
@@ -295,6 +298,8 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
                 finally:
                     if sizes is not None:
                         sizes.on = False
+                if mine and inside is not None:
+                    inside_acc.update({k: inside[k] - snap.get(k, 0) for k in INSIDE + ("steps",)})
                 if not mine:
                     p_tokens.append(r.stats.new_tokens)
                     p_seconds.append(dt)
@@ -319,12 +324,31 @@ def edgemtp_run(model: Model, prompts: list[list[int]], config: GenerationConfig
         # in the timed passes (plain decoding's beside them too), with their host seconds
         out["graphs"] = {k: round(events[k] - before.get(k, 0), 4)
                          for k in ("shapes", "shape_s", "captures", "capture_s")}
+    if inside_acc["steps"]:  # inside the forward, µs a decode step (see TorchSession)
+        out["inside_us"] = {k: round(1e6 * inside_acc[k] / inside_acc["steps"], 1)
+                            for k in INSIDE}
     if beside is not None:
         out.update(plain_tokens=p_tokens, plain_seconds=p_seconds)
     return out
 
 
 STEP_STAGES = ("draft", "forward", "bind", "verify", "commit")
+
+
+def us_table(by_method: dict, cols: tuple, title: str) -> list[str]:
+    """Markdown lines: a row of ``cols`` per method and BC (plain decoding's entry holds its
+    columns directly, a drafter's one entry per BC).
+
+    >>> us_table({"plain": {"a": 1.0}, "pld": {"10": {"a": 2.4}}}, ("a",), "T")[-2:]
+    ['| plain | 1 | 1 |', '| pld | 10 | 2 |']
+    """
+    out = ["", f"{title}:", "", "| method | BC | " + " | ".join(cols) + " |",
+           "|---|---:|" + "---:|" * len(cols)]
+    for d, by in by_method.items():
+        for b, us in ({"1": by} if d == "plain" else by).items():
+            out.append(f"| {d} | {b} | " + " | ".join(f"{us[c]:.0f}" for c in cols) + " |")
+    return out
+INSIDE = ("load", "run", "wait", "read")  # the torch backend's step_seconds
 
 
 def step_us(stages: Counter, steps: int) -> dict[str, float]:
@@ -505,6 +529,8 @@ def run_entry(key: str, a, progress: Progress, summary: dict, checkpoint) -> Non
     entry["tps"]["plain"] = round(rate(plain), 2)
     entry["tps_plain_runs"] = [entry["tps"]["plain"]]
     entry.setdefault("step_us", {})["plain"] = plain["step_us"]
+    if "inside_us" in plain:
+        entry.setdefault("inside_us", {})["plain"] = plain["inside_us"]
     entry["tps_plain_on_hf_prompts"] = round(rate(plain, min(a.hf_prompts, len(prompts))), 2)
     stage("plain")
     if "drafters" not in a.skip:
@@ -598,6 +624,8 @@ def run_drafters(entry, model, backend, sizes, prompts, plain, greedy, a, progre
         entry["forward_calls"].setdefault(drafter, {})[b] = run["forward_calls"]
         entry["tps"].setdefault(drafter, {})[b] = round(rate(run), 2)
         entry.setdefault("step_us", {}).setdefault(drafter, {})[b] = run["step_us"]
+        if "inside_us" in run:
+            entry.setdefault("inside_us", {}).setdefault(drafter, {})[b] = run["inside_us"]
         if paired:  # against plain decoding timed beside it
             beside = sum(run["plain_tokens"]) / sum(run["plain_seconds"])
             entry.setdefault("tps_plain_paired", {}).setdefault(drafter, {})[b] = round(
@@ -783,16 +811,16 @@ def markdown(summary: dict) -> str:
                            f"{by[b]:.2f}x | {'' if exp is None else f'{exp:.2f}x'} | "
                            f"{ok}/{n} |")
         if e.get("step_us"):  # where a decode step's time goes (the engine's timers)
-            cols = (*STEP_STAGES, "other", "step")
-            out += ["", "Host and device time of a decode step, µs (the engine's stage timers; "
-                    "`forward`: the runtime's call, graph replay and its one synchronisation "
-                    "included; `other`: the step's wall time beyond the stages):", "",
-                    "| method | BC | " + " | ".join(cols) + " |",
-                    "|---|---:|" + "---:|" * len(cols)]
-            for d, by in e["step_us"].items():
-                for b, us in ({"1": by} if d == "plain" else by).items():
-                    out.append(f"| {d} | {b} | " + " | ".join(f"{us[c]:.0f}" for c in cols)
-                               + " |")
+            out += us_table(e["step_us"], (*STEP_STAGES, "other", "step"),
+                            "Host and device time of a decode step, µs (the engine's stage "
+                            "timers; `forward`: the runtime's call, graph replay and its one "
+                            "synchronisation included; `other`: the step's wall time beyond the "
+                            "stages)")
+        if e.get("inside_us"):  # the torch backend's forward, split
+            out += us_table(e["inside_us"], INSIDE,
+                            "Inside the torch backend's forward, µs a decode step (the method's "
+                            "own steps): loading the inputs, replaying the graph (running it, on "
+                            "CPU), waiting for the device, reading back")
         if e.get("graphs"):  # shapes met and graphs captured inside the timed passes
             out += ["", "Step shapes first met (an eager run) and CUDA graphs captured inside "
                     "the timed passes (plain decoding's beside them included), with their "

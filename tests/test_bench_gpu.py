@@ -100,6 +100,15 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
         for b, g in stories["graphs"][d].items():
             assert g["captures"] == 0 and g["capture_s"] == 0 and g["shapes"] >= 0, (d, b, g)
     assert "Host and device time of a decode step" in (tmp_path / "gpu_cpu.md").read_text()
+    # the torch backend's forward split per method: no device to wait for on a CPU, and the
+    # parts inside the engine's `forward` stage
+    assert set(stories["inside_us"]) == {"plain", *drafters}
+    for d, by in stories["inside_us"].items():
+        for b, i in ({"1": by} if d == "plain" else by).items():
+            us = stories["step_us"][d] if d == "plain" else stories["step_us"][d][b]
+            assert i["wait"] == 0 and i["run"] > 0 and i["load"] >= 0 and i["read"] >= 0
+            assert i["load"] + i["run"] + i["read"] <= us["forward"] + 1.0, (d, b, i, us)
+    assert "Inside the torch backend's forward" in (tmp_path / "gpu_cpu.md").read_text()
     assert stories["block_sizes"]["probe"]["10"] == {"10": stories["forward_calls"]["probe"]["10"]
                                                     - stories["prompts"]}
     for key in ("smollm2-135m/fp32", "qwen3-0.6b/fp32", "llama3.2-1b/fp32"):
