@@ -84,15 +84,24 @@ class Extras:
     MASKS = 512
 
     def __init__(self, topk_ms: float = 0.0, plan_ms: float = 0.0,
-                 capture_ms: float = 0.0) -> None:
+                 capture_ms: float = 0.0, eager_ms: float = 0.0) -> None:
         self.topk, self.plan, self.capture = topk_ms / 1e3, plan_ms / 1e3, capture_ms / 1e3
+        self.eager = eager_ms / 1e3
         self._held: dict[int, object] = {}  # id -> the mask (held: ids are not reused)
+        self.events = {"shapes": 0, "captures": 0}  # first uses and captures, all sessions
 
     def captured(self, shapes: dict, key: tuple) -> float:
         """A session's step of shape ``key``: the torch backend runs a shape eagerly at its
-        first use and captures its CUDA graph at its second (charged ``capture``)."""
-        shapes[key] = shapes.get(key, 0) + 1
-        return self.capture if shapes[key] == 2 else 0.0
+        first use (charged ``eager`` beyond the curve) and captures its CUDA graph at its
+        second (charged ``capture``)."""
+        uses = shapes[key] = shapes.get(key, 0) + 1
+        if uses == 1:
+            self.events["shapes"] += 1
+            return self.eager
+        if uses == 2:
+            self.events["captures"] += 1
+            return self.capture
+        return 0.0
 
     def __call__(self, tree_mask, topk: int) -> float:
         extra = self.topk if topk else 0.0
@@ -205,6 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--capture-ms", type=float, default=0.0,
                     help="charged at a step shape's second use in a session, where the torch "
                          "backend captures its CUDA graph")
+    ap.add_argument("--eager-ms", type=float, default=0.0,
+                    help="charged beyond the curve at a step shape's first use in a session, "
+                         "which the torch backend runs eagerly (no graph yet)")
     ap.add_argument("--drafters", default="pld,stand,lade,hybrid,auto")
     ap.add_argument("--bc", default="60")
     ap.add_argument("--prompts-file", default=str(PROMPTS_FILE),
@@ -221,9 +233,10 @@ def main(argv=None) -> int:
     for name, value in (("--prompts", a.prompts), ("--new-tokens", a.new_tokens)):
         if value < 1:
             ap.error(f"{name} must be >= 1, got {value}")
-    if a.host_scale <= 0 or min(a.binding_ms, a.topk_ms, a.plan_ms, a.capture_ms) < 0:
+    if a.host_scale <= 0 or min(a.binding_ms, a.topk_ms, a.plan_ms, a.capture_ms,
+                                a.eager_ms) < 0:
         ap.error("--host-scale must be > 0 and --binding-ms, --topk-ms, --plan-ms, "
-                 "--capture-ms >= 0")
+                 "--capture-ms, --eager-ms >= 0")
     try:
         t_ms, curve_name = load_curve(a.curve)
         curve = Curve(t_ms, a.binding_ms)
@@ -246,8 +259,8 @@ def main(argv=None) -> int:
         model = Model.load(a.package, backend=a.backend)
     except EdgeMTPError as e:
         ap.error(str(e))
-    model.backend = EmuBackend(model.backend, clock, curve, Extras(a.topk_ms, a.plan_ms,
-                                                                     a.capture_ms))
+    extras = Extras(a.topk_ms, a.plan_ms, a.capture_ms, a.eager_ms)
+    model.backend = EmuBackend(model.backend, clock, curve, extras)
     try:
         prompts = json.loads(Path(a.prompts_file).read_text())["prompts"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -268,6 +281,7 @@ def main(argv=None) -> int:
         for p in warm:
             model.generate(p, cfg)
         tokens, calls, vtime, outs, picked = 0, 0, 0.0, [], {}
+        events = dict(extras.events)
         for p in timed:
             t0 = clock()
             r = model.generate(p, cfg)
@@ -280,11 +294,14 @@ def main(argv=None) -> int:
         if plain_tokens is None:
             plain_tokens = outs
         same = sum(o == q for o, q in zip(outs, plain_tokens))
+        shapes = {k: v - events[k] for k, v in extras.events.items()}  # in the timed prompts
         res[label] = dict(tokens=tokens, forward_calls=calls, be=tokens / calls,
-                          tps=tokens / vtime, identical=[same, len(outs)], picked=picked)
+                          tps=tokens / vtime, identical=[same, len(outs)], picked=picked,
+                          shapes=shapes)
         base = res["plain"]["tps"]
         print(f"{label:>10}: BE {tokens / calls:.3f}  virtual tok/s {tokens / vtime:7.1f}  "
-              f"x plain {tokens / vtime / base:.3f}  identical {same}/{len(outs)}"
+              f"x plain {tokens / vtime / base:.3f}  identical {same}/{len(outs)}  "
+              f"new shapes {shapes['shapes']}, captures {shapes['captures']}"
               + (f"  picked {picked}" if picked else ""), flush=True)
     if a.out:
         meta = dict(command=" ".join(sys.argv), curve=curve_name, t_ms=t_ms,

@@ -50,6 +50,13 @@ def test_extras_charge_top_k_steps_and_plans_new_to_the_device(emu):
     assert emu.Extras()(b, topk=8) == 0.0            # none asked: none charged
 
 
+def test_a_shape_is_run_eagerly_then_captured_then_replayed(emu):
+    x, shapes = emu.Extras(capture_ms=20.0, eager_ms=12.0), {}
+    got = [x.captured(shapes, key) for key in ("a", "a", "b", "a", "b", "b")]
+    assert got == pytest.approx([12e-3, 20e-3, 12e-3, 0.0, 20e-3, 0.0])
+    assert x.events == {"shapes": 2, "captures": 2}
+
+
 def test_the_virtual_clock_replaces_forward_time_and_scales_the_rest(emu):
     real = iter([100.0, 101.0, 113.0]).__next__  # real seconds at each read
     clock = emu.VirtualClock(host_scale=0.5, real=real)
