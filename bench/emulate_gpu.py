@@ -11,10 +11,14 @@ host's real time, scaled by ``--host-scale`` (a faster host: the H200's host ran
 drafting in ~0.4x this VM's time). ``auto`` measures its latency curve under the same clock,
 so it sees the GPU's curve, and learns its host times and compute slope from virtual time.
 
-What it cannot show: a GPU's own host work beyond the fixed binding time (CUDA graph
-captures of new shapes, copies), the curve's growth with the cache, and fp16 numerics (the
-tokens are the CPU package's). So its speed-ups are the plans' and the host's share of a GPU
-run, a way to compare policies between leases, never a GPU measurement.
+A GPU's own costs beyond the curve can be charged as guesses: ``--topk-ms`` a step that
+asks for a top-K, ``--plan-ms`` a tree mask new to the device, ``--eager-ms`` and
+``--capture-ms`` a step shape's first (eager) and second (captured) use in a session, on the
+torch backend's shape keys; each method's new shapes and captures are counted. What it cannot
+show: the curve's growth with the cache, and fp16 numerics (the tokens are the CPU package's).
+So its speed-ups are the plans' and the host's share of a GPU run under those assumptions, a
+way to compare policies between leases, never a GPU measurement
+(``bench/results/emulated_h100_smollm2.md`` sets it beside the H100's run).
 
     python bench/emulate_gpu.py out/SmolLM2-135M-Instruct-GGUF-int4 \
         --curve bench/results/gpu_summary_h100_gguf_2026-11-28.json:smollm2-gguf/fp16 \
