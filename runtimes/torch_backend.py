@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from edgemtp.backend import StepOut, check_options, check_torch_device
 from edgemtp.errors import ConfigError, ModelLoadError
@@ -199,6 +200,9 @@ class TorchBackend:
         # seconds inside a step, summed over steps (TorchSession.forward): loading the inputs,
         # running or replaying the step, waiting for the device, reading the outputs back
         self.step_seconds = Counter()
+        # a step's top-K in two stages over this many slices of the vocabulary (0: one
+        # torch.topk; see chunked_topk): read when a step shape is first run or captured
+        self.topk_chunks = 0
         self.vocab_size = int(cfg.vocab_size)
         self.hidden_size = int(cfg.hidden_size)
         self.max_context = max_context(cfg, self.family, requested_context)
@@ -282,6 +286,30 @@ class TorchBackend:
     def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
         t = self._table.float()
         return t.mean(0).cpu().numpy(), t.std(0).cpu().numpy()
+
+
+def chunked_topk(x: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, -1)`` in two stages: the top ``k`` of each of ``chunks`` slices of a row,
+    then the top ``k`` of those. The same values, and the same ids wherever no two values tie
+    (the order of tied candidates is not specified either way). For a GPU, where one top-K
+    over a 49152-wide row runs a handful of rows on as many blocks; on a CPU it is slower
+    (SmolLM2's vocabulary, 16 rows: 3.6 ms against 0.5), so it is off unless a backend's
+    ``topk_chunks`` is set (``bench_step_host.py --topk-curve`` measures both).
+
+    >>> x = torch.tensor([[0.1, 0.9, 0.3, 0.7, 0.2]])
+    >>> [t.tolist() for t in chunked_topk(x, 2, 2)]
+    [[[0.8999999761581421, 0.699999988079071]], [[1, 3]]]
+    """
+    t, v = x.shape
+    width = -(-v // chunks)
+    if k > width:  # a slice holds fewer than k: one stage
+        return x.topk(k, -1)
+    if width * chunks != v:  # pad the last slice with -inf (never among the top k)
+        x = F.pad(x, (0, width * chunks - v), value=float("-inf"))
+    vals, ids = x.view(t, chunks, width).topk(k, -1)
+    ids = ids + torch.arange(0, width * chunks, width, device=x.device)[None, :, None]
+    top, at = vals.view(t, -1).topk(k, -1)
+    return top, ids.view(t, -1).gather(-1, at)
 
 
 class HostRows:
@@ -507,7 +535,10 @@ class StepGraph:
         self.hidden, self.logits = h, logits.float()
         self.argmax = self.logits.argmax(-1)
         if self.topk:
-            self.topk_lp, self.topk_ids = torch.log_softmax(self.logits, -1).topk(self.topk, -1)
+            lp = torch.log_softmax(self.logits, -1)
+            chunks = s.backend.topk_chunks
+            self.topk_lp, self.topk_ids = (chunked_topk(lp, self.topk, chunks) if chunks
+                                           else lp.topk(self.topk, -1))
         if self.cuda:  # what the host reads, in one buffer: one copy back (ids < 2^24: exact)
             parts = [self.argmax[:, None].float()]
             if self.topk:

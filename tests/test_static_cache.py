@@ -287,6 +287,47 @@ def test_a_step_graph_reloads_a_changed_mask_and_keeps_a_plans():
     assert not m[6:, :6].any() and not m[:6, 6:].any()
 
 
+@pytest.mark.parametrize("vocab, k, chunks", [(512, 4, 64), (49152, 16, 64), (1000, 8, 7),
+                                             (100, 30, 8)])
+def test_chunked_top_k_is_torch_topk(vocab, k, chunks):
+    """The two-stage top-K (slices of the row, then their candidates) gives torch.topk's
+    values and ids, with a vocabulary the slices do not divide (padded) and a k larger than
+    a slice (one stage)."""
+    from edgemtp.runtimes.torch_backend import chunked_topk
+
+    g = torch.Generator().manual_seed(vocab + k)
+    x = torch.log_softmax(torch.randn(5, vocab, generator=g), -1)  # no ties (float32 normals)
+    want = x.topk(k, -1)
+    got = chunked_topk(x, k, chunks)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_step_with_a_two_stage_top_k_gives_the_same_outputs(stories_refs, monkeypatch):
+    """A backend whose steps take their top-K in two stages (topk_chunks) gives the same
+    argmax, top-K ids and log-probabilities as one torch.topk, and the same generations."""
+    import edgemtp.runtimes.torch_backend as tb
+
+    calls = []
+    real = tb.chunked_topk
+    monkeypatch.setattr(tb, "chunked_topk", lambda *a: calls.append(a[1:]) or real(*a))
+    hf, prompts, refs = stories_refs
+    one = TorchBackend.from_model(hf)
+    two = TorchBackend.from_model(hf)
+    two.topk_chunks = 16
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, one.vocab_size, size=12)
+    causal = np.tril(np.ones((12, 12), dtype=bool))
+    a = one.session().forward(ids, np.arange(12), causal, None, topk=8)
+    b = two.session().forward(ids, np.arange(12), causal, None, topk=8)
+    np.testing.assert_array_equal(a.argmax, b.argmax)
+    np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+    np.testing.assert_array_equal(a.topk_logprobs, b.topk_logprobs)
+    config = GenerationConfig(max_new_tokens=48, bc=30, drafter="hybrid")
+    out = Generation(two, config, prompts[0]).run()
+    assert out.token_ids == refs[0][:48]
+    assert calls and all(c == 16 for _, c in calls)  # the two-stage path ran, only there
+
+
 def test_full_attention_span_gives_one_shape_per_block_size_and_the_same_tokens(
         stories_path, stories_refs, monkeypatch):
     """EDGEMTP_ATTENTION_SPAN=full: every step attends over the whole cache (the columns past
