@@ -39,9 +39,19 @@ sys.path.insert(0, str(ROOT))
 from edgemtp import Model  # noqa: E402
 from edgemtp.config import GenerationConfig  # noqa: E402
 from edgemtp.errors import EdgeMTPError  # noqa: E402
+from edgemtp.runtimes.torch_backend import BUCKET, PAD_TO, step_rows  # noqa: E402
 
 PROMPTS_FILE = ROOT / "bench" / "data" / "gpu_prompts_smollm2.json"
-PAD_TO = 64  # the torch backend's block bucket limit (runtimes/torch_backend.py)
+# a GPU step's costs beyond the curve, charged as guesses (Extras): --NAME-ms
+EXTRA_COSTS = (
+    ("topk", "charged to every step that asks for a top-K (H100, SmolLM2 fp16: probing's "
+             "steps ran ~0.28 ms over the emulation at --host-scale 0.5)"),
+    ("plan", "charged to every step whose plan mask is new to the device (LADE at BC 60 "
+             "there: ~0.3 ms)"),
+    ("capture", "charged at a step shape's second use in a session, where the torch backend "
+                "captures its CUDA graph"),
+    ("eager", "charged beyond the curve at a step shape's first use in a session, which the "
+              "torch backend runs eagerly (no graph yet)"))
 
 
 class VirtualClock:
@@ -73,10 +83,10 @@ class Curve:
                              f"{sorted(self.t)}")
 
     def __call__(self, rows: int) -> float:
-        if rows > PAD_TO:
-            extra = -(-rows // PAD_TO) - 1
-            return self.t[PAD_TO] * (1.0 + 0.1 * extra) + self.binding
-        return self.t[1 << (rows - 1).bit_length()] + self.binding
+        tp = step_rows(rows, buckets=True)
+        if tp > PAD_TO:
+            return self.t[PAD_TO] * (1.0 + 0.1 * (tp // PAD_TO - 1)) + self.binding
+        return self.t[tp] + self.binding
 
 
 class Extras:
@@ -132,10 +142,10 @@ class EmuSession:
         p = self._inner.cache_len
         out = self._inner.forward(input_ids, position_ids, tree_mask, mask_embeds, **kwargs)
         t, topk = len(input_ids), kwargs.get("topk", 0)
-        # the torch backend's step shape (runtimes/torch_backend.py): rows padded to a power
-        # of two up to 64 (a multiple of 64 past it), the cache spanned in 256-row buckets
-        tp = 1 << (t - 1).bit_length() if t <= PAD_TO else -(-t // PAD_TO) * PAD_TO
-        key = (tp, -(-(p + tp) // 256), 1 if mask_embeds is None else len(mask_embeds), topk)
+        # the torch backend's step shape on a GPU: its padded rows, its cache bucket
+        tp = step_rows(t, buckets=True)
+        key = (tp, -(-(p + tp) // BUCKET["cuda"]), 1 if mask_embeds is None
+               else len(mask_embeds), topk)
         modelled = (self._curve(t) + self._extras(tree_mask, topk)
                     + self._extras.captured(self._shapes, key))
         self._clock.forward_took(time.perf_counter() - t0, modelled)
@@ -209,18 +219,8 @@ def main(argv=None) -> int:
                          "decoding's step 2.20 ms against t(1) = 2.06)")
     ap.add_argument("--host-scale", type=float, default=1.0,
                     help="this host's time outside forward passes is multiplied by this")
-    ap.add_argument("--topk-ms", type=float, default=0.0,
-                    help="charged to every step that asks for a top-K (H100, SmolLM2 fp16: "
-                         "probing's steps ran ~0.28 ms over the emulation at --host-scale 0.5)")
-    ap.add_argument("--plan-ms", type=float, default=0.0,
-                    help="charged to every step whose plan mask is new to the device (LADE "
-                         "at BC 60 there: ~0.3 ms)")
-    ap.add_argument("--capture-ms", type=float, default=0.0,
-                    help="charged at a step shape's second use in a session, where the torch "
-                         "backend captures its CUDA graph")
-    ap.add_argument("--eager-ms", type=float, default=0.0,
-                    help="charged beyond the curve at a step shape's first use in a session, "
-                         "which the torch backend runs eagerly (no graph yet)")
+    for name, text in EXTRA_COSTS:
+        ap.add_argument(f"--{name}-ms", type=float, default=0.0, help=text)
     ap.add_argument("--drafters", default="pld,stand,lade,hybrid,auto")
     ap.add_argument("--bc", default="60")
     ap.add_argument("--prompts-file", default=str(PROMPTS_FILE),
@@ -237,10 +237,10 @@ def main(argv=None) -> int:
     for name, value in (("--prompts", a.prompts), ("--new-tokens", a.new_tokens)):
         if value < 1:
             ap.error(f"{name} must be >= 1, got {value}")
-    if a.host_scale <= 0 or min(a.binding_ms, a.topk_ms, a.plan_ms, a.capture_ms,
-                                a.eager_ms) < 0:
-        ap.error("--host-scale must be > 0 and --binding-ms, --topk-ms, --plan-ms, "
-                 "--capture-ms, --eager-ms >= 0")
+    costs = {name: getattr(a, f"{name}_ms") for name, _ in EXTRA_COSTS}
+    if a.host_scale <= 0 or min(a.binding_ms, *costs.values()) < 0:
+        ap.error("--host-scale must be > 0 and --binding-ms, "
+                 + ", ".join(f"--{n}-ms" for n in costs) + " >= 0")
     try:
         t_ms, curve_name = load_curve(a.curve)
         curve = Curve(t_ms, a.binding_ms)
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
         model = Model.load(a.package, backend=a.backend)
     except EdgeMTPError as e:
         ap.error(str(e))
-    extras = Extras(a.topk_ms, a.plan_ms, a.capture_ms, a.eager_ms)
+    extras = Extras(**{f"{n}_ms": v for n, v in costs.items()})
     model.backend = EmuBackend(model.backend, clock, curve, extras)
     try:
         prompts = json.loads(Path(a.prompts_file).read_text())["prompts"]

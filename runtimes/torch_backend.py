@@ -33,6 +33,18 @@ SPAN_ENV = "EDGEMTP_ATTENTION_SPAN"  # rows per bucket (a multiple of 64), or "f
 FULL_SPAN = 1 << 40  # a bucket no cache reaches: every step attends over the whole cache
 
 
+def step_rows(t: int, buckets: bool) -> int:
+    """The rows a block of ``t`` runs as: past PAD_TO (a prefill) padded to a multiple of it;
+    up to it, with ``buckets`` (where CUDA graphs run), to the next power of two.
+
+    >>> [step_rows(t, True) for t in (1, 3, 11, 64, 65)], step_rows(11, False)
+    ([1, 4, 16, 64, 128], 11)
+    """
+    if t > PAD_TO:
+        return -(-t // PAD_TO) * PAD_TO
+    return 1 << (t - 1).bit_length() if buckets else t
+
+
 def attention_bucket(device_type: str) -> int:
     """Cache rows a step's attention spans at a time: the device's default, or
     ``$EDGEMTP_ATTENTION_SPAN`` (a multiple of 64, or ``full``: one span, the whole cache, so
@@ -247,29 +259,19 @@ class TorchBackend:
                 f"ctx={self.max_context}|{self.source}|{stamp}")
 
     @torch.inference_mode()
-    def device_mask(self, tree_mask: np.ndarray, rows: int | None = None) -> torch.Tensor:
-        # plan masks are immutable and live as long as their plan: move each to the device
-        # once and reuse it in every session (keyed by the buffer, held so the address
-        # cannot be recycled). ``rows``: padded to that many rows, each padding row seeing
-        # only itself (a padded step's mask, made once per plan too)
-        t = len(tree_mask)
-        rows = t if rows is None else rows
-
-        def padded() -> np.ndarray:
-            if rows == t:
-                return tree_mask
-            m = np.eye(rows, dtype=bool)
-            m[:t, :t] = tree_mask
-            return m
-
+    def device_mask(self, tree_mask: np.ndarray) -> torch.Tensor:
+        # the reference session's (a static session's step loads its own, StepGraph): plan
+        # masks are immutable and live as long as their plan, so each moves to the device
+        # once and is reused in every session (keyed by the buffer, held so the address
+        # cannot be recycled)
         if tree_mask.flags.writeable:
-            return torch.as_tensor(padded(), dtype=torch.bool, device=self.device)
-        key = tree_mask.__array_interface__["data"][0], tree_mask.shape, rows
+            return torch.as_tensor(tree_mask, dtype=torch.bool, device=self.device)
+        key = tree_mask.__array_interface__["data"][0], tree_mask.shape
         hit = self._masks.get(key)
         if hit is None:
             if len(self._masks) >= MASK_CACHE:  # lookup drafters make a new tree most steps
                 del self._masks[next(iter(self._masks))]
-            hit = self._masks[key] = (tree_mask, torch.tensor(padded(), dtype=torch.bool,
+            hit = self._masks[key] = (tree_mask, torch.tensor(tree_mask, dtype=torch.bool,
                                                               device=self.device))
         return hit[1]
 
@@ -388,9 +390,7 @@ class TorchSession:
     def forward(self, input_ids, position_ids, tree_mask, mask_embeds, topk: int = 0,
                 full_logits: bool = False, hidden: bool = False) -> StepOut:
         b, p, t = self.backend, self.cache_len, len(input_ids)
-        tp = t if t <= PAD_TO else -(-t // PAD_TO) * PAD_TO  # long blocks (prefill) padded
-        if b.block_buckets and t <= PAD_TO:
-            tp = 1 << (t - 1).bit_length()  # 1, 2, 4, ..., 64 (see TorchBackend)
+        tp = step_rows(t, b.block_buckets)
         if b.batch_invariant:
             tp = max(tp, PAD_TO)
         if p + tp > self.rows:
