@@ -37,6 +37,23 @@ def family_configs() -> dict:
     }
 
 
+
+def save_random_llama(out: Path, seed: int = 0, **config) -> Path:
+    """A random Llama of ``config`` (LlamaConfig's arguments) saved as a Hugging Face folder
+    at ``out``, its norms randomised (norms of ones would be one shared initializer in an
+    exported graph)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    return out
+
 @pytest.fixture(scope="session")
 def stories_path() -> str:
     assert STORIES.is_dir(), f"missing shared model {STORIES}"

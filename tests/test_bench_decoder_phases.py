@@ -54,22 +54,13 @@ def test_statement_end_takes_braced_bodies_single_statements_and_nested_fors():
 @pytest.mark.slow  # exports a package, builds the instrumented decoder (~6 s here): CI only
 def test_a_real_run_times_the_grouped_attention_per_thread(tmp_path):
     # head_dim 64 (the grouped attention's shape: stories260K's heads are 8 wide)
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from conftest import save_random_llama
     from edgemtp.export.onnx_export import export_package
 
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=256, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                         max_position_embeddings=512, eos_token_id=255, bos_token_id=1,
-                         tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norms of ones would be one shared initializer in the graph
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(tmp_path / "hf")
+    save_random_llama(tmp_path / "hf", hidden_size=256, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=256, max_position_embeddings=512, eos_token_id=255,
+                      bos_token_id=1, tie_word_embeddings=True)
     pkg = tmp_path / "int4"
     export_package(str(tmp_path / "hf"), pkg, dtype="int4", max_context=256, progress=False)
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_decoder_phases.py"),

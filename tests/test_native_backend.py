@@ -523,21 +523,13 @@ def test_a_prefill_can_leave_the_prompt_rows_out(backend):
 def gqa_pkg(tmp_path_factory):
     # head_dim 64 and four query heads per KV head: the shape the grouped attention path
     # (decoder.c attend_groups: GQA groups share each key and value load) runs on
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import save_random_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=512, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, vocab_size=512,
-                         max_position_embeddings=1024, initializer_range=0.1,
-                         eos_token_id=511, bos_token_id=1, tie_word_embeddings=True)
     root = tmp_path_factory.mktemp("gqa")
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norms of ones would be one shared initializer in the graph
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(root / "hf")
+    save_random_llama(root / "hf", hidden_size=512, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, vocab_size=512,
+                      max_position_embeddings=1024, initializer_range=0.1,
+                      eos_token_id=511, bos_token_id=1, tie_word_embeddings=True)
     export_package(str(root / "hf"), root / "int4", dtype="int4", max_context=512,
                    progress=False)
     return root / "int4"
