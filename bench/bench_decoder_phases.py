@@ -172,11 +172,15 @@ def main(argv=None) -> int:
         if platform.machine() not in ("x86_64", "AMD64"):
             raise ConfigError(f"this bench reads x86-64's time-stamp counter; this machine is "
                               f"{platform.machine()}")
-        contexts = [int(x) for x in args.contexts.split(",")]
+        try:
+            contexts = [int(x) for x in args.contexts.split(",")]
+        except ValueError:
+            contexts = []
         if not contexts or min(contexts) < 1 or args.rows < 1 or args.steps < 1 \
                 or args.rounds < 1 or not 1 <= args.threads <= MAXT:
-            raise ConfigError("--contexts takes positive integers; --rows, --steps and "
-                              f"--rounds at least 1; --threads 1-{MAXT}")
+            raise ConfigError(f"--contexts takes comma-separated positive integers (got "
+                              f"{args.contexts!r}); --rows, --steps and --rounds at least 1; "
+                              f"--threads 1-{MAXT}")
         from edgemtp.runtimes.native_backend import NativeBackend
         from bench_context import fill
 

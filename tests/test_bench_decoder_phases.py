@@ -83,7 +83,8 @@ def test_a_real_run_times_the_grouped_attention_per_thread(tmp_path):
 
 
 def test_bad_arguments_end_in_one_line(tmp_path):
-    for args in (["--contexts", "0"], ["--steps", "0"], ["--threads", "0"], []):  # [] no package
+    for args in (["--contexts", "0"], ["--contexts", "64,abc"], ["--steps", "0"],
+                 ["--threads", "0"], []):  # [] no package
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_decoder_phases.py"),
                                str(tmp_path / "none"), *args],
                               capture_output=True, text=True, timeout=120)
