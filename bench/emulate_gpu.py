@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 from edgemtp import Model  # noqa: E402
 from edgemtp.config import GenerationConfig  # noqa: E402
 from edgemtp.errors import EdgeMTPError  # noqa: E402
-from edgemtp.runtimes.torch_backend import BUCKET, PAD_TO, step_rows  # noqa: E402
+from edgemtp.runtimes.torch_backend import (  # noqa: E402
+    BUCKET, DOUBLING, FULL_SPAN, PAD_TO, SLACK, attention_width, span_name, step_rows)
 
 PROMPTS_FILE = ROOT / "bench" / "data" / "gpu_prompts_smollm2.json"
 # a GPU step's costs beyond the curve, charged as guesses (Extras): --NAME-ms
@@ -132,8 +133,10 @@ class EmuSession:
 
     rows_from = False  # the torch backend computes every prompt row (no rows_from)
 
-    def __init__(self, inner, clock: VirtualClock, curve: Curve, extras: Extras) -> None:
+    def __init__(self, inner, clock: VirtualClock, curve: Curve, extras: Extras,
+                 span: int = BUCKET["cuda"], rows: int = 512 + SLACK) -> None:
         self._inner, self._clock, self._curve, self._extras = inner, clock, curve, extras
+        self._span, self._rows = span, rows  # the torch backend's on a GPU
         self.last_run_s = None
         self._shapes: dict[tuple, int] = {}  # the step shapes this session met, and uses
 
@@ -142,9 +145,9 @@ class EmuSession:
         p = self._inner.cache_len
         out = self._inner.forward(input_ids, position_ids, tree_mask, mask_embeds, **kwargs)
         t, topk = len(input_ids), kwargs.get("topk", 0)
-        # the torch backend's step shape on a GPU: its padded rows, its cache bucket
+        # the torch backend's step shape on a GPU: its padded rows, its cache span
         tp = step_rows(t, buckets=True)
-        key = (tp, -(-(p + tp) // BUCKET["cuda"]), 1 if mask_embeds is None
+        key = (tp, attention_width(p + tp, self._span, self._rows), 1 if mask_embeds is None
                else len(mask_embeds), topk)
         modelled = (self._curve(t) + self._extras(tree_mask, topk)
                     + self._extras.captured(self._shapes, key))
@@ -161,12 +164,15 @@ class EmuBackend:
     curve is measured, under the virtual clock, never read from the cache of real curves)."""
 
     def __init__(self, inner, clock: VirtualClock, curve: Curve,
-                 extras: Extras | None = None) -> None:
+                 extras: Extras | None = None, span: int = BUCKET["cuda"],
+                 rows: int = 512 + SLACK) -> None:
         self._inner, self._clock, self._curve = inner, clock, curve
         self._extras = Extras() if extras is None else extras
+        self._span, self._rows = span, rows
 
     def session(self):
-        return EmuSession(self._inner.session(), self._clock, self._curve, self._extras)
+        return EmuSession(self._inner.session(), self._clock, self._curve, self._extras,
+                          self._span, self._rows)
 
     def identity(self):
         return None
@@ -232,8 +238,20 @@ def main(argv=None) -> int:
     ap.add_argument("--auto-param", action="append", default=[],
                     help="NAME=VALUE: an AutoDrafter class attribute (or a constant of its "
                          "module, such as WHOLE_MIN_T1) for this run")
+    ap.add_argument("--span", default=span_name(BUCKET["cuda"]),
+                    help="the torch backend's attention span on the GPU whose step shapes "
+                         "are counted (EDGEMTP_ATTENTION_SPAN: doubling, full or a multiple "
+                         "of 64; default: the CUDA default)")
+    ap.add_argument("--max-context", type=int, default=None,
+                    help="the GPU session's max context (default: bench_gpu.py's, the "
+                         "longest prompt + new tokens + 64, at least 512)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     a = ap.parse_args(argv)
+    span = {"doubling": DOUBLING, "full": FULL_SPAN}.get(a.span.strip().lower())
+    if span is None:
+        if not a.span.isdigit() or int(a.span) < 64 or int(a.span) % 64:
+            ap.error(f"--span must be doubling, full or a multiple of 64, got {a.span!r}")
+        span = int(a.span)
     for name, value in (("--prompts", a.prompts), ("--new-tokens", a.new_tokens)):
         if value < 1:
             ap.error(f"{name} must be >= 1, got {value}")
@@ -264,11 +282,12 @@ def main(argv=None) -> int:
     except EdgeMTPError as e:
         ap.error(str(e))
     extras = Extras(**{f"{n}_ms": v for n, v in costs.items()})
-    model.backend = EmuBackend(model.backend, clock, curve, extras)
     try:
         prompts = json.loads(Path(a.prompts_file).read_text())["prompts"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         ap.error(f"--prompts-file {a.prompts_file}: not a prompts file ({e})")
+    context = a.max_context or max(512, max(map(len, prompts)) + a.new_tokens + 64)
+    model.backend = EmuBackend(model.backend, clock, curve, extras, span, context + SLACK)
     vocab = model.backend.vocab_size
     if any(not 0 <= t < vocab for p in prompts for t in p):
         ap.error(f"--prompts-file {a.prompts_file}: token ids outside this model's "
@@ -310,7 +329,8 @@ def main(argv=None) -> int:
     if a.out:
         meta = dict(command=" ".join(sys.argv), curve=curve_name, t_ms=t_ms,
                     binding_ms=a.binding_ms, host_scale=a.host_scale, topk_ms=a.topk_ms,
-                    plan_ms=a.plan_ms, capture_ms=a.capture_ms, package=a.package,
+                    plan_ms=a.plan_ms, capture_ms=a.capture_ms, eager_ms=a.eager_ms,
+                    span=span_name(span), max_context=context, package=a.package,
                     prompts=len(timed), new_tokens=a.new_tokens,
                     date=time.strftime("%Y-%m-%d %H:%M"), auto_param=a.auto_param)
         Path(a.out + ".json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
@@ -319,13 +339,17 @@ def main(argv=None) -> int:
                  "", f"`{meta['command']}`, {meta['date']}. Forward passes cost the curve "
                  f"(t_ms {t_ms}) + {a.binding_ms} ms, + {a.topk_ms} ms a step with a "
                  f"top-K, + {a.plan_ms} ms a step with a plan new to the device, + "
-                 f"{a.capture_ms} ms a graph capture; the rest is this host's time x "
+                 f"{a.capture_ms} ms a graph capture, + {a.eager_ms} ms a step shape's "
+                 f"first (eager) run, step shapes keyed on {span_name(span)} attention "
+                 f"spans (max context {context}); the rest is this host's time x "
                  f"{a.host_scale}.", "",
-                 "| method | BE | virtual tok/s | x plain | identical |",
-                 "|---|---:|---:|---:|---:|"]
+                 "| method | BE | virtual tok/s | x plain | identical | new shapes | "
+                 "captures |",
+                 "|---|---:|---:|---:|---:|---:|---:|"]
         for label, r in res.items():
             lines.append(f"| {label} | {r['be']:.3f} | {r['tps']:.1f} | "
-                         f"{r['tps'] / base:.3f} | {r['identical'][0]}/{r['identical'][1]} |")
+                         f"{r['tps'] / base:.3f} | {r['identical'][0]}/{r['identical'][1]} | "
+                         f"{r['shapes']['shapes']} | {r['shapes']['captures']} |")
         Path(a.out + ".md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -8,7 +8,7 @@
 # default; R, the real SmolLM2 GGUF in fp16 (~250 s), needs bench/gguf_gpu_parts.sh first,
 # as do Q (the same in fp32, ~200 s), N (auto without its host-time floor, ~150 s), S (a
 # step's stages, the graphs captured mid-generation and cProfile on that GGUF, ~120 s) and W
-# (S's table with every step over the whole cache: no captures mid-generation, ~100 s). With
+# (S's table with the old 256-row attention buckets, ~100 s). With
 # 15 minutes of device time a lease: take 0, then take 1 && PARTS=SW, then PARTS=R, then N);
 # budgets (seconds): A, B, C, D, F, G. The onnxruntime CUDA EP is measured apart
 # (bench/ort_gpu_parts.sh carries onnxruntime-gpu; bench/bench_ort_gpu.py measures it).
@@ -85,15 +85,16 @@ has S && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${S4:-120}" py
   --drafters none,pld,stand,hybrid,auto --bc 60 --prompts 8 --profile hybrid@60,stand@60 \
   --topk-curve 16 \
   --out "$OUT/real/step_host_gguf.json" 2>&1 | grep -v "it/s" | tee "$OUT/real/step_host_gguf.md"
-# W: S's step table again with every step attending over the whole cache
-# (EDGEMTP_ATTENTION_SPAN=full: one step shape per block size, so no graph is captured once
-# the first steps are past; each step reads the whole cache instead); set beside S's rows
-has W && EDGEMTP_ATTENTION_SPAN=full PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
+# W: S's step table again with the attention span the torch backend had until 2026-11-29
+# (EDGEMTP_ATTENTION_SPAN=256: 256-row buckets, so every block size is met again, an eager
+# run and a capture, whenever the cache enters a new bucket; S runs the default, spans that
+# double from 1024 rows: bench/results/emulated_h100_smollm2_spans.md); set beside S's rows
+has W && EDGEMTP_ATTENTION_SPAN=256 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
   timeout "${W4:-100}" python3 \
   bench/bench_step_host.py "$GGUF" --backend torch --device cuda --dtype fp16 \
   --drafters none,pld,stand,hybrid,auto --bc 60 --prompts 8 \
-  --out "$OUT/real/step_host_gguf_full_span.json" 2>&1 | grep -v "it/s" \
-  | tee "$OUT/real/step_host_gguf_full_span.md"
+  --out "$OUT/real/step_host_gguf_span256.json" 2>&1 | grep -v "it/s" \
+  | tee "$OUT/real/step_host_gguf_span256.md"
 # N: auto without its host-time floor (AutoDrafter.host_floor), paired with plain decoding
 # in the same process, beside part R's auto rows (the floor hypothesis, README)
 has N && PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${R3:-150}" python3 \

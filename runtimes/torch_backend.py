@@ -28,9 +28,12 @@ MASK_CACHE = 512  # device copies of plan masks kept (oldest out first)
 SLACK = 64        # cache rows past the max context where a block's K/V wait for their commit
 PAD_TO = 64       # blocks longer than this (prefill) are padded to a multiple of it, so one
                   # step shape (and one CUDA graph) serves many prompt lengths
-BUCKET = {"cuda": 256, "cpu": 64}  # attention spans the cache in buckets of this many rows
-SPAN_ENV = "EDGEMTP_ATTENTION_SPAN"  # rows per bucket (a multiple of 64), or "full"
+BUCKET = {"cuda": 0, "cpu": 64}  # attention spans the cache in buckets of this many rows
+# (0, DOUBLING: spans of a power of two rows, at least SPAN_FLOOR)
+SPAN_ENV = "EDGEMTP_ATTENTION_SPAN"  # rows per bucket (a multiple of 64), "doubling" or "full"
 FULL_SPAN = 1 << 40  # a bucket no cache reaches: every step attends over the whole cache
+DOUBLING = 0  # spans that double: a handful of widths up to any max context
+SPAN_FLOOR = 1024  # the smallest doubling span
 
 
 def step_rows(t: int, buckets: bool) -> int:
@@ -45,21 +48,55 @@ def step_rows(t: int, buckets: bool) -> int:
     return 1 << (t - 1).bit_length() if buckets else t
 
 
+def attention_width(need: int, bucket: int, rows: int) -> int:
+    """The cache rows a step attends over when its cache and block fill ``need`` rows: whole
+    buckets of ``bucket`` rows, or (``DOUBLING``) the next power of two, at least SPAN_FLOOR;
+    never more than the session's ``rows``. Each width is a step shape of its own, so a CUDA
+    graph of its own: with 256-row buckets a chat generation crossing 1024 rows met 4 widths,
+    and each of the (up to 7) block sizes a lookup tree uses was an eager run and a capture
+    mid-generation at every one; doubling spans meet 1 (and 4 up to 8192 rows), at the cost
+    of attending over at most twice the rows needed (SmolLM2-135M in fp16: 23 KiB a row).
+
+    >>> [attention_width(n, 256, 1000) for n in (1, 256, 257, 999)]
+    [256, 256, 512, 1000]
+    >>> [attention_width(n, DOUBLING, 5000) for n in (1, 1024, 1025, 2049, 4097)]
+    [1024, 1024, 2048, 4096, 5000]
+    >>> attention_width(3000, FULL_SPAN, 8256)
+    8256
+    """
+    if bucket == DOUBLING:
+        width = max(SPAN_FLOOR, 1 << (max(1, need) - 1).bit_length())
+    else:
+        width = -(-max(1, need) // bucket) * bucket
+    return min(width, rows)
+
+
 def attention_bucket(device_type: str) -> int:
-    """Cache rows a step's attention spans at a time: the device's default, or
-    ``$EDGEMTP_ATTENTION_SPAN`` (a multiple of 64, or ``full``: one span, the whole cache, so
-    a step's shape, and so its CUDA graph, never depends on the cache's length: the graphs of
-    a generation are captured by its first steps, not whenever the cache enters a bucket it
-    has not reached before; each step reads the whole cache's K/V instead)."""
+    """Cache rows a step's attention spans at a time: the device's default (CUDA: doubling
+    spans, CPU: 64-row buckets, where no graph is captured and a step reads no more of the
+    cache than it must), or ``$EDGEMTP_ATTENTION_SPAN``: a multiple of 64, ``doubling``, or
+    ``full`` (one span, the whole cache, so a step's shape, and so its CUDA graph, never
+    depends on the cache's length: the graphs of a generation are captured by its first
+    steps, not whenever the cache enters a bucket it has not reached before; each step reads
+    the whole cache's K/V instead)."""
     value = os.environ.get(SPAN_ENV, "").strip().lower()
     if not value:
         return BUCKET["cuda" if device_type == "cuda" else "cpu"]
     if value == "full":
         return FULL_SPAN
+    if value == "doubling":
+        return DOUBLING
     if not value.isdigit() or int(value) < 64 or int(value) % 64:
-        raise ConfigError(f"{SPAN_ENV} must be a multiple of 64 cached rows or 'full', got "
-                          f"{value!r}")
+        raise ConfigError(f"{SPAN_ENV} must be a multiple of 64 cached rows, 'doubling' or "
+                          f"'full', got {value!r}")
     return int(value)
+
+
+def span_name(bucket: int) -> str:
+    """How a latency curve's identity names the span policy."""
+    return {DOUBLING: "doubling", FULL_SPAN: "full"}.get(bucket, str(bucket))
+
+
 EMBED_ROWS = 8192  # embedding rows kept on the host by a GPU backend (mask-embedding updates)
 
 
@@ -255,7 +292,8 @@ class TorchBackend:
                 f"{sum(s.st_size for s in stats)}"
         return (f"torch {torch.__version__}|{self.device}|{self.dtype}|"
                 f"threads={torch.get_num_threads()}|static={self.static_cache}|"
-                f"graphs={self.cuda_graphs}|invariant={self.batch_invariant}|span={self.bucket}|"
+                f"graphs={self.cuda_graphs}|invariant={self.batch_invariant}|"
+                f"span={span_name(self.bucket)}|"
                 f"ctx={self.max_context}|{self.source}|{stamp}")
 
     @torch.inference_mode()
@@ -360,7 +398,7 @@ class TorchSession:
         self.rows = 0
         if rows is not None:  # whole attention buckets, so a step spans what it would in a
             # full cache (the same width, the same latency)
-            rows = -(-max(1, int(rows)) // backend.bucket) * backend.bucket
+            rows = attention_width(int(rows), backend.bucket, FULL_SPAN)
         self._grow(min(backend.max_context if rows is None else rows, backend.max_context)
                    + SLACK)
 
@@ -395,7 +433,7 @@ class TorchSession:
             tp = max(tp, PAD_TO)
         if p + tp > self.rows:
             self._grow(-(-(p + tp) // PAD_TO) * PAD_TO)
-        width = min(-(-(p + tp) // b.bucket) * b.bucket, self.rows)
+        width = attention_width(p + tp, b.bucket, self.rows)
         k = 1 if mask_embeds is None else len(mask_embeds)
         topk = min(int(topk), b.vocab_size)
         key = (tp, width, k, topk)

@@ -104,6 +104,32 @@ def _run(*args, timeout=300):
                           text=True, timeout=timeout, cwd=ROOT)
 
 
+class _Cache:
+    """A session that only keeps its cache length (each forward commits its block)."""
+
+    def __init__(self):
+        self.cache_len = 0
+
+    def forward(self, ids, *args, **kwargs):
+        self.cache_len += len(ids)
+
+
+@pytest.mark.parametrize("span, widths", [(256, 4), ("doubling", 1), ("full", 1)])
+def test_step_shapes_are_keyed_on_the_torch_backends_attention_span(emu, span, widths):
+    """One-row steps from an empty cache to 1000 rows: 256-row buckets meet 4 widths (4 step
+    shapes, each run eagerly first), doubling spans (the CUDA default) and the full cache 1."""
+    from edgemtp.runtimes.torch_backend import DOUBLING, FULL_SPAN
+
+    code = {"doubling": DOUBLING, "full": FULL_SPAN}.get(span, span)
+    x = emu.Extras(eager_ms=1.0)
+    s = emu.EmuSession(_Cache(), emu.VirtualClock(1.0), emu.Curve(FLAT, 0.0), x, code,
+                       rows=1000 + 64)
+    causal = np.ones((1, 1), dtype=bool)
+    for _ in range(1000):
+        s.forward(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), causal)
+    assert x.events["shapes"] == widths
+
+
 def test_a_run_on_a_flat_curve_gives_be_as_its_speed_up(tmp_path, stories_path):
     """On a flat curve with the host's time scaled away, a drafter's virtual tok/s over plain
     decoding's is its tokens per forward call over theirs; and its tokens are plain's."""
@@ -128,6 +154,7 @@ def test_a_run_on_a_flat_curve_gives_be_as_its_speed_up(tmp_path, stories_path):
     (["--curve", "{curve}:flat", "--prompts", "0"], "--prompts must be >= 1"),
     (["--curve", "{curve}:flat", "--host-scale", "0"], "--host-scale must be > 0"),
     (["--curve", "{curve}:flat", "--auto-param", "nosuch=1"], "neither AutoDrafter"),
+    (["--curve", "{curve}:flat", "--span", "100"], "--span must be doubling, full or"),
 ])
 def test_bad_arguments_are_one_line(tmp_path, stories_path, args, says):
     curve = tmp_path / "curve.json"

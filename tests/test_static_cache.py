@@ -339,7 +339,7 @@ def test_full_attention_span_gives_one_shape_per_block_size_and_the_same_tokens(
     monkeypatch.setenv("EDGEMTP_ATTENTION_SPAN", "full")
     full = TorchBackend.from_model(hf, block_buckets=True, max_context=256)
     # a latency curve measured over one span is not read back for another
-    assert f"span={full.bucket}|" in TorchBackend(stories_path).identity()
+    assert "span=full|" in TorchBackend(stories_path).identity()
     widths = {}
     for name, backend in (("default", default), ("full", full)):
         session = backend.session()
@@ -356,7 +356,7 @@ def test_full_attention_span_gives_one_shape_per_block_size_and_the_same_tokens(
     assert len(widths["default"]) > 1, widths  # the default did span the cache in pieces
     for bad in ("100", "0", "half"):
         monkeypatch.setenv("EDGEMTP_ATTENTION_SPAN", bad)
-        with pytest.raises(Exception, match="multiple of 64 cached rows or 'full'"):
+        with pytest.raises(Exception, match="multiple of 64 cached rows, 'doubling' or 'full'"):
             TorchBackend.from_model(hf)
 
 
@@ -452,3 +452,32 @@ def test_the_float32_logits_head_falls_back_where_torch_cannot():
     assert not forced.decoder.fp32_logits
     np.testing.assert_array_equal(a.logits, b.logits)
     np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+
+
+def test_doubling_spans_cross_1024_rows_as_one_new_width_and_equal_the_reference(monkeypatch):
+    """EDGEMTP_ATTENTION_SPAN=doubling (the CUDA default): a step attends over the next power
+    of two rows (at least 1024), the columns past the cache and block masked; its outputs
+    equal the reference session's on both sides of 1024 rows, and a latency measurement's
+    smaller session spans what a full one does."""
+    monkeypatch.setenv("EDGEMTP_ATTENTION_SPAN", "doubling")
+    torch.manual_seed(0)
+    config = family_configs()["llama3"]
+    config.max_position_embeddings = 4096
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    static, reference = _pair(hf, max_context=3000)
+    s, r = static.session(), reference.session()
+    rng = np.random.default_rng(1)
+    widths = []
+    for t in (900, 60, 1, 64, 10):  # the cache: 0, 900, 960, 961, 1025 rows
+        ids = rng.integers(0, static.vocab_size, size=t)
+        mask = np.tril(np.ones((t, t), dtype=bool))
+        pos = s.cache_len + np.arange(t)
+        _same(s.forward(ids, pos, mask, None, topk=3, full_logits=True, hidden=True),
+              r.forward(ids, pos, mask, None, topk=3, full_logits=True, hidden=True), f"T={t}")
+        widths.append(sorted({g.width for g in s._graphs.values()}))
+        s.commit(np.arange(t))
+        r.commit(np.arange(t))
+    # 900 + 64 and 961 + 64 rows: 1024; 961 + 64 = 1025 and 1025 + 16: 2048
+    assert widths == [[1024], [1024], [1024], [1024, 2048], [1024, 2048]], widths
+    sized = static.session(rows=961 + 16)  # (latency.measure_latency's: P + T + 1 rows)
+    assert sized.rows == 1024 + SLACK
