@@ -40,7 +40,7 @@ from edgemtp import Model  # noqa: E402
 from edgemtp.config import GenerationConfig  # noqa: E402
 from edgemtp.errors import EdgeMTPError  # noqa: E402
 from edgemtp.runtimes.torch_backend import (  # noqa: E402
-    BUCKET, DOUBLING, FULL_SPAN, PAD_TO, SLACK, attention_width, span_name, step_rows)
+    BUCKET, PAD_TO, SLACK, attention_width, parse_span, span_name, step_rows)
 
 PROMPTS_FILE = ROOT / "bench" / "data" / "gpu_prompts_smollm2.json"
 # a GPU step's costs beyond the curve, charged as guesses (Extras): --NAME-ms
@@ -247,11 +247,10 @@ def main(argv=None) -> int:
                          "longest prompt + new tokens + 64, at least 512)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     a = ap.parse_args(argv)
-    span = {"doubling": DOUBLING, "full": FULL_SPAN}.get(a.span.strip().lower())
-    if span is None:
-        if not a.span.isdigit() or int(a.span) < 64 or int(a.span) % 64:
-            ap.error(f"--span must be doubling, full or a multiple of 64, got {a.span!r}")
-        span = int(a.span)
+    try:
+        span = parse_span(a.span, "--span")
+    except EdgeMTPError as e:
+        ap.error(str(e))
     for name, value in (("--prompts", a.prompts), ("--new-tokens", a.new_tokens)):
         if value < 1:
             ap.error(f"{name} must be >= 1, got {value}")

@@ -82,12 +82,19 @@ def attention_bucket(device_type: str) -> int:
     value = os.environ.get(SPAN_ENV, "").strip().lower()
     if not value:
         return BUCKET["cuda" if device_type == "cuda" else "cpu"]
+    return parse_span(value, SPAN_ENV)
+
+
+def parse_span(value: str, what: str) -> int:
+    """An attention span policy as ``$EDGEMTP_ATTENTION_SPAN`` spells it (``what`` names
+    where it came from in the error)."""
+    value = value.strip().lower()
     if value == "full":
         return FULL_SPAN
     if value == "doubling":
         return DOUBLING
     if not value.isdigit() or int(value) < 64 or int(value) % 64:
-        raise ConfigError(f"{SPAN_ENV} must be a multiple of 64 cached rows, 'doubling' or "
+        raise ConfigError(f"{what} must be a multiple of 64 cached rows, 'doubling' or "
                           f"'full', got {value!r}")
     return int(value)
 

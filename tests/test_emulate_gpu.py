@@ -154,7 +154,7 @@ def test_a_run_on_a_flat_curve_gives_be_as_its_speed_up(tmp_path, stories_path):
     (["--curve", "{curve}:flat", "--prompts", "0"], "--prompts must be >= 1"),
     (["--curve", "{curve}:flat", "--host-scale", "0"], "--host-scale must be > 0"),
     (["--curve", "{curve}:flat", "--auto-param", "nosuch=1"], "neither AutoDrafter"),
-    (["--curve", "{curve}:flat", "--span", "100"], "--span must be doubling, full or"),
+    (["--curve", "{curve}:flat", "--span", "100"], "--span must be a multiple of 64 cached rows"),
 ])
 def test_bad_arguments_are_one_line(tmp_path, stories_path, args, says):
     curve = tmp_path / "curve.json"
