@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
+from . import native
 from .budgets import default_branching, dynamic_table_size, nodes_for_budget
 from .errors import BudgetError, ConfigError
+
+
+NATIVE_MIN_NODES = 6  # trees of fewer nodes compile in Python (a C call costs more there)
+_NATIVE: list = []  # [ngram.c's library or None], once looked up
 
 
 def frozen(a: np.ndarray) -> np.ndarray:
@@ -57,7 +62,6 @@ class Plan:
     tree_mask: np.ndarray = field(init=False, repr=False, compare=False)
     positions: np.ndarray = field(init=False, repr=False, compare=False)
     children: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
-    counts: tuple[int, ...] = field(init=False, repr=False, compare=False)  # nodes per depth
 
     def __post_init__(self) -> None:
         parents = tuple(map(int, self.parents))
@@ -66,6 +70,8 @@ class Plan:
             raise ConfigError(f"a plan's node 0 must be the root (parent -1), got parents {parents[:4]}")
         if self.k < 0:
             raise ConfigError(f"mask tokens per node must be >= 0, got {self.k}")
+        if self.k == 0 and len(parents) >= NATIVE_MIN_NODES and self._compile_native(parents):
+            return
         # plain Python over the parents (lookup drafters compile a new tree shape on many
         # steps: a numpy call per node cost 20-60 us a plan on a 2-core CPU)
         depth = [0] * len(parents)
@@ -78,14 +84,52 @@ class Plan:
             if depth[i] < depth[i - 1]:
                 raise ConfigError(f"nodes must be in depth order, got depths {depth[:i + 1]}")
             kids[p].append(i)
-        counts = [0] * depth[-1]
-        for d in depth[1:]:
-            counts[d - 1] += 1
         object.__setattr__(self, "depth", frozen(np.array(depth, dtype=np.int64)))
         object.__setattr__(self, "children", tuple(map(tuple, kids)))
-        object.__setattr__(self, "counts", tuple(counts))
         object.__setattr__(self, "tree_mask", frozen(self._build_mask()))
         object.__setattr__(self, "positions", frozen(self._build_positions()))
+
+    @cached_property
+    def counts(self) -> tuple[int, ...]:
+        """Nodes per depth (depth 1 first); computed when first asked (lookup trees, a new
+        shape most steps, are never asked)."""
+        return tuple(np.bincount(self.depth, minlength=2)[1:].tolist()) if len(self.depth) > 1 \
+            else ()
+
+    def _window(self) -> tuple[int, int]:
+        """(levels, columns) of a lookahead window after the tree; (0, 0): none."""
+        return 0, 0
+
+    def _compile_native(self, parents: tuple[int, ...]) -> bool:
+        # a tree without masks (lookup and hybrid trees, a new shape most steps) compiled in C
+        # (ngram.c's plan_tree): the same depths, mask and positions as the Python below, in
+        # less host time. False where the library is not there or the parents are invalid
+        # (the Python then says how)
+        if not _NATIVE:  # (asked once a process: the environment lookup costs ~10 us a step)
+            _NATIVE.append(native.lib())
+        lib = _NATIVE[0]
+        if lib is None:
+            return False
+        levels, width = self._window()
+        n, t = len(parents), self.bc
+        # one buffer for the parents in and the depths, positions and mask out (each address
+        # asked of numpy costs ~1 us): views of it are what the plan keeps
+        buf = np.empty(16 * n + 8 * t + t * t, dtype=np.uint8)
+        at = buf.ctypes.data
+        ints = buf[:16 * n + 8 * t].view(np.int64)
+        ints[:n] = parents
+        depth = ints[n:2 * n]
+        if lib.plan_tree(at, n, levels, width, at + 16 * n + 8 * t, at + 8 * n, at + 16 * n):
+            return False
+        kids: list[list[int]] = [[] for _ in parents]
+        for i in range(1, n):
+            kids[parents[i]].append(i)
+        object.__setattr__(self, "depth", frozen(depth))
+        object.__setattr__(self, "children", tuple(map(tuple, kids)))
+        object.__setattr__(self, "tree_mask",
+                           frozen(buf[16 * n + 8 * t:].view(bool).reshape(t, t)))
+        object.__setattr__(self, "positions", frozen(ints[2 * n:]) if levels else depth)
+        return True
 
     # -- construction -------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from edgemtp.plans import Plan
 from edgemtp.runtimes.torch_backend import TorchBackend
 
 from conftest import family_configs, story_prompts
+from test_plans import compiled_in
 
 # -- BC accounting ----------------------------------------------------------------------------
 
@@ -95,6 +96,31 @@ def check_lookahead_plan(plan: LookaheadPlan, parents, levels: int, window: int)
     assert plan.children == tree.children  # the verifier walks the tree part only
     with pytest.raises(ValueError):
         plan.tree_mask[0, 0] = False
+
+
+@st.composite
+def trees_and_windows(draw):
+    """A tree of 1-70 nodes in depth order (parents[i] < i) and a window of 1-4 x 1-13."""
+    n = draw(st.integers(1, 70))
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    parents, depth = [-1], [0]
+    for i in range(1, n):
+        allowed = [p for p in range(i) if depth[p] + 1 >= depth[-1]]
+        parents.append(int(rng.choice(allowed)))
+        depth.append(depth[parents[-1]] + 1)
+    return tuple(parents), draw(st.integers(1, 4)), draw(st.integers(1, 13))
+
+
+@pytest.mark.parametrize("where", ["python", "c"])
+@settings(max_examples=100, deadline=None)
+@given(trees_and_windows())
+def test_lookahead_plan_compiled_in_python_and_in_c(where, case):
+    # (a plan of a tree without masks compiles in C from plans.NATIVE_MIN_NODES nodes up:
+    # both ways checked row by row against the rule)
+    parents, levels, window = case
+    with compiled_in(where):
+        plan = LookaheadPlan(parents, 0, levels=levels, window=window)
+    check_lookahead_plan(plan, parents, levels, window)
 
 
 @st.composite

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from edgemtp.errors import BudgetError, ConfigError
 from edgemtp.budgets import default_branching, nodes_for_budget
+from edgemtp import native, plans
 from edgemtp.plans import DynamicPlans, Plan, dynamic_plans, dynamic_shapes, static_plan
 
 FAST = settings(max_examples=150, deadline=None)
@@ -84,6 +86,20 @@ def check_plan(plan: Plan, parents, k: int) -> None:
         plan.positions[0] = 5
 
 
+@contextmanager
+def compiled_in(where: str):
+    """Plans without masks compile in C (ngram.c's plan_tree) from NATIVE_MIN_NODES nodes up:
+    ``"c"`` sends every such plan there, ``"python"`` none."""
+    if where == "c" and native.lib() is None:
+        pytest.skip(f"no native library: {native.why_not()}")
+    old = plans.NATIVE_MIN_NODES
+    plans.NATIVE_MIN_NODES = 1 if where == "c" else 10 ** 9
+    try:
+        yield
+    finally:
+        plans.NATIVE_MIN_NODES = old
+
+
 # -- random shapes ------------------------------------------------------------------------
 
 
@@ -131,11 +147,13 @@ def test_top1_plan_mask_rows_positions(shape):
     assert plan.n_nodes == 1 + sum(counts)
 
 
+@pytest.mark.parametrize("where", ["python", "c"])
 @FAST
 @given(general_trees())
-def test_general_plan_mask_rows_positions(tree):
+def test_general_plan_mask_rows_positions(where, tree):
     parents, k = tree
-    plan = Plan(tuple(parents), k)
+    with compiled_in(where):
+        plan = Plan(tuple(parents), k)
     check_plan(plan, parents, k)
 
 
@@ -152,18 +170,29 @@ def big_trees(draw):
     return parents, draw(st.integers(0, 1))
 
 
+@pytest.mark.parametrize("where", ["python", "c"])
 @FAST
 @given(big_trees())
-def test_big_plan_mask_rows_positions(tree):
+def test_big_plan_mask_rows_positions(where, tree):
     parents, k = tree
-    check_plan(Plan(tuple(parents), k), parents, k)
+    with compiled_in(where):
+        plan = Plan(tuple(parents), k)
+    check_plan(plan, parents, k)
 
 
-def test_plan_refuses_a_tree_out_of_depth_order():
-    with pytest.raises(ConfigError, match="depth order"):
-        Plan((-1, 0, 1, 0), 0)
-    with pytest.raises(ConfigError, match="earlier node"):
-        Plan((-1, 2, 0), 0)
+@pytest.mark.parametrize("where", ["python", "c"])
+def test_plan_refuses_a_tree_out_of_depth_order(where):
+    with compiled_in(where):
+        with pytest.raises(ConfigError, match="depth order"):
+            Plan((-1, 0, 1, 0), 0)
+        with pytest.raises(ConfigError, match="earlier node"):
+            Plan((-1, 2, 0), 0)
+        with pytest.raises(ConfigError, match="node 7 has parent 7"):
+            Plan((-1, 0, 0, 1, 1, 2, 2, 7), 0)
+        with pytest.raises(ConfigError, match="node 6 has parent -1"):
+            Plan((-1, 0, 0, 1, 1, 2, -1), 0)
+        with pytest.raises(ConfigError, match="depth order"):
+            Plan((-1, 0, 0, 1, 1, 2, 0), 0)
 
 
 def test_plans_equal_and_hash_by_shape():

@@ -80,6 +80,9 @@ class LookaheadPlan(Plan):
         grid.flags.writeable = False
         super().__post_init__()
 
+    def _window(self) -> tuple[int, int]:
+        return self.levels, self.window
+
     @property
     def bc(self) -> int:
         """Positions in the block: tree nodes plus ``levels * window - 1`` lookahead cells."""

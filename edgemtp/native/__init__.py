@@ -135,6 +135,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pool_new.restype, lib.pool_new.argtypes = p, [i32, i32]
     lib.pool_free.restype, lib.pool_free.argtypes = None, [p]
     lib.pool_add_many.restype, lib.pool_add_many.argtypes = i32, [p, p, i64]
+    lib.plan_tree.restype, lib.plan_tree.argtypes = i32, [p, i32, i32, i32, p, p, p]
     return lib
 
 

@@ -765,3 +765,41 @@ done:
     free(chain); free(gtok); free(gpr); free(offers); free(next); free(best.tok); free(best.idx);
     return rc;
 }
+
+/* ---- plans.Plan's compilation for a tree without mask tokens (k = 0: lookup and hybrid trees,
+ * a new shape most steps), and lookahead.LookaheadPlan's (the tree followed by a window of
+ * levels x width Jacobi cells whose cell (0, 0) is the root; levels = 0: no window) ---- */
+
+/* depth[n]; mask[T * T] (bytes 0 / 1, row-major), T = n + levels * width - 1 (n without a
+ * window): node i sees its ancestors and itself, window cell (l, c) the root, level 0's cells
+ * of columns 1..c and column c's cells of levels 1..l; pos[T]: a node's depth, a cell's l + c.
+ * The same as Plan._build_mask / LookaheadPlan._build_mask and their positions. Returns 0, or
+ * i > 0 where node i's parent is not an earlier node or breaks the depth order (the caller
+ * compiles in Python, which says which). */
+int plan_tree(const int64_t *par, int n, int levels, int width, uint8_t *mask, int64_t *depth,
+              int64_t *pos) {
+    const size_t T = (size_t)(levels > 0 ? n + levels * width - 1 : n);
+    memset(mask, 0, T * T);
+    depth[0] = 0;
+    mask[0] = 1;
+    for (int i = 1; i < n; i++) {
+        const int64_t p = par[i];
+        if (p < 0 || p >= i) return i;
+        depth[i] = depth[p] + 1;
+        if (depth[i] < depth[i - 1]) return i;
+        memcpy(mask + (size_t)i * T, mask + (size_t)p * T, (size_t)p + 1);  /* p's ancestors */
+        mask[(size_t)i * T + (size_t)i] = 1;
+    }
+    for (int i = 0; i < n; i++) pos[i] = depth[i];
+    for (int l = 0; l < levels; l++)
+        for (int c = 0; c < width; c++) {
+            if (!l && !c) continue;  /* the root's row is the tree's */
+            const size_t row = (size_t)(n - 1 + l * width + c);
+            uint8_t *m = mask + row * T;
+            m[0] = 1;
+            for (int j = 1; j <= c; j++) m[n - 1 + j] = 1;
+            for (int u = 1; u <= l; u++) m[n - 1 + u * width + c] = 1;
+            pos[row] = l + c;
+        }
+    return 0;
+}
