@@ -647,14 +647,18 @@ class AutoDrafter:
 
     def _chain_rates(self, spec_s: float) -> list[list[tuple[int, float]]]:
         """Per matched n-gram length and chain length L: the best prefix length and its
-        expected tokens/s (a table, so most steps choose without numpy)."""
+        expected tokens/s (a table, so most steps choose without numpy). Plain Python over
+        the 3 x n_chain table: numpy's per-call overhead made it ~70 us a recomputation on a
+        2-core CPU, recomputed every ``refresh`` steps and whenever the curve moves."""
         self._score_chains()
-        h, lat, n = self._chain_scores(), self._lat, self.n_chain
-        rates = (1.0 + np.cumsum(h["hits"] / h["tries"], axis=1)) / (lat[2:n + 2] + spec_s)
+        tries, hits = self._chain_scores()
+        lat = [x + spec_s for x in self._latl[2:self.n_chain + 2]]
         table = []
-        for row in rates.tolist():
-            best, out = (0, 0.0), []
-            for i, r in enumerate(row, start=1):
+        for k, t in zip(hits, tries):
+            best, out, cum = (0, 0.0), [], 0.0
+            for i, (a, b, c) in enumerate(zip(k, t, lat), start=1):
+                cum += a / b  # (1 + the running sum) / t(L + 1): numpy's cumsum, bit for bit
+                r = (1.0 + cum) / c
                 if r > best[1]:
                     best = (i, r)
                 out.append(best)
@@ -834,18 +838,19 @@ class AutoDrafter:
         self.chain_hits.setdefault("scored", []).extend(k[1] for k in known)
         self._chains, self._observed = waiting, []
 
-    def _chain_scores(self) -> dict:
-        # the chain table with every scored chain added, in the order they were scored: each
-        # decays its row once and adds its prefix (on Python lists: a row is 9 numbers, and
-        # numpy's per-call overhead made this ~3 µs a chain)
+    def _chain_scores(self) -> tuple[list[list[float]], list[list[float]]]:
+        # the chain table (tries, hits per row) with every scored chain added, in the order
+        # they were scored: each decays its row once and adds its prefix (on Python lists: a
+        # row is 9 numbers, and numpy's per-call overhead made this ~3 µs a chain)
         h = self.chain_hits
+        tries, hits = h["tries"].tolist(), h["hits"].tolist()
         scored = h.get("scored")
         if scored:
-            d, tries, hits = self.decay, h["tries"].tolist(), h["hits"].tolist()
+            d = self.decay
             for row, length, agree in scored:
                 t, k = tries[row], hits[row]
                 t[:] = [x * d + (i < length) for i, x in enumerate(t)]
                 k[:] = [x * d + (i < agree) for i, x in enumerate(k)]
             h["tries"][:], h["hits"][:] = tries, hits
         h["scored"] = []
-        return h
+        return tries, hits
