@@ -14,6 +14,9 @@ from pathlib import Path
 import numpy as np
 
 
+CACHED_ROW_BYTES = 16 << 20  # de-quantized embedding rows kept by a block-quantized table
+
+
 class EmbeddingTable:
     """Rows of the input embedding on the host, float32, memory-mapped: only the rows asked
     for are read (a block-quantized table de-quantizes them as ``GatherBlockQuantized``:
@@ -29,7 +32,12 @@ class EmbeddingTable:
         self._bits, self._bs = info.bits, info.block_size
         self._data, self._scales = _mapped(path, info.data), _mapped(path, info.scales)
         self._zp = _mapped(path, info.zero_points) if info.zero_points else None
-        self.rows = self._quantized_rows
+        # de-quantized rows kept as first asked for (a drafter with mask tokens asks for the
+        # rows of each step's committed tokens: ~35 us a step to de-quantize 1-3 rows of
+        # SmolLM2's int4 table through numpy, a few us from the cache)
+        width = self._scales.shape[1] * self._bs
+        self.rows = HostRows(self._quantized_rows, width,
+                             max(256, CACHED_ROW_BYTES // (4 * width)))
 
     def _float_rows(self, ids: np.ndarray) -> np.ndarray:
         rows = self._table[ids]  # fancy indexing: a fresh array, the caller's to keep
@@ -38,6 +46,39 @@ class EmbeddingTable:
     def _quantized_rows(self, ids: np.ndarray) -> np.ndarray:
         zp = None if self._zp is None else self._zp[ids]
         return dequantize_rows(self._data[ids], self._scales[ids], zp, self._bits, self._bs)
+
+
+class HostRows:
+    """Embedding rows kept on the host as they are first asked for (at most ``cap``; all
+    dropped when full): the lookups of the mask embeddings' EMA, whose tokens repeat within
+    a generation, without a GPU backend's device round trip or a block-quantized table's
+    de-quantization each step.
+
+    >>> table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    >>> rows = HostRows(lambda ids: table[ids], 3, cap=2)
+    >>> rows(np.array([1, 1])).tolist(), sorted(rows.rows)
+    ([[3.0, 4.0, 5.0], [3.0, 4.0, 5.0]], [1])
+    >>> rows(np.array([[2], [3]])).shape, sorted(rows.rows)    # full: dropped, then refilled
+    ((2, 1, 3), [2, 3])
+    >>> rows(np.array([], dtype=np.int64)).shape
+    (0, 3)
+    """
+
+    def __init__(self, fetch, width: int, cap: int) -> None:
+        self.fetch, self.width, self.cap = fetch, width, cap
+        self.rows: dict[int, np.ndarray] = {}
+
+    def __call__(self, token_ids) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        flat = ids.ravel().tolist()
+        missing = sorted(set(flat) - self.rows.keys())
+        if missing:
+            if len(self.rows) + len(missing) > self.cap:
+                self.rows.clear()
+            self.rows.update(zip(missing, np.asarray(self.fetch(missing), dtype=np.float32)))
+        if not flat:
+            return np.zeros((*ids.shape, self.width), dtype=np.float32)
+        return np.stack([self.rows[i] for i in flat]).reshape(*ids.shape, self.width)
 
 
 def dequantize_rows(data, scales, zero_points, bits: int, block_size: int) -> np.ndarray:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from edgemtp.backend import StepOut, check_options, check_torch_device
 from edgemtp.errors import ConfigError, ModelLoadError
+from edgemtp.runtimes.host_table import HostRows
 from edgemtp.models.static_decoder import StaticTreeDecoder
 from edgemtp.models.families import family_for, max_context
 from edgemtp.runtimes.gguf_source import check_gguf, check_hf_folder, resolve_model
@@ -274,7 +275,7 @@ class TorchBackend:
         self._masks: dict = {}
         self._rows = HostRows(lambda ids: self._table.index_select(
             0, torch.as_tensor(ids, device=self.device)).float().cpu().numpy(),
-            self.hidden_size)
+            self.hidden_size, EMBED_ROWS)
         # on the CPU a float32 or float16 table is read through a numpy view of its memory:
         # the same values as torch's lookup, without ~50 us of dispatch a step (every step of
         # a drafter with mask tokens: their EMA reads the committed tokens' rows)
@@ -357,38 +358,6 @@ def chunked_topk(x: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, to
     ids = ids + torch.arange(0, width * chunks, width, device=x.device)[None, :, None]
     top, at = vals.view(t, -1).topk(k, -1)
     return top, ids.view(t, -1).gather(-1, at)
-
-
-class HostRows:
-    """Embedding rows kept on the host as they are first asked for (at most ``cap``; all
-    dropped when full): a GPU backend's lookups for the mask embeddings' EMA, whose tokens
-    repeat within a generation, without a device round trip each step.
-
-    >>> table = np.arange(12, dtype=np.float32).reshape(4, 3)
-    >>> rows = HostRows(lambda ids: table[ids], 3, cap=2)
-    >>> rows(np.array([1, 1])).tolist(), sorted(rows.rows)
-    ([[3.0, 4.0, 5.0], [3.0, 4.0, 5.0]], [1])
-    >>> rows(np.array([[2], [3]])).shape, sorted(rows.rows)    # full: dropped, then refilled
-    ((2, 1, 3), [2, 3])
-    >>> rows(np.array([], dtype=np.int64)).shape
-    (0, 3)
-    """
-
-    def __init__(self, fetch, width: int, cap: int = EMBED_ROWS) -> None:
-        self.fetch, self.width, self.cap = fetch, width, cap
-        self.rows: dict[int, np.ndarray] = {}
-
-    def __call__(self, token_ids) -> np.ndarray:
-        ids = np.asarray(token_ids, dtype=np.int64)
-        flat = ids.ravel().tolist()
-        missing = sorted(set(flat) - self.rows.keys())
-        if missing:
-            if len(self.rows) + len(missing) > self.cap:
-                self.rows.clear()
-            self.rows.update(zip(missing, np.asarray(self.fetch(missing), dtype=np.float32)))
-        if not flat:
-            return np.zeros((*ids.shape, self.width), dtype=np.float32)
-        return np.stack([self.rows[i] for i in flat]).reshape(*ids.shape, self.width)
 
 
 class TorchSession:

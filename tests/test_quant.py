@@ -128,6 +128,22 @@ def test_host_table_is_the_graphs_dequantized_embedding(int4_pkg):
     assert np.allclose(pkg.meta.embeddings.mu, want.mean(0), atol=1e-6)
 
 
+def test_host_table_dequantizes_a_row_once_and_hands_out_copies(int4_pkg):
+    # the mask embeddings' EMA asks for each step's committed tokens: a row already asked
+    # for comes from the cache, the same values, and a caller's edits never reach it
+    table = load_package(int4_pkg).embedding_table()
+    asked = []
+    fetch = table.rows.fetch
+    table.rows.fetch = lambda ids: (asked.append(list(ids)), fetch(ids))[1]
+    first = table.rows(np.array([7, 9, 7]))
+    again = table.rows(np.array([[9], [7], [11]]))
+    assert asked == [[7, 9], [11]]
+    assert np.array_equal(again[:2, 0], first[[1, 0]]) and again.shape == (3, 1, first.shape[1])
+    assert np.array_equal(again[2, 0], fetch(np.array([11]))[0])
+    first[:] = 0.0
+    assert np.array_equal(table.rows(np.array([7])), fetch(np.array([7])))
+
+
 def test_int4_package_keeps_its_values_in_float64_and_binds_them_as_such(int4_pkg):
     # the exact sums add p @ V in float64: the graph takes and gives V in float64 and the
     # cache holds it so, rather than a cast of the whole past every layer and step
