@@ -21,7 +21,7 @@ from ..budgets import check_bc
 from ..errors import BudgetError, ConfigError
 from ..plans import Plan
 from ..tree import RankCalibration, ranked_tree
-from .hybrid import HitRates, HybridDrafter
+from .hybrid import HitRates, HybridDrafter, candidates
 
 if TYPE_CHECKING:
     from ..config import GenerationConfig
@@ -170,4 +170,4 @@ class HeadsHybridDrafter(HybridDrafter):
         """The heads' candidates for the step after ``out`` (see :meth:`HeadsDrafter.refresh`)."""
         self.heads.refresh(out, mask_rows, new_tokens, path_rows)
         ids, lp = self.heads._cand
-        self._cand = (ids[:, :self.topk].tolist(), np.exp(lp[:, :self.topk]).tolist())
+        self._cand = candidates(ids[:, :self.topk], lp[:, :self.topk])

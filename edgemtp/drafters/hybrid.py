@@ -28,6 +28,14 @@ MASK_GAIN = 0.35       # prior: tokens a node's masks add to the next step if th
 HYBRID_POOL = 7        # continuations kept per key in the hybrid's Jacobi pool
 
 
+def candidates(ids: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mask rows' top-K as the tree growers read them: ids ``int64`` and probabilities
+    ``float64``, C-contiguous, each probability the ``exp`` of its log-probability in the
+    backend's precision, widened (the values ``np.exp(logprobs).tolist()`` gives)."""
+    return (np.ascontiguousarray(ids, dtype=np.int64),
+            np.ascontiguousarray(np.exp(logprobs), dtype=np.float64))
+
+
 class HitRates:
     """Online hit rates of draft candidates per bucket, kept across generations.
 
@@ -163,7 +171,7 @@ class HybridDrafter:
         self._reset()
 
     def _reset(self) -> None:
-        self._cand: tuple[list, list] | None = None  # per mask j: its top-K ids, probs
+        self._cand: tuple | None = None  # per mask j: its top-K ids, probs (candidates())
         self._tree: GrownTree | None = None
         self._asked: dict[int, tuple] = {}  # node -> what proposed its children
         self._masks_of: dict[int, np.ndarray] = {}
@@ -244,10 +252,8 @@ class HybridDrafter:
         if native is None or not (pool is None or isinstance(pool, MirroredPool)
                                   and pool.native is not None):
             return None
-        h, cand = self.rates, None
-        if self._cand is not None and self._cand[0]:
-            cand = (np.array(self._cand[0], dtype=np.int64),
-                    np.array(self._cand[1], dtype=np.float64))
+        h = self.rates
+        cand = self._cand if self._cand is not None and len(self._cand[0]) else None
         self._grown_cand = cand
         tail = tuple(self.context.tokens[-self.max_ngram:])
         grown = native.grow_hybrid(
@@ -290,8 +296,7 @@ class HybridDrafter:
         self._cand = None
         if len(mask_rows):
             k = self.topk  # a step may carry more candidates than ours (auto asks for more)
-            self._cand = (out.topk_ids[mask_rows, :k].tolist(),
-                          np.exp(out.topk_logprobs[mask_rows, :k]).tolist())
+            self._cand = candidates(out.topk_ids[mask_rows, :k], out.topk_logprobs[mask_rows, :k])
         if self.shared is None:
             self.context.extend(new_tokens, out.topk_ids, out.topk_logprobs, path_rows)
         self.embeds.update(new_tokens)
@@ -358,7 +363,7 @@ class HybridDrafter:
         """Mask ``j``'s candidates under the chain node of depth ``j``, best first."""
         if j is None or self._cand is None or j >= len(self._cand[0]):
             return []
-        pairs = zip(self._cand[0][j], self._cand[1][j])
+        pairs = zip(self._cand[0][j].tolist(), self._cand[1][j].tolist())
         # §3.6: a mask echoes its node's own next token, which is the parent here
         return [(t, p) for t, p in pairs if not (self.prune and t == parent)]
 

@@ -8,6 +8,7 @@ A tree without mask tokens costs one position per node, so a lookup tree of ``N`
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import itertools
 import weakref
@@ -263,6 +264,14 @@ class ContextModel:
         return out
 
 
+def address(a: np.ndarray) -> int:
+    """The address of a C-contiguous array's first element: ``a.ctypes.data`` without
+    numpy's wrapper object (~0.5 against ~1.4 us warm, several a step), where ``a`` is
+    writable."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(a)) if a.flags.writeable \
+        else a.ctypes.data
+
+
 class NativeIndex:
     """The C mirror of a :class:`NgramIndex` (``edgemtp/native/ngram.c``), and STAND's
     grower over it and a :class:`StoredDistributions`' arrays. Buffers are allocated once and
@@ -364,9 +373,9 @@ class NativeIndex:
         o = self._out_at
         n = self.lib.ctx_grow_hybrid(
             self.handle, self._ip_at, min_score, self._in_at + 8 * nt, self._dists[2],
-            self._dists[3], self._in_at, None if rates is None else rates.ctypes.data,
-            prior.ctypes.data, None if cand is None else cand[0].ctypes.data,
-            None if cand is None else cand[1].ctypes.data,
+            self._dists[3], self._in_at, None if rates is None else address(rates),
+            address(prior), None if cand is None else address(cand[0]),
+            None if cand is None else address(cand[1]),
             None if pool is None else pool.sync(), o[0], o[1], o[2], o[3])
         n = self._done(n, cm)
         if n is None:
@@ -402,7 +411,7 @@ class NativeIndex:
         if self.lib.ctx_learn_hybrid(
                 self.handle, self._ip_at, self._in_at + 8 * nt, m, o[0], o[1], o[2], n,
                 self._dists[2], self._dists[3], self._in_at,
-                None if cand is None else cand[0].ctypes.data,
+                None if cand is None else address(cand[0]),
                 None if pool is None else pool.handle,
                 None if counts is None else counts[0], None if counts is None else counts[1],
                 self._info_at):
