@@ -267,8 +267,12 @@ class ContextModel:
 def address(a: np.ndarray) -> int:
     """The address of a C-contiguous array's first element: ``a.ctypes.data`` without
     numpy's wrapper object (~0.5 against ~1.4 us warm, several a step), where ``a`` is
-    writable."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(a)) if a.flags.writeable \
+    writable and not empty.
+
+    >>> a = np.zeros(3); address(a) == a.ctypes.data == address(a[:0])
+    True
+    """
+    return ctypes.addressof(ctypes.c_char.from_buffer(a)) if a.flags.writeable and a.size \
         else a.ctypes.data
 
 
