@@ -667,3 +667,40 @@ def test_bench_native_ab_pairs_two_builds_in_one_process(int4_pkg, tmp_path):
         assert run.returncode == 2 and "Traceback" not in run.stderr
         assert len(run.stderr.strip().splitlines()) == 1 and line in run.stderr
         assert not (tmp_path / "bad.json").exists()
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_one_row_steps_split_between_threads_give_the_row_loops_bits(int4_pkg, family_pkgs,
+                                                                     family, kv):
+    # a one-row step deals its heads' RoPE, query pairs and cache writes to the threads
+    # (decoder.c's split_rows); a step of more rows runs the row loop. On two threads both ways
+    # give the same outputs and the same cache, biases (Qwen2) and q/k norms (Qwen3) included
+    pkg = int4_pkg if family == "llama" else family_pkgs[family]
+    b = NativeBackend(str(pkg), threads=2, kv_cache=kv, check=False)
+    prompt = np.random.default_rng(3).integers(0, b.vocab_size, 9)
+    got = {}
+    try:
+        for split in (0, 1):
+            b.lib.decoder_set_split_rows(split)
+            s, outs = b.session(), []
+            n = len(prompt)
+            out = s.forward(prompt, np.arange(n), np.tril(np.ones((n, n), dtype=bool)), None,
+                            topk=4)
+            s.commit(np.arange(n))
+            tok = int(out.argmax[-1])
+            for _ in range(12):
+                out = s.forward(np.array([tok]), np.array([s.cache_len]),
+                                np.ones((1, 1), dtype=bool), None, topk=4)
+                s.commit(np.arange(1))
+                outs.append((out.argmax.copy(), out.topk_ids.copy(), out.topk_logprobs.copy()))
+                tok = int(out.argmax[0])
+            cache = [a.copy() for a in (s.k, s.v, s.ks, s.vs) if a is not None]
+            got[split] = outs, cache
+    finally:
+        b.lib.decoder_set_split_rows(1)
+    for (a, b_) in zip(got[0][0], got[1][0]):
+        for x, y in zip(a, b_):
+            assert np.array_equal(x, y)
+    for x, y in zip(got[0][1], got[1][1]):
+        assert np.array_equal(x, y)

@@ -206,6 +206,9 @@ def _declare_decoder(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decoder_threads.restype, lib.decoder_threads.argtypes = i32, []
     lib.decoder_kernel.restype, lib.decoder_kernel.argtypes = i32, []
     lib.decoder_set_group_min_p.restype, lib.decoder_set_group_min_p.argtypes = None, [i32]
+    if hasattr(lib, "decoder_set_split_rows"):  # (bench_native_ab loads older builds too)
+        lib.decoder_set_split_rows.restype = None
+        lib.decoder_set_split_rows.argtypes = [i32]
     return lib
 
 

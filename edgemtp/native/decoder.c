@@ -1946,6 +1946,40 @@ void decoder_set_group_min_p(int p) {
 
 /* one block of T rows after the cache's len committed rows; its K/V land in the cache at rows
    len .. len + T - 1 (cap must hold them). Returns 0, or -1 when the block does not fit. */
+/* the RoPE table's row for a position (clamped to the table) */
+static inline int64_t rope_at(const Model *M, int64_t p) {
+    return p >= M->rope_rows ? M->rope_rows - 1 : p < 0 ? 0 : p;
+}
+
+/* a new key and value row of KV group g into the cache at position pos: int8 codes with a
+   scale per key row and per value chunk where kst is set, else half floats */
+static void write_kv(const float *k, const float *v, int g, int pos, int D, int cap, void *kt,
+                     void *vc, float *kst, float *vst) {
+    if (kst) {
+        const int nch = D / vw(D), w = vw(D);
+        int8_t *kh = (int8_t *)kt + (size_t)g * D * cap;
+        int8_t *vh = (int8_t *)vc + (size_t)g * cap * D;
+        float sk = q8_scale(k, D);
+        kst[(size_t)g * cap + pos] = sk;
+        for (int e = 0; e < D; e++) kh[kidx8(pos, e, D)] = q8_code(k[e], sk);
+        for (int c = 0; c < nch; c++) {
+            float sv = q8_scale(v + c * w, w);
+            vst[((size_t)g * nch + c) * cap + pos] = sv;
+            for (int e = c * w; e < (c + 1) * w; e++) vh[vidx8(pos, e, D, cap)] = q8_code(v[e], sv);
+        }
+    } else {
+        kv_t *kh = (kv_t *)kt + (size_t)g * D * cap;
+        kv_t *vh = (kv_t *)vc + (size_t)g * cap * D;
+        for (int e = 0; e < D; e++) kh[kidx(pos, e, D)] = f2h(k[e]);
+        for (int e = 0; e < D; e++) vh[vidx(pos, e, D, cap)] = f2h(v[e]);
+    }
+}
+
+/* one-row steps: the RoPE, query pairs and cache writes of a row's heads split between the
+   threads (1, the default) or all on one (0: the row loop, for A/B runs) */
+static int split_rows = 1;
+void decoder_set_split_rows(int on) { split_rows = on; }
+
 int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
     const int T = X->T, d = M->d, D = M->D, H = M->H, Hkv = M->Hkv, F = M->F;
     const int P = C->len, cap = C->cap, grp = H / Hkv, half = D / 2;
@@ -2016,11 +2050,41 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
             void *vc = (void *)kv_at(C->v, (size_t)l * Hkv * cap * D, q8);
             float *kst = q8 ? C->ks + (size_t)l * Hkv * cap : NULL;
             float *vst = q8 ? C->vs + (size_t)l * Hkv * nch * cap : NULL;
+            if (T == 1 && threads > 1 && split_rows) {
+                /* one row: its heads between the threads, a KV group's key and value or a query
+                   head each (units KV groups first, dealt round robin: the cache writes, the
+                   dearest, land on both threads). Each head's operations are its own, in the
+                   row loop's order: the same bits */
+                const float *cs = M->cos + rope_at(M, X->pos[0]) * half;
+                const float *sn = M->sin + rope_at(M, X->pos[0]) * half;
+                const float *bias = M->qkv_bias ? M->qkv_bias + (size_t)l * (H + 2 * Hkv) * D
+                                                : NULL;
+#pragma omp for schedule(static, 1)
+                for (int u = 0; u < Hkv + H; u++) {
+                    if (u < Hkv) {
+                        float *k = qkv + (size_t)(H + u) * D, *v = qkv + (size_t)(H + Hkv + u) * D;
+                        if (bias)
+                            for (int i = 0; i < D; i++) {
+                                k[i] += bias[(size_t)(H + u) * D + i];
+                                v[i] += bias[(size_t)(H + Hkv + u) * D + i];
+                            }
+                        if (M->q_norm) rms_norm(k, M->k_norm + (size_t)l * D, D, M->eps, k);
+                        rotate(k, 1, D, cs, sn);
+                        write_kv(k, v, u, P, D, cap, kt, vc, kst, vst);
+                    } else {
+                        const int hh = u - Hkv;
+                        float *q = qkv + (size_t)hh * D;
+                        if (bias)
+                            for (int i = 0; i < D; i++) q[i] += bias[(size_t)hh * D + i];
+                        if (M->q_norm) rms_norm(q, M->q_norm + (size_t)l * D, D, M->eps, q);
+                        rotate(q, 1, D, cs, sn);
+                        if (q8) QS[hh] = q_pairs(q, D, QP + (size_t)hh * (D / 2)) * M->scale;
+                    }
+                }
+            } else {
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
-                int64_t p = X->pos[t];
-                if (p >= M->rope_rows) p = M->rope_rows - 1;
-                if (p < 0) p = 0;
+                const int64_t p = rope_at(M, X->pos[t]);
                 float *r = qkv + (size_t)t * Nqkv;
                 if (M->qkv_bias) {
                     const float *bias = M->qkv_bias + (size_t)l * (H + 2 * Hkv) * D;
@@ -2035,28 +2099,10 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
                     for (int hh = 0; hh < H; hh++)
                         QS[(size_t)t * H + hh] =
                             q_pairs(r + hh * D, D, QP + ((size_t)t * H + hh) * (D / 2)) * M->scale;
-                for (int g = 0; g < Hkv; g++) {
-                    const float *k = r + (H + g) * D, *v = r + (H + Hkv + g) * D;
-                    if (q8) {
-                        int8_t *kh = (int8_t *)kt + (size_t)g * D * cap;
-                        int8_t *vh = (int8_t *)vc + (size_t)g * cap * D;
-                        float sk = q8_scale(k, D);
-                        kst[(size_t)g * cap + P + t] = sk;
-                        for (int e = 0; e < D; e++) kh[kidx8(P + t, e, D)] = q8_code(k[e], sk);
-                        const int w = vw(D);
-                        for (int c = 0; c < nch; c++) {
-                            float sv = q8_scale(v + c * w, w);
-                            vst[((size_t)g * nch + c) * cap + P + t] = sv;
-                            for (int e = c * w; e < (c + 1) * w; e++)
-                                vh[vidx8(P + t, e, D, cap)] = q8_code(v[e], sv);
-                        }
-                    } else {
-                        kv_t *kh = (kv_t *)kt + (size_t)g * D * cap;
-                        kv_t *vh = (kv_t *)vc + (size_t)g * cap * D;
-                        for (int e = 0; e < D; e++) kh[kidx(P + t, e, D)] = f2h(k[e]);
-                        for (int e = 0; e < D; e++) vh[vidx(P + t, e, D, cap)] = f2h(v[e]);
-                    }
-                }
+                for (int g = 0; g < Hkv; g++)
+                    write_kv(r + (H + g) * D, r + (H + Hkv + g) * D, g, P + t, D, cap, kt, vc,
+                             kst, vst);
+            }
             }
             const int tiles = (T + RT - 1) / RT;
             /* one tile (plain steps, small trees): the heads in order, each thread a run of
