@@ -1933,24 +1933,14 @@ static int group_min_p = 512;
    groups/rows 0.80-0.89; at P = 300 0.86-0.97 from T = 8; at P = 2000 0.96-1.04; T = 2, 3
    1.03-1.27 at P = 300-700 (so rows). Below 256 cached rows the whole steps measured alike
    (within 2 %, P = 20 .. 200). Whole steps against the build before, paired in one process,
-   stayed within that machine's noise (+-10 % at P = 700 and 2000). With AVX-512 VNNI (a 2-core
-   Zen 4, SmolLM2 int4 from the shared GGUF, 40-60 pairs alternated step by step, the same bits)
-   blocks of 2 and 3 rows gain too, so they take the groups from 256 rows there: whole steps,
-   groups/rows, int8 cache T = 2: 0.99 at P = 300, 0.97 at 700, 0.98 at 1000, 0.91-0.92 at 2000;
-   T = 3: 1.00, 0.97, 0.97, 0.98; float16 cache T = 2: 0.99, 1.00, -, 0.91; T = 3: 1.00, 0.98,
-   -, 0.96 */
-#ifdef Q4_VNNI
-#define GROUP_MIN_T 2
-#else
-#define GROUP_MIN_T 4
-#endif
-static int group_min_p_block = 256, group_min_t = GROUP_MIN_T;
+   stayed within that machine's noise (+-10 % at P = 700 and 2000). */
+static int group_min_p_block = 256, group_min_t = 4;
 
 /* both thresholds and every block size (tests: 0 always, -1 never); -2: the defaults */
 void decoder_set_group_min_p(int p) {
     group_min_p = p == -2 ? 512 : p;
     group_min_p_block = p == -2 ? 256 : p;
-    group_min_t = p == -2 ? GROUP_MIN_T : 2;
+    group_min_t = p == -2 ? 4 : 2;
 }
 
 
