@@ -8,7 +8,6 @@ A tree without mask tokens costs one position per node, so a lookup tree of ``N`
 
 from __future__ import annotations
 
-import ctypes
 import heapq
 import itertools
 import weakref
@@ -18,6 +17,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from ..native import address
 from ..plans import Plan
 
 MAX_NGRAM = 3          # longest context suffix matched against earlier context (PLD's default)
@@ -262,18 +262,6 @@ class ContextModel:
             self.native = None
             return self.stand_layout(root, max_nodes, max_depth, min_score)
         return out
-
-
-def address(a: np.ndarray) -> int:
-    """The address of a C-contiguous array's first element: ``a.ctypes.data`` without
-    numpy's wrapper object (~0.5 against ~1.4 us warm, several a step), where ``a`` is
-    writable and not empty.
-
-    >>> a = np.zeros(3); address(a) == a.ctypes.data == address(a[:0])
-    True
-    """
-    return ctypes.addressof(ctypes.c_char.from_buffer(a)) if a.flags.writeable and a.size \
-        else a.ctypes.data
 
 
 class NativeIndex:

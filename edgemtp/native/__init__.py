@@ -46,6 +46,19 @@ _DECODER: list = []
 _DECODER_WHY: list[str] = []
 
 
+def address(a) -> int:
+    """The address of a C-contiguous numpy array's first element: ``a.ctypes.data`` without
+    numpy's wrapper object (~0.5 against ~1.4 us warm, and several times that right after a
+    forward pass; a step asks for several), where ``a`` is writable and not empty.
+
+    >>> import numpy as np
+    >>> a = np.zeros(3); address(a) == a.ctypes.data == address(a[:0])
+    True
+    """
+    return ctypes.addressof(ctypes.c_char.from_buffer(a)) if a.flags.writeable and a.size \
+        else a.ctypes.data
+
+
 def _compiler() -> str | None:
     for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cc and shutil.which(cc):
