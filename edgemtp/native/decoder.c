@@ -1973,6 +1973,35 @@ static void write_kv(const float *k, const float *v, int g, int pos, int D, int 
     }
 }
 
+/* unit u of a row's q/k/v (u < Hkv: KV group u's key and value, into the cache at pos; else
+   query head u - Hkv, its int16 pairs into qp / qs where q8): its bias, q/k norm and rotary
+   embedding. Each head's operations are its own: any order of units, the same bits */
+static void head_in(const Model *M, int l, float *r, int u, const float *cs, const float *sn,
+                    int q8, float *qs, int32_t *qp, int pos, int cap, void *kt, void *vc,
+                    float *kst, float *vst) {
+    const int H = M->H, Hkv = M->Hkv, D = M->D;
+    const float *bias = M->qkv_bias ? M->qkv_bias + (size_t)l * (H + 2 * Hkv) * D : NULL;
+    if (u < Hkv) {
+        float *k = r + (size_t)(H + u) * D, *v = r + (size_t)(H + Hkv + u) * D;
+        if (bias)
+            for (int i = 0; i < D; i++) {
+                k[i] += bias[(size_t)(H + u) * D + i];
+                v[i] += bias[(size_t)(H + Hkv + u) * D + i];
+            }
+        if (M->q_norm) rms_norm(k, M->k_norm + (size_t)l * D, D, M->eps, k);
+        rotate(k, 1, D, cs, sn);
+        write_kv(k, v, u, pos, D, cap, kt, vc, kst, vst);
+    } else {
+        const int hh = u - Hkv;
+        float *q = r + (size_t)hh * D;
+        if (bias)
+            for (int i = 0; i < D; i++) q[i] += bias[(size_t)hh * D + i];
+        if (M->q_norm) rms_norm(q, M->q_norm + (size_t)l * D, D, M->eps, q);
+        rotate(q, 1, D, cs, sn);
+        if (q8) qs[hh] = q_pairs(q, D, qp + (size_t)hh * (D / 2)) * M->scale;
+    }
+}
+
 /* one-row steps: the RoPE, query pairs and cache writes of a row's heads split between the
    threads (1, the default) or all on one (0: the row loop, for A/B runs) */
 static int split_rows = 1;
@@ -2051,58 +2080,22 @@ int decoder_forward(const Model *M, Cache *C, const Call *X, float *work) {
             float *kst = q8 ? C->ks + (size_t)l * Hkv * cap : NULL;
             float *vst = q8 ? C->vs + (size_t)l * Hkv * nch * cap : NULL;
             if (T == 1 && threads > 1 && split_rows) {
-                /* one row: its heads between the threads, a KV group's key and value or a query
-                   head each (units KV groups first, dealt round robin: the cache writes, the
-                   dearest, land on both threads). Each head's operations are its own, in the
-                   row loop's order: the same bits */
-                const float *cs = M->cos + rope_at(M, X->pos[0]) * half;
-                const float *sn = M->sin + rope_at(M, X->pos[0]) * half;
-                const float *bias = M->qkv_bias ? M->qkv_bias + (size_t)l * (H + 2 * Hkv) * D
-                                                : NULL;
+                /* one row: its heads dealt to the threads (KV groups first, round robin: the
+                   cache writes, the dearest, land on both threads) */
+                const int64_t p = rope_at(M, X->pos[0]);
 #pragma omp for schedule(static, 1)
-                for (int u = 0; u < Hkv + H; u++) {
-                    if (u < Hkv) {
-                        float *k = qkv + (size_t)(H + u) * D, *v = qkv + (size_t)(H + Hkv + u) * D;
-                        if (bias)
-                            for (int i = 0; i < D; i++) {
-                                k[i] += bias[(size_t)(H + u) * D + i];
-                                v[i] += bias[(size_t)(H + Hkv + u) * D + i];
-                            }
-                        if (M->q_norm) rms_norm(k, M->k_norm + (size_t)l * D, D, M->eps, k);
-                        rotate(k, 1, D, cs, sn);
-                        write_kv(k, v, u, P, D, cap, kt, vc, kst, vst);
-                    } else {
-                        const int hh = u - Hkv;
-                        float *q = qkv + (size_t)hh * D;
-                        if (bias)
-                            for (int i = 0; i < D; i++) q[i] += bias[(size_t)hh * D + i];
-                        if (M->q_norm) rms_norm(q, M->q_norm + (size_t)l * D, D, M->eps, q);
-                        rotate(q, 1, D, cs, sn);
-                        if (q8) QS[hh] = q_pairs(q, D, QP + (size_t)hh * (D / 2)) * M->scale;
-                    }
-                }
+                for (int u = 0; u < Hkv + H; u++)
+                    head_in(M, l, qkv, u, M->cos + p * half, M->sin + p * half, q8, QS, QP, P,
+                            cap, kt, vc, kst, vst);
             } else {
 #pragma omp for schedule(static)
-            for (int t = 0; t < T; t++) {
-                const int64_t p = rope_at(M, X->pos[t]);
-                float *r = qkv + (size_t)t * Nqkv;
-                if (M->qkv_bias) {
-                    const float *bias = M->qkv_bias + (size_t)l * (H + 2 * Hkv) * D;
-                    for (int i = 0; i < (H + 2 * Hkv) * D; i++) r[i] += bias[i];
+                for (int t = 0; t < T; t++) {
+                    const int64_t p = rope_at(M, X->pos[t]);
+                    for (int u = 0; u < Hkv + H; u++)
+                        head_in(M, l, qkv + (size_t)t * Nqkv, u, M->cos + p * half,
+                                M->sin + p * half, q8, QS + (size_t)t * H,
+                                QP + (size_t)t * H * (D / 2), P + t, cap, kt, vc, kst, vst);
                 }
-                if (M->q_norm)
-                    for (int h = 0; h < H + Hkv; h++)  /* q's heads, then k's */
-                        rms_norm(r + h * D, (h < H ? M->q_norm : M->k_norm) + (size_t)l * D, D,
-                                 M->eps, r + h * D);
-                rotate(r, H + Hkv, D, M->cos + p * half, M->sin + p * half);
-                if (q8)  /* the query heads' int16 pairs for the integer scores */
-                    for (int hh = 0; hh < H; hh++)
-                        QS[(size_t)t * H + hh] =
-                            q_pairs(r + hh * D, D, QP + ((size_t)t * H + hh) * (D / 2)) * M->scale;
-                for (int g = 0; g < Hkv; g++)
-                    write_kv(r + (H + g) * D, r + (H + Hkv + g) * D, g, P + t, D, cap, kt, vc,
-                             kst, vst);
-            }
             }
             const int tiles = (T + RT - 1) / RT;
             /* one tile (plain steps, small trees): the heads in order, each thread a run of
