@@ -116,6 +116,11 @@ def main(argv=None) -> int:
                          "SmolLM2's Spec-Bench chat prompts for a .gguf model)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--profile", default="", help="DRAFTER@BC,... to run again under cProfile")
+    ap.add_argument("--profile-filter", default="", metavar="REGEX",
+                    help="list only the profiled functions whose file or name matches (e.g. "
+                         "'edgemtp': the engine and the drafters, not torch)")
+    ap.add_argument("--profile-lines", type=int, default=30,
+                    help="the profile's slowest functions listed (30)")
     ap.add_argument("--topk-curve", type=int, default=0, metavar="K",
                     help="also t(T) at T = 1, 2, 8, 16, 64 with and without a top-K of K "
                          "(bench_gpu's t_ms is without: drafters that read candidates pay "
@@ -187,7 +192,8 @@ def main(argv=None) -> int:
         run(model, texts, configs[label], a.device, warmup=0)
         pr.disable()
         s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(
+            *([a.profile_filter] if a.profile_filter else []), a.profile_lines)
         print(f"## {label} under cProfile\n{s.getvalue()}")
     if a.out:
         Path(a.out).write_text(json.dumps(dict(command=" ".join(sys.argv), rows=rows,
