@@ -14,7 +14,7 @@ import sys
 from . import drafters
 from .config import MASK_INITS, TREES, GenerationConfig
 from .drafters.tree_cost import TREE_COSTS
-from .errors import EdgeMTPError
+from .errors import ConfigError, EdgeMTPError
 from .serve.launch import add_arguments as serve_arguments  # the standard library only
 
 EXIT_USAGE = 2
@@ -230,6 +230,11 @@ def cmd_export(a: argparse.Namespace) -> int:
         from edgemtp.runtimes.trt_engine import check_trt_weights, import_tensorrt
 
         check_trt_weights(a.dtype, f"edgemtp export --trt --dtype {a.dtype}")
+        if a.cache_layout == "head":
+            raise ConfigError("edgemtp export --trt --cache-layout head: a head-major cache "
+                              "runs on onnxruntime's CPU provider only; drop --cache-layout "
+                              "head for TensorRT")
+        _check_engine_options(a.workspace, a.max_block)
         import_tensorrt("edgemtp export --trt")
         cuda_device()
     report = export_package(a.model, a.output, dtype=a.dtype, max_context=a.max_context,
@@ -239,22 +244,32 @@ def cmd_export(a: argparse.Namespace) -> int:
                             cache_layout=a.cache_layout, requantize=a.requantize)
     print(report.summary())
     if a.trt:
-        _build_engine(a.output, a.workspace, None, not a.quiet)
+        _build_engine(a.output, a.workspace, None, not a.quiet, a.max_block)
     return 0
 
 
 def cmd_build_engine(a: argparse.Namespace) -> int:
-    _build_engine(a.package, a.workspace, a.timing_cache, not a.quiet)
+    _build_engine(a.package, a.workspace, a.timing_cache, not a.quiet, a.max_block)
     return 0
 
 
-def _build_engine(package, workspace: float, timing_cache, progress: bool) -> None:
-    from edgemtp.runtimes.trt_engine import build_engine
+def _check_engine_options(workspace: float, max_block: int) -> None:
+    from edgemtp.budgets import MAX_BC
 
     if not workspace > 0:
-        raise EdgeMTPError(f"--workspace must be a number of GiB > 0, got {workspace}")
+        raise ConfigError(f"--workspace must be a number of GiB > 0, got {workspace}")
+    if not 1 <= max_block <= MAX_BC:
+        raise ConfigError(f"--max-block must be a number of rows in [1, {MAX_BC}], got "
+                          f"{max_block}")
+
+
+def _build_engine(package, workspace: float, timing_cache, progress: bool,
+                  max_block: int) -> None:
+    from edgemtp.runtimes.trt_engine import build_engine
+
+    _check_engine_options(workspace, max_block)
     info = build_engine(package, workspace_gib=workspace, timing_cache=timing_cache,
-                        progress=progress)
+                        progress=progress, max_block=max_block)
     print(f"built {info.label}: {info.bytes / 2**20:.1f} MiB, {len(info.profiles)} profiles "
           f"({', '.join(p.name for p in info.profiles)})")
 
@@ -399,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="then build a TensorRT engine for this machine's GPU (as build-engine)")
     e.add_argument("--workspace", type=float, default=2.0,
                    help="with --trt: TensorRT builder workspace in GiB (default: 2)")
+    e.add_argument("--max-block", type=int, default=256,
+                   help="with --trt: the widest block beyond the plans' sizes (lookup "
+                        "chains, lookahead windows) the engine runs (default: 256 rows)")
     e.set_defaults(func=cmd_export)
 
     t = sub.add_parser("build-engine", help="build a package's TensorRT engine for this "
@@ -407,6 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("package", help="package folder written by 'edgemtp export'")
     t.add_argument("--workspace", type=float, default=2.0,
                    help="TensorRT builder workspace in GiB (default: 2)")
+    t.add_argument("--max-block", type=int, default=256,
+                   help="the widest block beyond the plans' sizes (lookup chains, lookahead "
+                        "windows) the engine runs; each execution context reserves the "
+                        "activations of the widest (default: 256 rows)")
     t.add_argument("--timing-cache", default=None,
                    help="timing cache file to read and update (default: beside the engine)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")

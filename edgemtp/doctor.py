@@ -73,7 +73,8 @@ INSTALL = {
     # loader (a pip wheel's copy is not on its path): NVIDIA's apt repositories
     "tensorrt-libs": ("sudo apt install tensorrt", "sudo apt install nvidia-tensorrt"),
     "cudnn": ("sudo apt install cudnn9-cuda-12", "sudo apt install nvidia-jetpack"),
-    "cuda-python": ("pip install cuda-python", "pip install cuda-python"),
+    # 13.x needs a CUDA 13 driver (JetPack 6 runs CUDA 12.6); 12.x runs on both
+    "cuda-python": ('pip install "cuda-python>=12.6,<13"', 'pip install "cuda-python>=12.6,<13"'),
     "gpu": ("with an NVIDIA GPU and its driver (https://www.nvidia.com/drivers): {then}",
             "{then}"),
 }

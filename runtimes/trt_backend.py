@@ -35,6 +35,18 @@ from edgemtp.runtimes.trt_engine import (_logger, check_trt_cache, check_trt_wei
                                          engine_name, import_tensorrt, select_profile)
 
 _MIN_CAP = 64  # block rows the per-session buffers are first sized for
+ALIGN_ROWS = 64  # row counts of cache and block buffers are rounded up to a multiple: a bound
+# address must be 256-byte aligned (TensorRT's setTensorAddress), and 64 rows of any K/V row
+# (a multiple of 4 bytes) are
+
+
+def aligned_rows(n: int) -> int:
+    """``n`` rounded up to a whole number of ALIGN_ROWS.
+
+    >>> aligned_rows(1), aligned_rows(64), aligned_rows(65)
+    (64, 64, 128)
+    """
+    return -(-max(1, n) // ALIGN_ROWS) * ALIGN_ROWS
 
 
 class DeviceArray:
@@ -68,7 +80,12 @@ class TorchMemory:
     """Device memory as torch CUDA tensors, on one stream of ours."""
 
     def __init__(self, torch, index: int) -> None:
+        if index >= torch.cuda.device_count():
+            raise BackendUnavailableError(f"backend 'tensorrt' needs CUDA GPU {index}, and "
+                                          f"this machine has {torch.cuda.device_count()}")
         self.torch, self.device = torch, torch.device("cuda", index)
+        # TensorRT loads engines and creates contexts on the current device: make it ours
+        torch.cuda.set_device(index)
         self._stream = torch.cuda.Stream(self.device)
         self.stream = self._stream.cuda_stream  # the handle TensorRT enqueues on
 
@@ -191,7 +208,8 @@ def device_memory(index: int = 0):
         seen = "torch sees no CUDA GPU and " if torch is not None else ""
         raise BackendUnavailableError(f"backend 'tensorrt' needs device memory: {seen}neither "
                                       f"torch with CUDA nor cuda-python is installed "
-                                      f"(pip install cuda-python)")
+                                      f"(pip install \"cuda-python>=12.6,<13\": 13.x needs a "
+                                      f"CUDA 13 driver)")
     return CudaMemory(cudart, index)
 
 
@@ -241,6 +259,7 @@ class TrtBackend:
         self.supports_hidden = "hidden_states" in m.graph.outputs
         self.k_max = max(p.k for p in m.plans)
         self.lock = threading.Lock()
+        self._scratch: DeviceArray | None = None  # the contexts' shared activation memory
         self._table = np.asarray(np.load(pkg.root / m.embeddings.file, mmap_mode="r"))
         self._stats = (np.asarray(m.embeddings.mu, dtype=np.float32),
                        np.asarray(m.embeddings.sigma, dtype=np.float32))
@@ -272,6 +291,25 @@ class TrtBackend:
     def session(self) -> TrtSession:
         return TrtSession(self)
 
+    def context(self):
+        """An execution context on the engine. Its activation memory (as much as the engine's
+        largest profile needs) is one scratch buffer that every session of this backend
+        shares, where TensorRT lets the caller manage it (10.1 on): sessions run one at a
+        time (``lock``), on one stream, and each context would otherwise hold its own."""
+        trt, engine = self.trt, self.engine
+        strategy = getattr(trt, "ExecutionContextAllocationStrategy", None)
+        size = getattr(engine, "device_memory_size_v2", None)
+        if strategy is None or size is None:
+            return engine.create_execution_context()
+        context = engine.create_execution_context(strategy.USER_MANAGED)
+        if context is None:
+            raise EdgeMTPError("TensorRT could not create an execution context (its log "
+                               "above says why)")
+        if self._scratch is None or self._scratch.shape[0] < size:
+            self._scratch = self.memory.empty((max(1, int(size)),), np.uint8)
+        context.set_device_memory(self._scratch.ptr, int(size))
+        return context
+
     def embed(self, token_ids) -> np.ndarray:
         return self._table[np.asarray(token_ids, dtype=np.int64)].astype(np.float32)
 
@@ -286,15 +324,16 @@ class TrtSession:
     def __init__(self, backend: TrtBackend) -> None:
         self.backend = b = backend
         m, mem, engine = b.package.meta, b.memory, b.engine
-        self.context = engine.create_execution_context()
+        self.context = b.context()
         self._dtype = {n: np.dtype(b.trt.nptype(engine.get_tensor_dtype(n)))
                        for n in (*m.graph.inputs, *m.graph.outputs)}
         layers, self._tail = m.num_layers, (m.num_kv_heads, m.head_dim)
         kv_dtype = NP_DTYPES[m.dtype]
-        self.k = mem.empty((layers, b.max_context, *self._tail), kv_dtype)
-        self.v = mem.empty((layers, b.max_context, *self._tail), kv_dtype)
+        rows = aligned_rows(b.max_context)  # (each layer's past 256-byte aligned)
+        self.k = mem.empty((layers, rows, *self._tail), kv_dtype)
+        self.v = mem.empty((layers, rows, *self._tail), kv_dtype)
         self._row_bytes = math.prod(self._tail) * np.dtype(kv_dtype).itemsize
-        stride = b.max_context * self._row_bytes  # layer i's past starts at cache[i, 0]
+        stride = rows * self._row_bytes  # layer i's past starts at cache[i, 0]
         self._past = [(name, base.ptr + i * stride) for i in range(layers) for name, base in
                       zip(kv_names("past", layers)[2 * i:2 * i + 2], (self.k, self.v))]
         self._embeds = mem.empty((b.k_max, m.hidden_size), self._dtype["mask_embeds"])
@@ -310,7 +349,7 @@ class TrtSession:
         # block buffers sized for ``cap`` rows, grown (never per step) when a block is larger
         if t <= self.cap:
             return
-        b, mem, cap = self.backend, self.backend.memory, max(t, _MIN_CAP)
+        b, mem, cap = self.backend, self.backend.memory, aligned_rows(max(t, _MIN_CAP))
         widths = {"input_ids": (cap,), "position_ids": (cap,), "tree_mask": (cap * cap,),
                   "argmax": (cap,), "topk_ids": (cap, b.topk), "topk_logprobs": (cap, b.topk),
                   "logits": (cap, b.vocab_size)}
@@ -326,18 +365,21 @@ class TrtSession:
         self._set_addresses()
 
     def _set_addresses(self) -> None:
-        ctx, stride = self.context, self.cap * self._row_bytes
-        for name, buf in self._dev.items():
-            ctx.set_tensor_address(name, buf.ptr)
-        ctx.set_tensor_address("mask_embeds", self._embeds.ptr)
+        stride = self.cap * self._row_bytes
+        bind = [(name, buf.ptr) for name, buf in self._dev.items()]
+        bind.append(("mask_embeds", self._embeds.ptr))
         if self._past_len is not None:
-            ctx.set_tensor_address(PAST_LEN, self._past_len.ptr)
-        for name, ptr in self._past:
-            ctx.set_tensor_address(name, ptr)
+            bind.append((PAST_LEN, self._past_len.ptr))
+        bind += self._past
         present = kv_names("present", self.backend.package.meta.num_layers)
         for i in range(len(present) // 2):
-            ctx.set_tensor_address(present[2 * i], self.new_k.ptr + i * stride)
-            ctx.set_tensor_address(present[2 * i + 1], self.new_v.ptr + i * stride)
+            bind += [(present[2 * i], self.new_k.ptr + i * stride),
+                     (present[2 * i + 1], self.new_v.ptr + i * stride)]
+        for name, ptr in bind:
+            if not self.context.set_tensor_address(name, ptr):
+                raise EdgeMTPError(f"TensorRT refused the address of {name} ({ptr:#x}, "
+                                   f"{'' if ptr % 256 == 0 else 'not '}256-byte aligned; its "
+                                   f"log above says why)")
 
     # -- Session interface ------------------------------------------------------------------
 
@@ -362,13 +404,20 @@ class TrtSession:
                        topk_logprobs=out[2][:, :topk].copy(), logits=out[3], hidden=out[4])
 
     def _use_profile(self, t: int, k: int) -> None:
-        key = (t, self.cache_len == 0, k)
-        if key not in self._profile_for:
-            self._profile_for[key] = select_profile(self.backend.info.profiles, t,
-                                                    self.cache_len, k)
-        index = self._profile_for[key]
+        # the profile chosen for (T, an empty cache or not, k) serves until a step's P falls
+        # outside it (a block near the end of the context: block T=30 covers P <= ctx - 30,
+        # the catch-all the rest)
+        profiles, p, key = self.backend.info.profiles, self.cache_len, (t, self.cache_len == 0, k)
+        index = self._profile_for.get(key)
+        if index is None or not profiles[index].covers(t, p, k):
+            index = self._profile_for[key] = select_profile(profiles, t, p, k)
         if index != self.profile:  # a switch drops the context's shapes: all set again below
-            self.context.set_optimization_profile_async(index, self.backend.memory.stream)
+            try:
+                self.context.set_optimization_profile_async(index, self.backend.memory.stream)
+            except RuntimeError as e:  # (TensorRT's Python API raises where C++ returns false)
+                raise EdgeMTPError(f"TensorRT could not switch to the profile "
+                                   f"{profiles[index].name!r} for a block of {t} rows after {p} "
+                                   f"cached rows: {str(e).strip().splitlines()[0]}") from None
             self.profile = index
             self._set_addresses()
 
@@ -380,15 +429,19 @@ class TrtSession:
         mem.upload(dev["tree_mask"], np.ascontiguousarray(tree_mask, dtype=np.bool_).reshape(-1))
         embeds = np.ascontiguousarray(embeds, dtype=d["mask_embeds"])
         mem.upload(self._embeds, embeds)
-        for name, shape in (("input_ids", (1, t)), ("position_ids", (1, t)),
-                            ("tree_mask", (1, 1, t, t)), ("mask_embeds", embeds.shape)):
-            ctx.set_input_shape(name, shape)
+        shapes = [("input_ids", (1, t)), ("position_ids", (1, t)), ("tree_mask", (1, 1, t, t)),
+                  ("mask_embeds", embeds.shape)]
         past = (1, self.cache_len, *self._tail)
-        for name, _ in self._past:
-            ctx.set_input_shape(name, past)
+        shapes += [(name, past) for name, _ in self._past]
         if self._past_len is not None:
             mem.upload(self._past_len, np.array([self.cache_len], dtype=d[PAST_LEN]))
-            ctx.set_input_shape(PAST_LEN, (1,))
+            shapes.append((PAST_LEN, (1,)))
+        for name, shape in shapes:
+            if not ctx.set_input_shape(name, tuple(int(n) for n in shape)):
+                profile = self.backend.info.profiles[self.profile]
+                raise EdgeMTPError(f"TensorRT refused the shape {tuple(shape)} of {name} under "
+                                   f"the profile {profile.name!r} (T {profile.T}, P "
+                                   f"{profile.P}, k {profile.k}; its log above says why)")
 
     def _read(self, t: int, topk: int, logits: bool, hidden: bool):
         # queued copies back; the caller synchronises once

@@ -5,18 +5,21 @@ imported only when an engine is built).
 One engine per GPU architecture and TensorRT version holds every profile of the package::
 
     profile        T (block rows)          P (cached rows)          k (mask tokens)
-    prefill        1 .. ctx                0                        1 .. k_max
+    prefill        1 .. 512                0                        1 .. k_max
     decode         1                       1 .. ctx - 1             1 .. k_max
     block T=20     20                      1 .. ctx - 20            1 .. k_max    one per plan size
-    blocks         1 .. ctx - 1            1 .. ctx - 1             1 .. k_max    any other block
+    blocks         1 .. 256                1 .. ctx - 1             1 .. k_max    any other block
 
-(ctx = the package's max context.) A step runs on the covering profile with the narrowest T
-range (:func:`select_profile`): a plan's own size, plain decoding, the prompt (the only one
-with an empty cache: TensorRT supports empty tensors, so ``past_*`` of shape [1, 0, H, D] is
-a valid input) or, for blocks no plan has (prompt-lookup chains, lookahead windows), the
-catch-all. One engine rather than one per size: profiles share the weights, so the engine
-holds them once (one per size would hold them once per size, which an 8 GB Jetson cannot
-afford for a 1B model); a session switches profiles with one call when T changes.
+(ctx = the package's max context; no T range beyond it. ``prefill`` takes the prompt's
+chunks and a latency measurement's 512 rows; ``blocks`` goes up to ``--max-block``, 256 by
+default, or the largest plan, whichever is more.) A step runs on the covering profile with the
+narrowest T range (:func:`select_profile`): a plan's own size, plain decoding, the prompt (the
+only one with an empty cache: TensorRT supports empty tensors, so ``past_*`` of shape
+[1, 0, H, D] is a valid input) or, for blocks no plan has (prompt-lookup chains, lookahead
+windows, a long prompt's last chunk), the catch-all. One engine rather than one per size:
+profiles share the weights, so the engine holds them once (one per size would hold them once
+per size, which an 8 GB Jetson cannot afford for a 1B model); a session switches profiles with
+one call when T changes.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import shutil
 import time
 from pathlib import Path
 
+from edgemtp.engine import PREFILL_CHUNK
 from edgemtp.errors import BackendUnavailableError, ConfigError, EdgeMTPError, ModelLoadError
+from edgemtp.latency import LONG_CONTEXT
 from edgemtp.runtimes.package import (ENGINES, MANIFEST, EngineInfo, EngineProfile, Manifest,
                                       PAST_LEN, Package, _plain, _sha256, kv_names,
                                       load_package)
@@ -35,6 +40,11 @@ from edgemtp.runtimes.package import (ENGINES, MANIFEST, EngineInfo, EngineProfi
 TYPICAL_PAST = 512    # the opt of P: a prompt and a few hundred generated tokens
 TYPICAL_PROMPT = 128  # the opt of T for prefill
 WORKSPACE_GIB = 2.0   # builder scratch memory (tactics needing more are skipped)
+MIN_TENSORRT = 10     # strongly typed networks, int64 I/O, named I/O tensors
+# the widest block outside prefill a profile is built for by default (lookup chains, lookahead
+# windows and the prompt's last chunk: a budget is at most MAX_BC): a profile's activation
+# memory grows with T x (P + T), and the execution context reserves its largest profile's
+MAX_BLOCK = 256
 INSTALL = ("on JetPack 6: sudo apt install python3-libnvinfer; on a desktop: "
            "pip install tensorrt")
 
@@ -64,45 +74,67 @@ def check_trt_cache(pkg, who: str) -> None:
 
 
 def import_tensorrt(who: str = "backend 'tensorrt'"):
-    """The ``tensorrt`` module, or one line saying how to install it."""
+    """The ``tensorrt`` module (10.0 or newer), or one line saying how to install it.
+
+    TensorRT 8.6 (JetPack 5 and 6.0) has neither strongly typed networks nor int64 inputs
+    and outputs, which the package's graph has, and its ONNX parser rejects the network 8.6
+    would build without them with an obscure error: refused here instead."""
     try:
         import tensorrt
     except ModuleNotFoundError:
         raise BackendUnavailableError(f"{who} needs the Python package 'tensorrt' "
                                       f"({INSTALL})") from None
+    version = str(getattr(tensorrt, "__version__", "0"))
+    major = version.split(".")[0]
+    if not major.isdigit() or int(major) < MIN_TENSORRT:
+        raise BackendUnavailableError(f"{who} needs TensorRT {MIN_TENSORRT} or newer, found "
+                                      f"{version} (JetPack 6.1 and later ship TensorRT 10.3; "
+                                      f"on a desktop: pip install tensorrt)")
     return tensorrt
 
 
 # -- the profile plan -------------------------------------------------------------------------
 
 
-def plan_profiles(meta: Manifest) -> tuple[EngineProfile, ...]:
-    """The optimisation profiles an engine for this package needs (see the module docstring).
+def plan_profiles(meta: Manifest, max_block: int = MAX_BLOCK) -> tuple[EngineProfile, ...]:
+    """The optimisation profiles an engine for this package needs (see the module docstring);
+    ``max_block``: the widest block, beyond plan sizes and the prompt's chunks, it runs.
 
     >>> from types import SimpleNamespace as S
     >>> m = S(max_context=256, plans=[S(T=8, k=1), S(T=20, k=1), S(T=21, k=2)])
     >>> [(p.name, p.T, p.P) for p in plan_profiles(m)][:3]
     [('prefill', (1, 128, 256), (0, 0, 0)), ('decode', (1, 1, 1), (1, 255, 255)), \
 ('block T=8', (8, 8, 8), (1, 248, 248))]
-    >>> [p.name for p in plan_profiles(m)][3:]
-    ['block T=20', 'block T=21', 'blocks']
+    >>> [(p.name, p.T) for p in plan_profiles(m)][3:]
+    [('block T=20', (20, 20, 20)), ('block T=21', (21, 21, 21)), ('blocks', (1, 21, 255))]
+    >>> wide = plan_profiles(S(max_context=8192, plans=m.plans))
+    >>> [(p.name, p.T) for p in (wide[0], wide[-1])]
+    [('prefill', (1, 128, 512)), ('blocks', (1, 21, 256))]
     """
     ctx, plans = meta.max_context, meta.plans
     k_max = max(p.k for p in plans)
     ks = (1, k_max, k_max)
     sizes = sorted({p.T for p in plans if p.T < ctx})
+    # T is bounded by what a generation feeds, not by the context: a prompt goes in chunks
+    # of PREFILL_CHUNK rows (the first with the masks on an empty cache), a latency
+    # measurement fills up to LONG_CONTEXT rows at once; other blocks are at most max_block
+    # rows (or a plan's size). At ctx 8192 on SmolLM2 a T range up to the context made one
+    # attention-score tensor ~4.8 GB, which every execution context reserved.
+    prefill_t = min(ctx, max(PREFILL_CHUNK + k_max, LONG_CONTEXT))
+    block_t = min(ctx - 1, max(max_block, PREFILL_CHUNK + k_max, max(sizes, default=1)))
 
     def past(t: int) -> tuple[int, int, int]:
         return 1, min(TYPICAL_PAST, ctx - t), ctx - t
 
-    profiles = [EngineProfile(name="prefill", T=(1, min(TYPICAL_PROMPT, ctx), ctx), P=(0, 0, 0),
-                              k=ks),
+    profiles = [EngineProfile(name="prefill", T=(1, min(TYPICAL_PROMPT, prefill_t), prefill_t),
+                              P=(0, 0, 0), k=ks),
                 EngineProfile(name="decode", T=(1, 1, 1), P=past(1), k=(1, 1, k_max))]
     for t in sizes:
         k_opt = max(p.k for p in plans if p.T == t)
         profiles.append(EngineProfile(name=f"block T={t}", T=(t, t, t), P=past(t),
                                       k=(1, k_opt, k_max)))
-    profiles.append(EngineProfile(name="blocks", T=(1, max(sizes, default=1), ctx - 1),
+    profiles.append(EngineProfile(name="blocks", T=(1, min(max(sizes, default=1), block_t),
+                                                    block_t),
                                   P=past(1), k=ks))
     return tuple(profiles)
 
@@ -192,13 +224,16 @@ def engine_name(version: str, capability: str) -> str:
 
 
 def build_engine(package, *, workspace_gib: float = WORKSPACE_GIB,
-                 timing_cache: str | Path | None = None, progress: bool = True) -> EngineInfo:
+                 timing_cache: str | Path | None = None, progress: bool = True,
+                 max_block: int = MAX_BLOCK) -> EngineInfo:
     """Build a TensorRT engine from the package's ``model.onnx`` for this machine's GPU,
     write it under ``engines/`` and list it in the manifest (replacing an engine for the same
     GPU architecture and TensorRT version). The network is strongly typed: its precision is
     the graph's (an fp16 package gives an fp16 engine, no builder precision flags). The
     timing cache (default: beside the engine) is read first and saved after, so a rebuild
-    skips the kernel timing already done."""
+    skips the kernel timing already done. ``max_block``: the widest block beyond the plans'
+    sizes and the prompt's chunks that the engine runs (a wider budget's steps are refused
+    in one line)."""
     from edgemtp.runtimes.trt_backend import cuda_device
 
     pkg = package if isinstance(package, Package) else load_package(package, check_plans=False,
@@ -211,7 +246,7 @@ def build_engine(package, *, workspace_gib: float = WORKSPACE_GIB,
     name = engine_name(version, capability)
     cache_path = Path(timing_cache) if timing_cache else pkg.root / name.replace(".engine",
                                                                                   ".timing")
-    profiles = plan_profiles(pkg.meta)
+    profiles = plan_profiles(pkg.meta, max_block)
     serialized, cache_bytes = _build(trt, pkg, profiles, workspace_gib, cache_path, progress)
     partial = pkg.root / ENGINES / f".partial-{os.getpid()}"
     partial.mkdir(parents=True, exist_ok=True)
@@ -244,19 +279,27 @@ def _build(trt, pkg: Package, profiles, workspace_gib: float, cache_path: Path,
     logger = _logger(trt)
     builder = trt.Builder(logger)
     # TensorRT 10.x: STRONGLY_TYPED is opt-in (EXPLICIT_BATCH is the default and deprecated);
-    # 11: always on, the flag kept and ignored
-    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    network = builder.create_network(0 if flag is None else 1 << int(flag))
+    # 11: always on, the flag kept and ignored (import_tensorrt refused anything before 10)
+    flag = trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED
+    network = builder.create_network(1 << int(flag))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(pkg.graph_path)):  # reads external weights beside it
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)] or ["no detail"]
         raise EngineBuildError(f"TensorRT {trt.__version__} cannot parse "
                                f"{str(pkg.graph_path)!r}: {errors[0].strip().splitlines()[0]}")
     config = builder.create_builder_config()
+    # TF32 is on by default and rounds fp32 matrix products' inputs to 10 mantissa bits, per
+    # tactic: an fp32 package's block and one-row steps would round apart (onnxruntime's CUDA
+    # provider showed it: 11/12 outputs identical with TF32, 12/12 without). The network is
+    # strongly typed, so precision flags are not allowed; TF32 is not one of them.
+    config.clear_flag(trt.BuilderFlag.TF32)
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * 2**30))
+    # the timing cache must outlive the build (kept in a local); a file TensorRT cannot read
+    # (another version's, or damaged) gives None or is refused: start afresh
     cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-    if not config.set_timing_cache(cache, False):  # another device's cache: start afresh
-        config.set_timing_cache(config.create_timing_cache(b""), False)
+    if cache is None or not config.set_timing_cache(cache, False):
+        cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, False)
     for profile in profiles:
         shapes = builder.create_optimization_profile()
         for name, (lo, opt, hi) in input_shapes(pkg.meta, profile).items():

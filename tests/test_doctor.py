@@ -200,7 +200,7 @@ def test_jetson_orin_on_jetpack_6_gets_the_jetpack_install_steps():
     assert v["torch", "cuda"].install == ("pip uninstall -y torch && pip install torch "
                                           f"--index-url {JP6_INDEX}")
     assert v["tensorrt", "cuda"].install == ("sudo apt install nvidia-tensorrt python3-libnvinfer"
-                                             " && pip install cuda-python")
+                                             ' && pip install "cuda-python>=12.6,<13"')
     assert not any(x.ok for k, x in v.items() if k[1] != "cpu")
     assert not any("nvidia.com/drivers" in (x.install or "") for x in v.values())
 
@@ -269,7 +269,8 @@ def test_desktop_verdicts_and_install_steps():
     assert v["onnxruntime", "cuda"].install == ("pip uninstall -y onnxruntime && pip install "
                                                 "onnxruntime-gpu && sudo apt install "
                                                 "cudnn9-cuda-12")
-    assert v["tensorrt", "cuda"].install == "pip install tensorrt && pip install cuda-python"
+    assert v["tensorrt", "cuda"].install == ('pip install tensorrt && pip install '
+                                             '"cuda-python>=12.6,<13"')
     old = by_pair(replace(DESKTOP, cuda_driver="12.2"))["torch", "cuda"]
     assert old.install.startswith("update the NVIDIA driver to one for CUDA 12.6 or newer")
     ready = replace(DESKTOP, cudnn="9.1.0", nvinfer=True, tensorrt="10.9.0", cuda_python=True,

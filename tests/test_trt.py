@@ -1,8 +1,11 @@
 """TensorRT engines and backend, as far as a machine without TensorRT or a GPU can check them:
 the profile plan against the real graph and the shapes a real generation feeds, the
 onnxruntime TensorRT EP's profile strings, the manifest's ``engines`` entry, the one-line
-errors of the CLI, and the finite attention mask. Building and running an engine is not
-tested here (README says so)."""
+errors of the CLI, and the finite attention mask; and the builder and the backend run over
+stand-ins for TensorRT's API and the GPU (``fake_tensorrt``: the profiles TensorRT is given,
+the addresses, shapes and profiles a session binds, its cache commits, and its tokens against
+the onnxruntime backend's). TensorRT's own kernels and numerics are not tested here (README
+says so)."""
 
 from __future__ import annotations
 
@@ -239,4 +242,129 @@ def test_tensorrt_refuses_an_int4_package_in_one_line(tmp_path):
     out = tmp_path / "never"
     _one_line_error(_cli("export", STORIES, "-o", out, "--trt", "--dtype", "int8"),
                     "TensorRT builds fp16 or fp32 packages, not int8")
+    assert not out.exists()
+
+
+# -- the builder and the backend over stand-ins for TensorRT and the GPU (fake_tensorrt) ---------
+
+
+@pytest.fixture
+def fake_trt(monkeypatch):
+    from fake_tensorrt import install
+
+    return install(monkeypatch)
+
+
+@pytest.fixture
+def trt_package(stories_pkg, tmp_path, fake_trt):
+    from edgemtp.runtimes.trt_engine import build_engine
+
+    root = tmp_path / "pkg"
+    shutil.copytree(stories_pkg, root)
+    return root, build_engine(root, progress=False)
+
+
+def test_build_engine_gives_tensorrt_the_planned_profiles(trt_package, fake_trt):
+    root, info = trt_package
+    trt, _ = fake_trt
+    meta = load_package(root).meta
+    assert info.file == engine_name("10.3.0", "8.7") and (root / info.file).is_file()
+    assert [e.file for e in meta.engines] == [info.file] and info.gpu == "Fake Orin"
+    assert info.profiles == plan_profiles(meta)
+    built = trt.built[-1]
+    assert trt.BuilderFlag.TF32 not in built["flags"]  # fp32 stays fp32 (TensorRT's default: on)
+    assert built["workspace"] == 2 * 2**30
+    assert built["profiles"] == [input_shapes(meta, p) for p in info.profiles]
+    timing = root / info.file.replace(".engine", ".timing")
+    assert timing.read_bytes() == b"fake timing cache"
+    # a timing cache TensorRT cannot read (another version's, damaged) is a fresh start
+    timing.write_bytes(b"damaged beyond use")
+    from edgemtp.runtimes.trt_engine import build_engine
+
+    assert build_engine(root, progress=False).file == info.file
+    assert len(load_package(root).meta.engines) == 1
+
+
+def _tokens(model, prompts, **config):
+    from edgemtp import GenerationConfig
+
+    return [model.generate(p, GenerationConfig(**config)).token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("drafter", ["none", "probe", "pld", "hybrid", "auto"])
+def test_the_tensorrt_backend_generates_what_onnxruntime_does(trt_package, drafter):
+    # the backend's binding (addresses, per-layer strides, shapes, profiles) and cache
+    # commits, over the stand-in's onnxruntime run of the same graph: the same tokens
+    from edgemtp import Model
+
+    root, _ = trt_package
+    prompts = story_prompts(2)
+    want = _tokens(Model.load(str(root), backend="onnxruntime"), prompts, drafter="none",
+                   max_new_tokens=40)
+    model = Model.load(str(root), backend="tensorrt", device="cuda")
+    assert model.backend.name == "tensorrt"
+    assert _tokens(model, prompts, drafter=drafter, bc=30, max_new_tokens=40) == want
+
+
+def test_a_generation_to_the_end_of_the_context_keeps_a_covering_profile(trt_package,
+                                                                          monkeypatch):
+    # blocks of a plan's size near the end of the context fall outside that size's profile
+    # (P <= ctx - T): the session must move to the catch-all there
+    from edgemtp import Model
+    from edgemtp.runtimes.trt_backend import TrtSession
+
+    root, _ = trt_package
+    prompt = story_prompts(1)
+    ctx = load_package(root).meta.max_context
+    config = dict(bc=30, max_new_tokens=ctx, eos_token_ids=())
+    want = _tokens(Model.load(str(root), backend="onnxruntime"), prompt, drafter="none",
+                   **config)
+    steps, use = [], TrtSession._use_profile
+
+    def record(self, t, k):
+        use(self, t, k)
+        steps.append((t, self.cache_len, self.backend.info.profiles[self.profile].name))
+
+    monkeypatch.setattr(TrtSession, "_use_profile", record)
+    model = Model.load(str(root), backend="tensorrt", device="cuda")
+    assert _tokens(model, prompt, drafter="probe", **config) == want
+    size = next(t for t, _, name in steps if name.startswith("block T="))
+    late = [name for t, p, name in steps if t == size and p > ctx - size]
+    assert late and set(late) == {"blocks"}  # it reached the end, on the catch-all
+    assert {name for t, p, name in steps if t == size and p <= ctx - size} == {
+        f"block T={size}"}
+
+
+def test_tensorrt_sessions_share_one_activation_buffer_and_bind_aligned(trt_package):
+    from edgemtp.runtimes.trt_backend import TrtBackend
+
+    root, _ = trt_package
+    backend = TrtBackend(root, device="cuda")
+    a, b = backend.session(), backend.session()
+    assert a.context.memory == b.context.memory == (backend._scratch.ptr,
+                                                    backend.engine.device_memory_size_v2)
+    a.forward(np.array([1, 2, 3]), np.arange(3), np.tril(np.ones((3, 3), dtype=bool)), None)
+    assert a.context.addresses and all(p % 256 == 0 for p in a.context.addresses.values())
+
+
+def test_tensorrt_before_10_is_refused_in_one_line(stories_pkg, monkeypatch):
+    from fake_tensorrt import install
+
+    from edgemtp.errors import BackendUnavailableError
+    from edgemtp.runtimes.trt_engine import build_engine
+
+    install(monkeypatch, version="8.6.2")
+    with pytest.raises(BackendUnavailableError, match="needs TensorRT 10 or newer, found "
+                                                      "8.6.2 .JetPack 6.1"):
+        build_engine(stories_pkg, progress=False)
+
+
+def test_export_trt_refuses_engine_options_before_exporting(tmp_path):
+    out = tmp_path / "never"
+    _one_line_error(_cli("export", STORIES, "-o", out, "--trt", "--cache-layout", "head"),
+                    "--cache-layout head", "onnxruntime's CPU provider only")
+    _one_line_error(_cli("export", STORIES, "-o", out, "--trt", "--max-block", "0"),
+                    "--max-block must be a number of rows in [1, 1024], got 0")
+    _one_line_error(_cli("export", STORIES, "-o", out, "--trt", "--workspace", "0"),
+                    "--workspace must be a number of GiB > 0, got 0")
     assert not out.exists()
