@@ -141,10 +141,19 @@ def plan_profiles(meta: Manifest, max_block: int = MAX_BLOCK) -> tuple[EnginePro
 
 def envelope(meta: Manifest) -> EngineProfile:
     """One profile covering every step of a generation (for onnxruntime's TensorRT EP, whose
-    execution context stays on profile 0); P up to a full cache, as the EP had it before."""
+    execution context stays on profile 0); P up to a full cache, as the EP had it before.
+
+    >>> from types import SimpleNamespace as S
+    >>> [envelope(S(max_context=c, plans=[S(T=60, k=1)])).T for c in (256, 8192)]
+    [(1, 60, 256), (1, 60, 512)]
+    """
     ctx = meta.max_context
     k_max = max(p.k for p in meta.plans)
-    return EngineProfile(name="all", T=(1, max(p.T for p in meta.plans), ctx),
+    widest = max(p.T for p in meta.plans)
+    # T as wide as plan_profiles' widest (prefill's or the catch-all's), not the context: the
+    # profile's activations grow with T x (P + T)
+    t_max = min(ctx, max(LONG_CONTEXT, PREFILL_CHUNK + k_max, MAX_BLOCK, widest))
+    return EngineProfile(name="all", T=(1, min(widest, t_max), t_max),
                          P=(0, min(TYPICAL_PAST, ctx - 1), ctx), k=(1, k_max, k_max))
 
 
