@@ -8,6 +8,7 @@ weights once; each generation runs on a :class:`Session` that owns a KV cache pr
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -116,6 +117,16 @@ def check_options(device, dtype, max_context, threads) -> None:
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
         raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
+    if threads is not None and threads > max_threads():
+        # (tens of thousands of threads crashed or hung the runtimes: libgomp could not
+        # create them, a native pool segfaulted, onnxruntime waited minutes)
+        raise ConfigError(f"threads must be at most {max_threads()} (4 x this machine's "
+                          f"{os.cpu_count() or 1} cores, and never less than 64), got {threads}")
+
+
+def max_threads() -> int:
+    """The most intra-op threads a model may be given: 4 x the cores, at least 64."""
+    return max(64, 4 * (os.cpu_count() or 1))
 
 
 def check_torch_device(device: str) -> None:

@@ -79,6 +79,13 @@ def check_messages(messages) -> list[Message]:
         if not isinstance(m["content"], str):
             raise ConfigError(f"message {i}'s content must be a string, got "
                               f"{type(m['content']).__name__}")
+        for field in ("role", "content"):  # lone surrogates: bytes that were not UTF-8
+            try:
+                m[field].encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(f"message {i}'s {field} is not valid UTF-8 text (an "
+                                  f"undecodable byte at character {e.start}); give UTF-8 "
+                                  f"text") from None
     return list(messages)
 
 

@@ -127,6 +127,11 @@ BAD_MESSAGES = [
     ([{"role": "user", "content": ["a"]}], "message 0's content must be a string, got list"),
     ([{"role": 7, "content": "a"}], "message 0's role must be a non-empty string"),
     ([{"role": "", "content": "a"}], "message 0's role must be a non-empty string"),
+    # lone surrogates: what Python makes of bytes that were not UTF-8 (argv, stdin, JSON)
+    ([{"role": "user", "content": "Hi \udce9t\udce9"}],
+     "message 0's content is not valid UTF-8 text .an undecodable byte at character 3"),
+    ([{"role": "user", "content": "a"}, {"role": "\ud800", "content": "b"}],
+     "message 1's role is not valid UTF-8 text"),
 ]
 
 

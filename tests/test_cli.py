@@ -73,6 +73,9 @@ ERROR_CASES = [
      [r"shapes", r"--tree static"]),
     ("invalid-utf8-prompt", [*M, "--prompt", "Once \udcff upon"], [r"not valid UTF-8"]),
     ("negative-threads", [*M, *P, "--threads", "-1"], [r"threads", r">= 1", r"-1"]),
+    # (tens of thousands of threads segfaulted or hung the runtimes)
+    ("too-many-threads", [*M, *P, "--threads", "65536"], [r"threads must be at most \d+",
+                                                           r"cores", r"65536"]),
     ("hub-id-unreachable", ["--model", "HuggingFaceTB/no-such-model-here", *P],
      [r"not a local folder", r"no-such-model-here"]),
     ("dtype-on-a-package", ["--model", "{pkg}", *P, "--dtype", "bf16"],

@@ -169,6 +169,18 @@ BAD_TOOL_INPUTS = [  # (id, argv with {model}, regexes the one stderr line must 
 ]
 
 
+def test_an_out_that_cannot_be_a_folder_is_one_line_before_measuring(stories_pkg, tmp_path):
+    afile = tmp_path / "results.txt"
+    afile.write_text("keep me")
+    for argv in (["profile", str(stories_pkg)], ["bench", "--model", str(stories_pkg)]):
+        for out, pattern in ((afile, r"is a file; expected a folder"),
+                             (afile / "sub", r"cannot make the folder")):
+            proc = cli(*argv, "--out", str(out), check=False)
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            assert proc.stderr.count("\n") == 1 and re.search(pattern, proc.stderr), proc.stderr
+    assert afile.read_text() == "keep me"
+
+
 @pytest.mark.parametrize("argv,patterns", [c[1:] for c in BAD_TOOL_INPUTS],
                          ids=[c[0] for c in BAD_TOOL_INPUTS])
 def test_bad_tool_input_is_one_line_and_writes_nothing(stories_path, tmp_path, argv, patterns):

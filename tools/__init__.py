@@ -13,6 +13,34 @@ from pathlib import Path
 from edgemtp.errors import BudgetError, ConfigError
 
 
+def output_folder(path: str) -> Path:
+    """The ``--out`` folder, made now (before minutes of measuring), or one line saying why
+    it cannot be.
+
+    >>> import tempfile, os
+    >>> f = tempfile.NamedTemporaryFile(delete=False); f.close()
+    >>> output_folder(f.name)
+    Traceback (most recent call last):
+    ...
+    edgemtp.errors.ConfigError: --out ... is a file; expected a folder to write the results in
+    >>> os.unlink(f.name)
+    """
+    import os
+
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file; expected a folder to write the "
+                          f"results in")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {str(out)!r}: cannot make the folder ({e.strerror or e}); "
+                          f"give a folder you can write to") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {str(out)!r} is not writable; give a folder you can write to")
+    return out
+
+
 def at_least_one(**counts: int) -> None:
     """Check command-line counts (``--prompts``, ``--repeats``, ...) before any work starts.
 

@@ -29,7 +29,7 @@ from edgemtp.config import GenerationConfig
 from edgemtp.drafters.tree_cost import TREE_COSTS
 from edgemtp.errors import ConfigError
 
-from . import at_least_one, check_fits, quiet_transformers
+from . import at_least_one, check_fits, output_folder, quiet_transformers
 from .measure import measure
 from .prompts import chat_turns, prompt_sets
 from .rowlog import RowLog
@@ -47,6 +47,7 @@ def command(a, load) -> int:
                    check_tree_costs(getattr(a, "tree_cost", "budget")))
     at_least_one(per_set=a.per_set, repeats=a.repeats)
     tasks = prompt_sets([s for s in a.sets.split(",") if s], a.per_set)
+    output_folder(a.out)
     quiet_transformers(a.model)
     model = load(a)
     tasks = chat_turns(model, tasks)

@@ -22,7 +22,7 @@ from edgemtp.config import GenerationConfig
 from edgemtp.errors import ConfigError
 from edgemtp.latency import LatencyCurve
 
-from . import at_least_one, check_fits, quiet_transformers
+from . import at_least_one, check_fits, output_folder, quiet_transformers
 from .measure import measure
 from .prompts import load_prompts
 
@@ -69,10 +69,9 @@ def command(a, load) -> int:
     at_least_one(prompts=a.prompts, repeats=a.repeats)
     GenerationConfig(drafter="none", max_new_tokens=a.max_new_tokens)  # checks the count
     prompts = load_prompts(a.prompts_file, a.prompts)
+    out = output_folder(a.out)
     quiet_transformers(a.model)
     profile = run_profile(load(a), budget, prompts, a.max_new_tokens, repeats=a.repeats)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(profile, indent=1))
     plot(profile, out / "profile.png")
     print(table(profile))
