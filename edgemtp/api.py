@@ -223,6 +223,9 @@ class Model:
             delta = text.push(ids)
             if delta:
                 yield delta
+        rest = text.finish()  # (a generation that ended inside a character)
+        if rest:
+            yield rest
         self.last_result = gen.result
         self.last_result.text = self.tokenizer.decode(gen.result.token_ids)
         return self.last_result

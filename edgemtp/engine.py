@@ -32,7 +32,7 @@ class GenerationResult:
     token_ids: list[int]  # generated ids only, the stopping token included
     stop_reason: str      # eos | stop_string | max_new_tokens | max_context | closed
     stats: Stats
-    text: str = ""
+    text: str = ""  # the decode of token_ids: a stop string (and the rest of its token) kept
 
 
 class Stopper:

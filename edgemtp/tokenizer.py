@@ -156,3 +156,18 @@ class TextStream:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(shown):]
+
+    def finish(self) -> str:
+        """What :meth:`push` still holds back once no more ids come: a generation that ended
+        inside a multi-byte character held back the whole characters before it too. The
+        rest of the text, the incomplete character as U+FFFD: the deltas then add up to the
+        decode of every id where the tokenizer decodes a cut character without touching the
+        ones before it (byte-level BPE: SmolLM2, Llama 3, Qwen). A byte-fallback
+        SentencePiece decoder turns every byte of such a run into U+FFFD, the complete
+        characters before it too; the deltas keep those characters, and end in U+FFFD."""
+        shown = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        rest = (text[len(shown):] if text.startswith(shown)
+                else self.tok.decode(self.ids[self.read:]))
+        self.prefix = self.read = len(self.ids)
+        return rest

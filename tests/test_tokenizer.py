@@ -40,3 +40,44 @@ def test_stream_deltas_add_up_to_the_text(pair, chunk):
         pieces = [stream.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
         assert "".join(pieces) == tok.decode(ids), text
         assert all("\ufffd" not in p for p in pieces)  # no half a character shown
+
+
+CUT = "Once 🌙🎉 upon ünd 日本"
+
+
+def _cut_streams(tok):
+    """For every prefix of CUT's ids: the stream's deltas (finish included) and the decode."""
+    ids = tok.encode(CUT, add_special_tokens=False)
+    for n in range(1, len(ids) + 1):
+        stream = TextStream(tok)
+        shown = "".join(stream.push([i]) for i in ids[:n])
+        yield shown + stream.finish(), tok.decode(ids[:n]), ids[:n]
+
+
+def test_a_stream_cut_inside_a_character_keeps_the_characters_before_it(pair):
+    # (the QA's bug: a generation that ended inside an emoji printed one emoji less than its
+    # text, the complete one before the cut held back with the cut one and never shown)
+    tok, cut_inside = pair[0], 0
+    for streamed, text, ids in _cut_streams(tok):
+        # every character up to the last whole one (byte fallback decodes a cut run of byte
+        # tokens as U+FFFD throughout, the whole characters in it too: the stream keeps
+        # those), then U+FFFD where the text ends inside one
+        m = max(k for k in range(len(ids) + 1)
+                if not tok.decode(ids[:k]).endswith("\ufffd"))
+        assert streamed.rstrip("\ufffd") == tok.decode(ids[:m]), (streamed, text)
+        assert streamed.endswith("\ufffd") == text.endswith("\ufffd"), (streamed, text)
+        cut_inside += m < len(ids)
+    assert cut_inside >= 4  # cuts inside 🌙, 🎉, ü and 日本 were tried
+
+
+@pytest.mark.slow
+def test_a_byte_level_bpe_stream_cut_inside_a_character_adds_up_to_the_text():
+    # SmolLM2's tokenizer (byte-level BPE, from the shared GGUF): the decode of a cut
+    # character leaves the characters before it alone, and the deltas add up exactly
+    pytest.importorskip("gguf")
+    gguf = SHARED / "models" / "SmolLM2-135M-Instruct-GGUF" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = Tokenizer(str(gguf))
+    results = list(_cut_streams(tok))
+    assert any(text.endswith("\ufffd") for _, text, _ in results)
+    for streamed, text, _ in results:
+        assert streamed == text
