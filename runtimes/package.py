@@ -876,6 +876,11 @@ def load_package(path, check_plans: bool = True, check_engines: bool = True) -> 
     With ``check_plans`` (the default), the plans read from it become the runtime's plans;
     ``check_engines=False`` lets ``build-engine`` replace an engine that is gone or broken."""
     root = Path(path)
+    if root.is_file():
+        hint = (f"; export it first: edgemtp export {str(path)} -o PACKAGE"
+                if root.suffix.lower() == ".gguf" else "")
+        raise ModelLoadError(f"{str(path)!r} is a file; expected a package folder written by "
+                             f"'edgemtp export'{hint}")
     if not root.is_dir():
         raise ModelLoadError(f"package folder {str(path)!r} does not exist")
     mpath = root / MANIFEST

@@ -351,3 +351,15 @@ def test_bad_package_fails_in_one_line_and_changes_nothing(package_runs, name, w
 def test_prompt_longer_than_max_context(pkg):
     proc = cli("generate", "--model", str(pkg), "--prompt", "Once upon a time " * 60)
     error_line(proc, "max context is 128")
+
+
+def test_a_file_is_not_a_package_and_a_gguf_gets_the_export_hint(tmp_path):
+    # (inspect and doctor said "does not exist" of a file that exists)
+    from edgemtp.errors import ModelLoadError
+    from edgemtp.runtimes.package import load_package
+
+    for name, hint in (("notes.txt", False), ("model.Q4_1.gguf", True)):
+        (tmp_path / name).write_bytes(b"GGUF")
+        with pytest.raises(ModelLoadError, match="is a file; expected a package folder") as e:
+            load_package(tmp_path / name)
+        assert ("export it first: edgemtp export" in str(e.value)) == hint
