@@ -287,6 +287,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     if picked != "onnxruntime":  # what generate runs it on must load too (its load check)
         native = Model.load(a.package, backend=picked, threads=1).backend
     print(describe(model.backend.package))
+    print(_chat_template_line(model))
     print(f"generate on this machine (--backend auto, CPU): {picked}"
           + (" (edgemtp's C decoder; EDGEMTP_NATIVE=0 for onnxruntime)"
              if picked == "native" else ""))
@@ -297,6 +298,22 @@ def cmd_inspect(a: argparse.Namespace) -> int:
               f"KV cache at {native.max_context} tokens {fp16 / mib:.1f} MiB (float16) or "
               f"{q8 / mib:.1f} MiB (--kv-cache int8)")
     return 0
+
+
+def _chat_template_line(model) -> str:
+    """Whether ``generate --chat``, ``chat`` and the server's chat endpoint can run: the
+    template is parsed and a one-turn conversation rendered, as they would."""
+    if model.tokenizer is None:
+        return "chat      no (the package has no tokenizer)"
+    try:
+        template = model.tokenizer.chat_template
+        if template is None:
+            return "chat      no chat template (plain prompts only)"
+        template.render([{"role": "user", "content": "Hello"}])
+    except EdgeMTPError as e:
+        return (f"chat      the chat template is broken: {e} (plain prompts run; generate "
+                f"--chat, chat and /v1/chat/completions refuse it)")
+    return "chat      chat template (generate --chat, chat, /v1/chat/completions)"
 
 
 def cmd_train_heads(a: argparse.Namespace) -> int:

@@ -203,6 +203,27 @@ def test_an_exported_package_carries_the_template(chat_model, model, tmp_path):
     pkg = Model.load(str(tmp_path / "pkg"), threads=1)
     for messages in CONVERSATIONS:
         assert pkg.encode_chat(messages) == model.encode_chat(messages)
+    out = _cli("inspect", str(tmp_path / "pkg"))
+    assert out.returncode == 0 and "\nchat      chat template (generate --chat" in out.stdout
+    # a template that is not Jinja: plain prompts still run, so inspect says so and passes
+    broken = make_chat_model(tmp_path / "broken", "{% for m in messages %}{{ m.content }")
+    export_package(str(broken), tmp_path / "pkg-broken", max_context=64, bc=(10,),
+                   mask_tokens=(1,), progress=False)
+    out = _cli("inspect", str(tmp_path / "pkg-broken"))
+    assert out.returncode == 0, out.stderr
+    assert ("\nchat      the chat template is broken: the model's chat template is not valid "
+            "Jinja (line 1: ") in out.stdout
+
+
+def test_the_chat_repl_answers_a_line_of_bad_bytes_with_an_error_and_goes_on(model, chat_model):
+    # (undecodable bytes reached the tokenizer as lone surrogates: a TypeError ended the REPL)
+    want = model.chat([{"role": "user", "content": "Tell me a story."}], max_new_tokens=8).text
+    out = subprocess.run([sys.executable, "-m", "edgemtp.cli", "chat", str(chat_model),
+                          "--max-new-tokens", "8"], input=b"Hi \xe9t\xe9\nTell me a story.\n",
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode(errors="replace")
+    assert out.stdout.decode() == f"{want}\n"
+    assert b"message 0's content is not valid UTF-8 text" in out.stderr
 
 
 def test_bench_sends_spec_bench_questions_as_one_user_turn(model, stories_path):
