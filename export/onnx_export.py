@@ -217,6 +217,8 @@ class ExportReport:
     gguf: GGUFInfo | None = None
     kept_blocks: int = 0     # products that keep the GGUF file's own 4-bit blocks
     products: int = 0        # weight products (MatMul / MatMulNBits) in the graph
+    context: int = 0         # the package's max context
+    asked_context: int | None = None  # --max-context, where the model's limit capped it
 
     def summary(self) -> str:
         skipped = f"; skipped {', '.join(self.skipped)}" if self.skipped else ""
@@ -232,7 +234,10 @@ class ExportReport:
             dtype = (f"{self.dtype}, weights de-quantized from GGUF {self.gguf.file}: "
                      f"{self.gguf.quant_summary()}"
                      f"{', then re-quantized' if self.dtype in ('int4', 'int8') else ''}")
+        capped = (f" (--max-context {self.asked_context} capped to the model's limit)"
+                  if self.asked_context is not None and self.asked_context > self.context else "")
         return (f"exported {self.family} ({dtype}) to {self.out} in {self.seconds:.1f} s: "
+                f"max context {self.context}{capped}, "
                 f"graph {self.graph_bytes / 2**20:.1f} MiB, {len(self.plans)} plan budgets"
                 f"{skipped}; self-check max |logit diff| {self.check.token_rows:.1e} on token "
                 f"rows, {self.check.mask_rows:.1e} on mask rows (logit scale "
@@ -273,6 +278,11 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
                             symmetric, cache_layout, requantize)
     out = check_destination(model, out, force)  # before the heavy imports: fail fast
     source, gguf = _check_source(model)
+    if options.requantize != "none" and (gguf is None or options.dtype != "int4"):
+        what = "a Hugging Face folder" if gguf is None else f"a {options.dtype} export"
+        raise ConfigError(f"--requantize {options.requantize} picks which of a GGUF file's "
+                          f"4-bit blocks an int4 export re-quantizes; this is {what}: drop "
+                          f"--requantize")
     with partial_folder(out) as tmp:  # an unwritable place fails here, before any loading
         from tqdm import tqdm
 
@@ -299,7 +309,7 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
         swap_in(tmp, out)
     return ExportReport(out, family.name, options.dtype, time.perf_counter() - t0, check,
                         budgets, skipped, sum(f.stat().st_size for f in out.glob(f"{GRAPH}*")),
-                        gguf, w.kept_blocks, w.products)
+                        gguf, w.kept_blocks, w.products, context, options.max_context)
 
 
 @dataclass(frozen=True)

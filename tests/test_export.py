@@ -244,9 +244,14 @@ def test_self_check_never_feeds_the_graph_an_empty_past(tmp_path, monkeypatch):
         return both(session, module, names, inputs, reference_inputs, head_major)
 
     monkeypatch.setattr(sc, "_both", record)
-    export_package(str(STORIES), tmp_path / "pkg", bc=(10,), mask_tokens=(1,), progress=False)
+    # (a --max-context over the model's limit is capped, and the summary says so: it was
+    # capped silently until the QA pass)
+    report = export_package(str(STORIES), tmp_path / "pkg", bc=(10,), mask_tokens=(1,),
+                            max_context=100000, progress=False)
     assert widths[0][0] >= 1 and widths[0][1] == 0     # the prefill: masked rows vs none
     assert all(graph >= 1 for graph, _ in widths)
+    assert ": max context 512 (--max-context 100000 capped to the model's limit)," in \
+        report.summary()
 
 
 @pytest.mark.parametrize("opset", [OPSETS[0], OPSETS[-1]])
