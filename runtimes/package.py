@@ -91,8 +91,12 @@ def check_step(backend, topk: int, hidden: bool) -> None:
     """What a step asks of a package backend's graph: top-K within what it exports
     (``backend.topk``), hidden states only if it has them (``backend.supports_hidden``)."""
     if topk > backend.topk:
+        meta = backend.package.meta
+        plans = ", ".join(f"bc {p.bc} k {p.k}" for p in meta.plans)
         raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
-                          f"top-{backend.topk}; re-export with a larger --bc")
+                          f"top-{backend.topk}, what its plans need ({plans}, at a max context "
+                          f"of {meta.max_context}); use a smaller --bc or --drafter pld, or "
+                          f"re-export with the --bc (and --max-context) you run")
     if hidden and not backend.supports_hidden:
         raise ConfigError(f"the package {str(backend.package.root)!r} does not export the last "
                           f"hidden states; re-export it with them to run learned heads")

@@ -376,7 +376,10 @@ def test_stats_split_the_runtime_run_from_binding(stories_case):
 
 def test_topk_wider_than_exported_is_refused(stories_pkg):
     b = OrtBackend(stories_pkg).session()
-    with pytest.raises(ConfigError, match="exports top-31"):
+    # (the message names the plans and context the top-K came from: a package exported at a
+    # small --max-context keeps small plans only, and "a larger --bc" was the wrong hint)
+    with pytest.raises(ConfigError, match=r"exports top-31, what its plans need \(bc 10 k 1, "
+                                          r".*bc 60 k 2, at a max context of 256\)"):
         b.forward(np.array([1]), np.array([0]), np.ones((1, 1), bool), None, topk=32)
 
 
