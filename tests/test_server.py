@@ -297,7 +297,43 @@ BAD = [  # name, path, body (dict -> JSON, str/bytes -> raw), status, message fr
      "invalid messages.0.role: Field required"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages is empty"),
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]},
-     400, "unknown role wizard"),
+     400, "messages.0.role 'wizard' is not a role this server accepts; use one of system, "
+          "user, assistant, tool, developer"),
+    ("a role the template refuses", "/v1/chat/completions",
+     {"messages": [{"role": "tool", "content": "42"}]}, 400,
+     "the chat template rejected the messages: unknown role tool"),
+    ("user message without content", "/v1/chat/completions", {"messages": [{"role": "user"}]},
+     400, "messages.0 (user) has no content; give a string or a list of text parts"),
+    ("system message with null content", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": None}]},
+     400, "messages.1 (system) has no content"),
+    ("developer message without content", "/v1/chat/completions",
+     {"messages": [{"role": "developer"}, {"role": "user", "content": "a"}]}, 400,
+     "messages.0 (developer) has no content"),
+    # a lone surrogate (JSON's "\ud800", an undecodable byte) in any string of a message
+    ("lone surrogate in a user message", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400,
+     "messages.0.content is not valid UTF-8 text (an undecodable byte or lone surrogate at "
+     "character 3)"),
+    ("lone surrogate in the system message", "/v1/chat/completions",
+     {"messages": [{"role": "system", "content": "\udfff"}, {"role": "user", "content": "a"}]},
+     400, "messages.0.content is not valid UTF-8 text"),
+    ("lone surrogate as the role", "/v1/chat/completions",
+     {"messages": [{"role": "\ud800", "content": "a"}]}, 400,
+     "messages.0.role is not valid UTF-8 text"),
+    ("lone surrogate in a text part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                {"type": "text", "text": "\ud800"}]}]}, 400,
+     "messages.0.content.1.text is not valid UTF-8 text"),
+    ("lone surrogate in a streamed chat", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "\ud800"}], "stream": True}, 400,
+     "messages.0.content is not valid UTF-8 text"),
+    ("lone surrogate in a message's name", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "a", "name": "\ud800"}]}, 400,
+     "messages.0.name is not valid UTF-8 text"),
+    ("lone surrogate in a field name inside a message", "/v1/chat/completions",
+     {"messages": [{"role": "assistant", "tool_calls": [{"\ud800": 1}]}]}, 400,
+     "a field name in messages.0.tool_calls.0 is not valid UTF-8 text"),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404,
      "'gpt-4' does not exist"),
     ("max_tokens 0", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400,
@@ -324,7 +360,23 @@ BAD = [  # name, path, body (dict -> JSON, str/bytes -> raw), status, message fr
      "tree_cost only applies to drafter='hybrid', 'stand' or 'auto'"),
     ("too many stop strings", "/v1/completions", {"prompt": "a", "stop": list("abcde")}, 400,
      "stop takes at most 4 strings"),
+    ("max_completion_tokens 0", "/v1/completions", {"prompt": "a", "max_completion_tokens": 0},
+     400, "max_completion_tokens must be between 1 and 256"),
+    ("max_completion_tokens 10^9 on chat", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 10**9}, 400,
+     "max_completion_tokens must be between 1 and 256"),
+    ("max_completion_tokens a string", "/v1/completions",
+     {"prompt": "a", "max_completion_tokens": "5"}, 422,
+     "invalid max_completion_tokens: Input should be a valid integer"),
     ("10 MB body", "/v1/completions", b"x" * (10 << 20), 413, "over the server's limit"),
+    # json.loads recurses: ~1000 levels is Python's recursion limit (was a 500)
+    ("prompt nested 1000 deep", "/v1/completions",
+     b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "nested too deeply"),
+    ("unknown field nested 5000 deep", "/v1/completions",
+     b'{"prompt": "a", "foo": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}", 400,
+     "nested too deeply"),
+    ("messages nested 1000 deep", "/v1/chat/completions",
+     b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "nested too deeply"),
 ]
 
 
@@ -361,11 +413,74 @@ def test_wrong_method_and_path(server):
         assert r.status_code == 404 and "no route '/v2/nothing'" in r.json()["error"]["message"]
 
 
-def test_chat_on_a_model_without_a_template(limited):
+def test_chat_on_a_model_without_a_template(limited, stories_pkg):
     with limited.http(None) as h:
         r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]})
-        assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"]
+        assert r.status_code == 400
+        assert r.json()["error"]["message"].startswith(
+            "the model 'stories' has no chat template; send a plain prompt")
+        assert str(stories_pkg) not in r.text  # the server's own folder is none of its business
         assert h.get("/health").status_code == 200
+
+
+def test_max_completion_tokens_on_completions_as_on_chat(server, ref):
+    want = expected(ref, PROMPTS[8], max_new_tokens=3)
+    messages = [{"role": "user", "content": PROMPTS[8]}]
+    with server.http() as h:
+        for path, body in (("/v1/completions", {"prompt": PROMPTS[8]}),
+                           ("/v1/chat/completions", {"messages": messages})):
+            for sizes in ({"max_completion_tokens": 3},
+                          {"max_completion_tokens": 3, "max_tokens": 7}):  # the newer name wins
+                r = h.post(path, json={**body, **sizes})
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["completion_tokens"] == 3
+        assert r.json()["choices"][0]["message"]["content"] == expected(ref, messages,
+                                                                        max_new_tokens=3)
+        r = h.post("/v1/completions", json={"prompt": PROMPTS[8], "max_completion_tokens": 3})
+        assert r.json()["choices"][0]["text"] == want
+
+
+def test_chat_roles_developer_assistant_and_text_parts(server, ref):
+    system = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Once"}, {"role": "user", "content": PROMPTS[9]}]
+    want = expected(ref, system, max_new_tokens=16)
+    # developer is OpenAI's newer name for system; content may be text parts; an assistant
+    # turn that only called tools may leave content out (null here, "" to the template)
+    developer = [{"role": "developer", "content": [{"type": "text", "text": "Tell a "},
+                                                   {"type": "text", "text": "story."}]},
+                 *system[1:]]
+    no_content = [*system[:2], {"role": "assistant", "tool_calls": []}, system[3]]
+    with server.http() as h:
+        r = h.post("/v1/chat/completions", json={"messages": developer, "max_tokens": 16})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want
+        r = h.post("/v1/chat/completions", json={"messages": no_content, "max_tokens": 16})
+        assert r.status_code == 200, r.text
+        empty = [*system[:2], {"role": "assistant", "content": ""}, system[3]]
+        assert r.json()["choices"][0]["message"]["content"] == expected(ref, empty,
+                                                                        max_new_tokens=16)
+
+
+def test_one_model_by_id(server):
+    with server.http() as h:
+        listed = h.get("/v1/models").json()["data"][0]
+        r = h.get("/v1/models/stories")
+        assert r.status_code == 200 and r.json() == listed
+        r = h.get("/v1/models/gpt-4")
+        assert r.status_code == 404
+        assert r.json() == {"error": {
+            "message": "the model 'gpt-4' does not exist; this server has 'stories'",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+        assert h.get("/v1/models/org/stories").status_code == 404
+        metrics = h.get("/metrics").text
+    assert re.search(r'edgemtp_requests_total\{endpoint="/v1/models/\{model_id\}",'
+                     r'status="404"\} [1-9]', metrics)
+    with server.http(None) as h:
+        assert h.get("/v1/models/stories").status_code == 401
+    model = server.client().models.retrieve("stories")  # what openai's client calls
+    assert (model.id, model.owned_by) == ("stories", "edgemtp")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client().models.retrieve("gpt-4")
 
 
 def _metric(h, name: str) -> float:

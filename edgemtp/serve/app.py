@@ -1,5 +1,6 @@
 """The FastAPI application: OpenAI's completions and chat completions (plain JSON or
-server-sent events), ``/v1/models``, ``/health`` and ``/metrics``, with the safety limits.
+server-sent events), ``/v1/models`` and ``/v1/models/{id}``, ``/health`` and ``/metrics``,
+with the safety limits.
 
 Every failure a client can cause is an OpenAI-style JSON error with its status code (see
 :mod:`.requests`); an unexpected one is a 500 with a one-line message (the traceback goes to
@@ -39,6 +40,7 @@ DRAIN_BYTES = 16 << 20  # a body this far over the limit is refused without read
 FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length",
           "max_context": "length", "closed": "length"}  # closed: stopped at the time limit
 KNOWN_PATHS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+MODEL_PATH = "/v1/models/{model_id}"  # one model's entry; counted under this label
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ def create_app(model: Model, settings: Settings, parallel: int, queue: int) -> F
     app.add_exception_handler(Exception, _unexpected)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
+    # :path, as an id given with --model-name may hold a slash ("org/model")
+    app.add_api_route("/v1/models/{model_id:path}", server.model_entry, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
@@ -92,9 +96,22 @@ class _Server:
 
     async def models(self, request: Request) -> dict:
         self._check_key(request)
-        return {"object": "list", "data": [{
-            "id": self.settings.model_name, "object": "model", "created": self.created,
-            "owned_by": "edgemtp", "max_context": self.settings.limits.max_context}]}
+        return {"object": "list", "data": [self._entry()]}
+
+    async def model_entry(self, request: Request, model_id: str) -> dict:
+        self._check_key(request)
+        self._check_model(model_id)
+        return self._entry()
+
+    def _entry(self) -> dict:
+        return {"id": self.settings.model_name, "object": "model", "created": self.created,
+                "owned_by": "edgemtp", "max_context": self.settings.limits.max_context}
+
+    def _check_model(self, model: str) -> None:
+        name = self.settings.model_name
+        if model != name:
+            raise APIError(404, f"the model {model!r} does not exist; this server has {name!r}",
+                           param="model", code="model_not_found")
 
     async def metrics_text(self, request: Request) -> Response:
         self._check_key(request)
@@ -119,9 +136,8 @@ class _Server:
         arrived, s = time.monotonic(), self.settings
         self._check_key(request)
         req = parse(kind, await self._read_json(request))
-        if req.model is not None and req.model != s.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server has "
-                                f"{s.model_name!r}", param="model", code="model_not_found")
+        if req.model is not None:
+            self._check_model(req.model)
         config = generation_config(req, s.base, s.limits)
         ids = await asyncio.to_thread(self._prompt_ids, req)  # tokenizing is CPU work too
         job = Job(ids, config, deadline=arrived + s.timeout_s)
@@ -146,7 +162,9 @@ class _Server:
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
         try:
             if isinstance(req, ChatRequest):
-                ids = self.model.encode_chat(messages_of(req))
+                messages = messages_of(req)  # checked before the template: its 400s first
+                self._check_chat_template()
+                ids = self.model.encode_chat(messages)
             else:
                 ids = self.model.encode(prompt_of(req))
         except ConfigError as e:
@@ -155,6 +173,15 @@ class _Server:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param=param)
         check_prompt_length(len(ids), limits, param)
         return ids
+
+    def _check_chat_template(self) -> None:
+        """A 400 naming the served model, not the folder it was loaded from (the core's
+        ConfigError says the path, which a remote client has no business seeing)."""
+        tokenizer = self.model.tokenizer
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise APIError(400, f"the model {self.settings.model_name!r} has no chat template; "
+                                f"send a plain prompt to /v1/completions instead",
+                           param="messages")
 
     def _stream(self, reply: "_Reply", include_usage: bool, arrived: float) -> Response:
         # the job starts here, not in the body iterator: if the client left before the first
@@ -240,6 +267,10 @@ class _Server:
             return json.loads(b"".join(chunks))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:  # ~1000 nested arrays or objects: Python's recursion limit
+            raise APIError(400, "the body's JSON is nested too deeply to read (arrays or "
+                                "objects about 1000 levels inside each other); a request needs "
+                                "only a few levels", code="invalid_json") from None
 
 
 class _Reply:
@@ -326,7 +357,9 @@ class _CountRequests:
         try:
             await self.app(scope, receive, counted)
         finally:
-            path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
+            path = scope["path"]
+            path = (path if path in KNOWN_PATHS else
+                    MODEL_PATH if path.startswith("/v1/models/") else "other")
             self.metrics.requests.labels(path, str(status)).inc()
 
 

@@ -4,8 +4,10 @@ Status codes (the README's bad-request table lists examples):
 
 - 400 ``invalid_request_error``: the body is not a JSON object, or a value that fits the
   schema but cannot be honoured (``max_tokens`` 0 or above the server's limit, an empty
-  prompt or message list, a prompt over the context, a model without a chat template, an
-  unsupported option such as ``n=2``, a ``bc``/``drafter`` edgemtp rejects);
+  prompt or message list, a message role other than OpenAI's, a user/system message without
+  content, text that is not UTF-8 (a lone surrogate), a prompt over the context, a model
+  without a chat template, an unsupported option such as ``n=2``, a ``bc``/``drafter``
+  edgemtp rejects), or a body nested too deeply to parse;
 - 422 ``invalid_request_error``: the JSON does not fit the schema (a wrong type, a missing
   field); no value is coerced (``"max_tokens": "5"`` is refused, not read as 5);
 - 401 / 404 / 413 / 429 / 503: a wrong API key, an unknown model or path, a body over the
@@ -72,6 +74,7 @@ class _Common(_Strict):
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     # edgemtp's own options, as extra body fields (openai client: extra_body={...})
     bc: int | None = None
     drafter: str | None = None
@@ -85,7 +88,6 @@ class CompletionRequest(_Common):
 
 class ChatRequest(_Common):
     messages: list[Message]
-    max_completion_tokens: int | None = None
 
 
 FIELDS = {name for m in (_Common, CompletionRequest, ChatRequest, Message, TextPart,
@@ -144,16 +146,16 @@ PARAM_OF = {v: k for k, v in OPTIONS.items()} | {"max_new_tokens": "max_tokens",
 
 def generation_config(req: _Common, base: GenerationConfig, limits: Limits) -> GenerationConfig:
     """The server's defaults with the request's options; bad values are 400s naming them."""
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
+    max_tokens, name = req.max_tokens, "max_tokens"
+    if req.max_completion_tokens is not None:
+        max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
     changes = {OPTIONS[k]: v for k, v in req.model_dump(include=set(OPTIONS)).items()
                if v is not None}
     if max_tokens is not None:
         if not 1 <= max_tokens <= limits.max_tokens:
-            raise APIError(400, f"max_tokens must be between 1 and {limits.max_tokens} (the "
+            raise APIError(400, f"{name} must be between 1 and {limits.max_tokens} (the "
                                 f"server's --max-tokens-limit), got {max_tokens}",
-                           param="max_tokens", code="invalid_value")
+                           param=name, code="invalid_value")
         changes["max_new_tokens"] = max_tokens
     if req.stop is not None:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
@@ -181,17 +183,74 @@ def prompt_of(req: CompletionRequest) -> str | list[int]:
     return prompt
 
 
+# the roles a chat message may have (OpenAI's); developer is OpenAI's newer name for system
+ROLES = ("system", "user", "assistant", "tool", "developer")
+ROLE_AS = {"developer": "system"}  # what the chat template sees: templates know system
+NEEDS_CONTENT = ("system", "user", "developer")  # assistant (tool calls) and tool may omit it
+
+
 def messages_of(req: ChatRequest) -> list[dict]:
-    """The conversation as ``{"role", "content": str}`` dicts (text parts joined)."""
+    """The conversation as ``{"role", "content": str}`` dicts (text parts joined), each
+    message checked: a known role, content where the role needs it, and UTF-8 text in every
+    string (a lone surrogate, an undecodable byte, would fail in the tokenizer)."""
     if not req.messages:
         raise APIError(400, "messages is empty; give at least one message", param="messages")
     out = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
+        for param, what, text in _strings(m, f"messages.{i}"):
+            _check_utf8(text, param, what)
+        if m.role not in ROLES:
+            raise APIError(400, f"messages.{i}.role {_short(m.role)} is not a role this server "
+                                f"accepts; use one of {', '.join(ROLES)}",
+                           param=f"messages.{i}.role", code="invalid_value")
         content = m.content
+        if content is None and m.role in NEEDS_CONTENT:
+            raise APIError(400, f"messages.{i} ({m.role}) has no content; give a string or a "
+                                f"list of text parts", param=f"messages.{i}.content",
+                           code="invalid_value")
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        out.append({"role": m.role, "content": "" if content is None else content})
+        out.append({"role": ROLE_AS.get(m.role, m.role),
+                    "content": "" if content is None else content})
     return out
+
+
+def _strings(message: Message, where: str):
+    """``(param, what, text)`` for every string in a message, the keys and values of its extra
+    fields (``name``, ``tool_calls``, ...) included; iterative: a body may nest as deep as the
+    JSON parser allows."""
+    todo = [(f"{where}.role", message.role)]
+    if isinstance(message.content, str):
+        todo.append((f"{where}.content", message.content))
+    elif message.content is not None:
+        todo += [(f"{where}.content.{j}.text", p.text) for j, p in enumerate(message.content)]
+    todo.append((where, message.model_extra or {}))
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            yield path, path, value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                yield path, f"a field name in {path}", k
+                todo.append((f"{path}.{_escaped(k)}", v))
+        elif isinstance(value, list):
+            todo += [(f"{path}.{j}", v) for j, v in enumerate(value)]
+
+
+def _escaped(text: str) -> str:
+    """``text`` with any lone surrogate as ``\\udXXX``: safe in a path inside an error."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _check_utf8(text: str, param: str, what: str) -> None:
+    """The check :func:`edgemtp.api.check_prompt` makes of a prompt: a lone surrogate (JSON's
+    ``"\\ud800"``) is not a character, so it cannot be encoded, tokenized or sent back."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{what} is not valid UTF-8 text (an undecodable byte or lone "
+                            f"surrogate at character {e.start}); give UTF-8 text",
+                       param=param, code="invalid_value") from None
 
 
 def check_prompt_length(n_tokens: int, limits: Limits, param: str) -> None:
