@@ -334,6 +334,8 @@ BAD = [  # name, path, body (dict -> JSON, str/bytes -> raw), status, message fr
     ("lone surrogate in a field name inside a message", "/v1/chat/completions",
      {"messages": [{"role": "assistant", "tool_calls": [{"\ud800": 1}]}]}, 400,
      "a field name in messages.0.tool_calls.0 is not valid UTF-8 text"),
+    ("lone surrogate in a stop string", "/v1/completions",
+     {"prompt": "a", "stop": ["ok", "\ud800"]}, 400, "stop string 1 is not valid UTF-8 text"),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404,
      "'gpt-4' does not exist"),
     ("max_tokens 0", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400,

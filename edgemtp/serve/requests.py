@@ -161,6 +161,8 @@ def generation_config(req: _Common, base: GenerationConfig, limits: Limits) -> G
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
         if len(stop) > 4:
             raise APIError(400, f"stop takes at most 4 strings, got {len(stop)}", param="stop")
+        for j, text in enumerate(stop):  # (a lone surrogate can never match generated text)
+            _check_utf8(text, "stop", f"stop string {j}")
         changes["stop"] = stop
     try:
         return base.with_(**changes)
