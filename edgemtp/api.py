@@ -19,7 +19,7 @@ from .backend import Backend, Session, backend_class, check_options, check_torch
 from .config import GenerationConfig
 from .engine import Generation, GenerationResult
 from .errors import ConfigError, ModelLoadError
-from .tokenizer import TextStream, Tokenizer
+from .tokenizer import TextStream, Tokenizer, undecodable_at
 
 Messages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."}, ...]
 
@@ -57,11 +57,10 @@ def check_prompt(prompt: str) -> None:
     """
     if not prompt:
         raise ConfigError("the prompt is empty; give some text")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as e:
+    at = undecodable_at(prompt)
+    if at is not None:
         raise ConfigError(f"the prompt is not valid UTF-8 text (an undecodable byte "
-                          f"at character {e.start}); give UTF-8 text") from None
+                          f"at character {at}); give UTF-8 text")
 
 
 def _check_torch_model(path: str, device: str) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .errors import BackendUnavailableError, ConfigError, ModelLoadError
-from .tokenizer import read_json
+from .tokenizer import read_json, undecodable_at
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                   "mask_token")  # transformers' SPECIAL_TOKENS_ATTRIBUTES: what a template sees
@@ -79,13 +79,11 @@ def check_messages(messages) -> list[Message]:
         if not isinstance(m["content"], str):
             raise ConfigError(f"message {i}'s content must be a string, got "
                               f"{type(m['content']).__name__}")
-        for field in ("role", "content"):  # lone surrogates: bytes that were not UTF-8
-            try:
-                m[field].encode("utf-8")
-            except UnicodeEncodeError as e:
+        for field in ("role", "content"):
+            at = undecodable_at(m[field])
+            if at is not None:
                 raise ConfigError(f"message {i}'s {field} is not valid UTF-8 text (an "
-                                  f"undecodable byte at character {e.start}); give UTF-8 "
-                                  f"text") from None
+                                  f"undecodable byte at character {at}); give UTF-8 text")
     return list(messages)
 
 

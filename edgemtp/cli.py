@@ -367,6 +367,16 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return command(a)
 
 
+def _engine_args(p: argparse.ArgumentParser, when: str = "") -> None:
+    """``--workspace`` and ``--max-block``: build-engine's, and export's with --trt."""
+    p.add_argument("--workspace", type=float, default=2.0,
+                   help=f"{when}TensorRT builder workspace in GiB (default: 2)")
+    p.add_argument("--max-block", type=int, default=256,  # trt_engine.MAX_BLOCK
+                   help=f"{when}the widest block beyond the plans' sizes (lookup chains, "
+                        f"lookahead windows) the engine runs; each execution context reserves "
+                        f"the activations of the widest (default: 256 rows)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="edgemtp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -429,23 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "read (edgemtp train-heads)")
     e.add_argument("--trt", action="store_true",
                    help="then build a TensorRT engine for this machine's GPU (as build-engine)")
-    e.add_argument("--workspace", type=float, default=2.0,
-                   help="with --trt: TensorRT builder workspace in GiB (default: 2)")
-    e.add_argument("--max-block", type=int, default=256,
-                   help="with --trt: the widest block beyond the plans' sizes (lookup "
-                        "chains, lookahead windows) the engine runs (default: 256 rows)")
+    _engine_args(e, "with --trt: ")
     e.set_defaults(func=cmd_export)
 
     t = sub.add_parser("build-engine", help="build a package's TensorRT engine for this "
                                             "machine's GPU (one profile per plan size) and list "
                                             "it in the manifest")
     t.add_argument("package", help="package folder written by 'edgemtp export'")
-    t.add_argument("--workspace", type=float, default=2.0,
-                   help="TensorRT builder workspace in GiB (default: 2)")
-    t.add_argument("--max-block", type=int, default=256,
-                   help="the widest block beyond the plans' sizes (lookup chains, lookahead "
-                        "windows) the engine runs; each execution context reserves the "
-                        "activations of the widest (default: 256 rows)")
+    _engine_args(t)
     t.add_argument("--timing-cache", default=None,
                    help="timing cache file to read and update (default: beside the engine)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -79,6 +79,20 @@ class Tokenizer:
         return text
 
 
+def undecodable_at(text: str) -> int | None:
+    """Where ``text`` holds a lone surrogate (what Python makes of bytes that were not UTF-8,
+    from argv, stdin or JSON's ``"\\ud800"``: no tokenizer takes it), or None.
+
+    >>> undecodable_at("caf\\udce9"), undecodable_at("café")
+    (3, None)
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 def _no_chat_template(root: Path) -> ConfigError:
     return ConfigError(f"{str(root)!r} has no chat template (no chat_template in "
                        f"tokenizer_config.json, no chat_template.jinja); give a plain "

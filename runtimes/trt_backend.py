@@ -34,10 +34,9 @@ from edgemtp.runtimes.package import NP_DTYPES, PAST_LEN, check_step, kv_names, 
 from edgemtp.runtimes.trt_engine import (_logger, check_trt_cache, check_trt_weights,
                                          engine_name, import_tensorrt, select_profile)
 
-_MIN_CAP = 64  # block rows the per-session buffers are first sized for
-ALIGN_ROWS = 64  # row counts of cache and block buffers are rounded up to a multiple: a bound
-# address must be 256-byte aligned (TensorRT's setTensorAddress), and 64 rows of any K/V row
-# (a multiple of 4 bytes) are
+ALIGN_ROWS = 64  # row counts of cache and block buffers are rounded up to a multiple (the
+# block buffers' first size too): a bound address must be 256-byte aligned (TensorRT's
+# setTensorAddress), and 64 rows of any K/V row (a multiple of 4 bytes) are
 
 
 def aligned_rows(n: int) -> int:
@@ -343,13 +342,13 @@ class TrtSession:
         self._no_masks = np.zeros((1, m.hidden_size), dtype=np.float32)
         self.cap, self.profile, self.cache_len, self.last_run_s = 0, -1, 0, 0.0
         self._profile_for: dict[tuple[int, bool, int], int] = {}
-        self._grow(_MIN_CAP)
+        self._grow(ALIGN_ROWS)
 
     def _grow(self, t: int) -> None:
         # block buffers sized for ``cap`` rows, grown (never per step) when a block is larger
         if t <= self.cap:
             return
-        b, mem, cap = self.backend, self.backend.memory, aligned_rows(max(t, _MIN_CAP))
+        b, mem, cap = self.backend, self.backend.memory, aligned_rows(t)
         widths = {"input_ids": (cap,), "position_ids": (cap,), "tree_mask": (cap * cap,),
                   "argmax": (cap,), "topk_ids": (cap, b.topk), "topk_logprobs": (cap, b.topk),
                   "logits": (cap, b.vocab_size)}

@@ -120,8 +120,7 @@ def plan_profiles(meta: Manifest, max_block: int = MAX_BLOCK) -> tuple[EnginePro
     # measurement fills up to LONG_CONTEXT rows at once; other blocks are at most max_block
     # rows (or a plan's size). At ctx 8192 on SmolLM2 a T range up to the context made one
     # attention-score tensor ~4.8 GB, which every execution context reserved.
-    prefill_t = min(ctx, max(PREFILL_CHUNK + k_max, LONG_CONTEXT))
-    block_t = min(ctx - 1, max(max_block, PREFILL_CHUNK + k_max, max(sizes, default=1)))
+    prefill_t, block_t = t_bounds(meta, max_block)
 
     def past(t: int) -> tuple[int, int, int]:
         return 1, min(TYPICAL_PAST, ctx - t), ctx - t
@@ -139,6 +138,14 @@ def plan_profiles(meta: Manifest, max_block: int = MAX_BLOCK) -> tuple[EnginePro
     return tuple(profiles)
 
 
+def t_bounds(meta: Manifest, max_block: int = MAX_BLOCK) -> tuple[int, int]:
+    """The widest T of the prefill profile and of the catch-all (see :func:`plan_profiles`)."""
+    ctx, k_max = meta.max_context, max(p.k for p in meta.plans)
+    widest = max((p.T for p in meta.plans if p.T < ctx), default=1)
+    return (min(ctx, max(PREFILL_CHUNK + k_max, LONG_CONTEXT)),
+            min(ctx - 1, max(max_block, PREFILL_CHUNK + k_max, widest)))
+
+
 def envelope(meta: Manifest) -> EngineProfile:
     """One profile covering every step of a generation (for onnxruntime's TensorRT EP, whose
     execution context stays on profile 0); P up to a full cache, as the EP had it before.
@@ -152,7 +159,7 @@ def envelope(meta: Manifest) -> EngineProfile:
     widest = max(p.T for p in meta.plans)
     # T as wide as plan_profiles' widest (prefill's or the catch-all's), not the context: the
     # profile's activations grow with T x (P + T)
-    t_max = min(ctx, max(LONG_CONTEXT, PREFILL_CHUNK + k_max, MAX_BLOCK, widest))
+    t_max = max(t_bounds(meta))
     return EngineProfile(name="all", T=(1, min(widest, t_max), t_max),
                          P=(0, min(TYPICAL_PAST, ctx - 1), ctx), k=(1, k_max, k_max))
 

@@ -360,6 +360,11 @@ def test_tensorrt_before_10_is_refused_in_one_line(stories_pkg, monkeypatch):
 
 
 def test_export_trt_refuses_engine_options_before_exporting(tmp_path):
+    from edgemtp.cli import build_parser
+    from edgemtp.runtimes.trt_engine import MAX_BLOCK
+
+    for argv in (["export", "m", "-o", "o"], ["build-engine", "p"]):
+        assert build_parser().parse_args(argv).max_block == MAX_BLOCK
     out = tmp_path / "never"
     _one_line_error(_cli("export", STORIES, "-o", out, "--trt", "--cache-layout", "head"),
                     "--cache-layout head", "onnxruntime's CPU provider only")

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..config import GenerationConfig
 from ..errors import ConfigError
+from ..tokenizer import undecodable_at
 
 
 @dataclass
@@ -247,12 +248,11 @@ def _escaped(text: str) -> str:
 def _check_utf8(text: str, param: str, what: str) -> None:
     """The check :func:`edgemtp.api.check_prompt` makes of a prompt: a lone surrogate (JSON's
     ``"\\ud800"``) is not a character, so it cannot be encoded, tokenized or sent back."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
+    at = undecodable_at(text)
+    if at is not None:
         raise APIError(400, f"{what} is not valid UTF-8 text (an undecodable byte or lone "
-                            f"surrogate at character {e.start}); give UTF-8 text",
-                       param=param, code="invalid_value") from None
+                            f"surrogate at character {at}); give UTF-8 text",
+                       param=param, code="invalid_value")
 
 
 def check_prompt_length(n_tokens: int, limits: Limits, param: str) -> None:
