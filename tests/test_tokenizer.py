@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from edgemtp.serve.scheduler import StopText
 from edgemtp.tokenizer import TextStream, Tokenizer
 
 from conftest import SHARED, STORIES, story_prompts
@@ -68,6 +69,22 @@ def test_a_stream_cut_inside_a_character_keeps_the_characters_before_it(pair):
         assert streamed.endswith("\ufffd") == text.endswith("\ufffd"), (streamed, text)
         cut_inside += m < len(ids)
     assert cut_inside >= 4  # cuts inside 🌙, 🎉, ü and 日本 were tried
+
+
+def test_the_servers_stop_text_sends_each_character_once_at_a_cut(pair):
+    # the server's deltas go through StopText, whose finish gets the whole decode: with byte
+    # fallback that decode has U+FFFD where the deltas had the characters before a cut one, and
+    # it used to send the decode's tail after them (a character twice, or one lost)
+    tok = pair[0]
+    ids = tok.encode(CUT, add_special_tokens=False)
+    for n in range(1, len(ids) + 1):
+        stream, stop = TextStream(tok), StopText(())
+        sent = "".join(stop.push(stream.push([i])) for i in ids[:n])
+        sent += stop.push(stream.finish())
+        sent += stop.finish(tok.decode(ids[:n]))
+        streamed = TextStream(tok)  # what the CLI and Model.stream show
+        streamed = "".join(streamed.push([i]) for i in ids[:n]) + streamed.finish()
+        assert sent == streamed, (sent, streamed)
 
 
 @pytest.mark.slow

@@ -147,12 +147,13 @@ PARAM_OF = {v: k for k, v in OPTIONS.items()} | {"max_new_tokens": "max_tokens",
 
 def generation_config(req: _Common, base: GenerationConfig, limits: Limits) -> GenerationConfig:
     """The server's defaults with the request's options; bad values are 400s naming them."""
-    max_tokens, name = req.max_tokens, "max_tokens"
-    if req.max_completion_tokens is not None:
-        max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
     changes = {OPTIONS[k]: v for k, v in req.model_dump(include=set(OPTIONS)).items()
                if v is not None}
-    if max_tokens is not None:
+    # both checked where both are given; the newer name wins
+    for name in ("max_tokens", "max_completion_tokens"):
+        max_tokens = getattr(req, name)
+        if max_tokens is None:
+            continue
         if not 1 <= max_tokens <= limits.max_tokens:
             raise APIError(400, f"{name} must be between 1 and {limits.max_tokens} (the "
                                 f"server's --max-tokens-limit), got {max_tokens}",

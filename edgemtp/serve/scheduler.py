@@ -77,7 +77,17 @@ class StopText:
         return self._upto(len(self.text) - self.hold if self.cut is None else self.cut)
 
     def finish(self, final: str) -> str:
-        """The rest of the text once generation ended (``final``: the whole decoded text)."""
+        """The rest of the text once generation ended (``final``: the whole decoded text).
+        Where ``final`` does not begin with what was sent (a byte-fallback tokenizer decodes
+        a cut multi-byte character's run as U+FFFD, the whole characters before it too: the
+        deltas had those characters), the pushed text is the whole text.
+
+        >>> s = StopText(())
+        >>> s.push("ab"), s.push("c\ufffd"), s.finish("ab\ufffd\ufffd\ufffd")
+        ('ab', 'c\ufffd', '')
+        """
+        if not final.startswith(self.text[:self.sent]):
+            final = self.text
         self.text = final
         cut = first_stop(final, self.stops)
         return self._upto(len(final) if cut is None else cut)
@@ -176,6 +186,8 @@ class Scheduler:
                 if time.monotonic() > job.deadline:
                     job.timed_out = True
                     break
+            if emit is not None and (rest := text.finish()):
+                emit(rest)  # (a generation that ended inside a multi-byte character)
         finally:
             gen.close()  # the session goes back to the pool now, even on an error
         result = gen.result
