@@ -9,11 +9,15 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping
+
+import numpy as np
 
 from .backend import Backend, Session, backend_class, check_options, check_torch_device
 from .config import GenerationConfig
@@ -92,6 +96,22 @@ def _check_hub(repo: str) -> None:
                              f"local model folder") from None
 
 
+def token_ids(prompt, vocab_size: int) -> list[int]:
+    """A prompt given as token ids, checked: a flat sequence of integers in the vocabulary."""
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Sequence, np.ndarray)):
+        raise ConfigError(f"the prompt must be text (str) or a list of token ids, got "
+                          f"{type(prompt).__name__}")
+    ids = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
+    bad = next((t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+    if bad is not None:
+        raise ConfigError(f"token ids must be integers, got {bad!r} ({type(bad).__name__})")
+    out = [int(t) for t in ids]
+    wrong = next((t for t in out if not 0 <= t < vocab_size), None)
+    if wrong is not None:
+        raise ConfigError(f"prompt token ids must be in [0, {vocab_size}), got {wrong}")
+    return out
+
+
 def env_threads() -> int | None:
     """Intra-op threads from ``$EDGEMTP_THREADS`` (a positive integer), None if unset."""
     raw = os.environ.get("EDGEMTP_THREADS", "").strip()
@@ -157,6 +177,9 @@ class Model:
         summed in float64, so fp16/bf16 GPU kernels give a row the same logits in a block as
         alone (see README). ``kv_cache`` (native backend): ``"fp16"`` (default) or ``"int8"``
         (half the cache memory; lossless against its own plain decoding)."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"the model path must be a string or a path, got "
+                              f"{type(path).__name__}")
         check_model_path(path)
         threads = threads if threads is not None else env_threads()
         check_options(device, dtype, max_context, threads)  # before any heavy import
@@ -188,11 +211,14 @@ class Model:
             if self.tokenizer is None:
                 raise ConfigError("this model has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        return token_ids(prompt, self.backend.vocab_size)
 
     def generation(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
                    **options) -> Generation:
         """A step-by-step generation (iterate it for the tokens each forward pass commits)."""
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise ConfigError(f"config must be a GenerationConfig, got {type(config).__name__} "
+                              f"(options go as keywords: generate(prompt, bc=10))")
         config = (config or GenerationConfig()).with_(**options) if options else (
             config or GenerationConfig())
         decode = self.tokenizer.decode if self.tokenizer else None
@@ -213,21 +239,31 @@ class Model:
 
     def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
                **options) -> Iterator[str]:
-        """Text as it is committed; the finished :class:`GenerationResult` is the generator's
-        return value (``StopIteration.value``) and :attr:`last_result`."""
+        """Text as it is committed. Bad options raise here, at the call. The finished
+        :class:`GenerationResult` is the generator's return value (``StopIteration.value``)
+        and :attr:`last_result` (the model's last finished stream: with streams on several
+        threads, use ``generation()`` or the return value). A stream closed or left before its
+        end (``close()``, a ``break``) hands its KV cache back to the model at once."""
         if self.tokenizer is None:
             raise ConfigError("streaming text needs a tokenizer")
-        gen, text = self.generation(prompt, config, **options), TextStream(self.tokenizer)
-        for ids in gen:
-            delta = text.push(ids)
-            if delta:
-                yield delta
+        return self._stream(self.generation(prompt, config, **options))
+
+    def _stream(self, gen: Generation) -> Iterator[str]:
+        text = TextStream(self.tokenizer)
+        try:
+            for ids in gen:
+                delta = text.push(ids)
+                if delta:
+                    yield delta
+        finally:
+            gen.close()  # (a no-op once it ended; a stream left early gives its session back)
         rest = text.finish()  # (a generation that ended inside a character)
         if rest:
             yield rest
-        self.last_result = gen.result
-        self.last_result.text = self.tokenizer.decode(gen.result.token_ids)
-        return self.last_result
+        result = gen.result
+        result.text = self.tokenizer.decode(gen.result.token_ids)
+        self.last_result = result
+        return result
 
     def encode_chat(self, messages: Messages) -> list[int]:
         """The prompt ids of a conversation under the model's chat template, ending in the

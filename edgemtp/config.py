@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import numbers
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -72,18 +73,46 @@ class GenerationConfig:
             if isinstance(value, (list, np.ndarray)):
                 object.__setattr__(self, name, tuple(value.tolist() if isinstance(value, np.ndarray)
                                                      else value))
+        if self.stop is None:
+            object.__setattr__(self, "stop", ())
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-               f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if _is_int(self.eos_token_ids):  # one id, as transformers' eos_token_id takes it
+            object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
+        # what was left out, so that with_() chooses again (mask_tokens=2 means probing)
+        object.__setattr__(self, "_left_out", frozenset(
+            name for name in ("drafter", "mask_tokens") if getattr(self, name) is None))
+        for name, low in (("max_new_tokens", 1), ("top_k", 0), ("seed", 0)):
+            self._integer(name, low)
+        if self.mask_tokens is not None:
+            self._integer("mask_tokens", 1)
+        for name in ("temperature", "top_p", "ema"):
+            value = getattr(self, name)
+            _check(isinstance(value, numbers.Real) and not isinstance(value, bool),
+                   f"{name} must be a number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in ("prune", "calibrate"):
+            _check(isinstance(getattr(self, name), (bool, np.bool_)),
+                   f"{name} must be True or False, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        _check(isinstance(self.stop, tuple),
+               f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.eos_token_ids is not None:
+            _check(isinstance(self.eos_token_ids, tuple)
+                   and all(_is_int(i) and i >= 0 for i in self.eos_token_ids),
+                   f"eos_token_ids must be token ids (integers >= 0), got {self.eos_token_ids!r}")
+            object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        if self.mask_vector is not None:
+            _check(isinstance(self.mask_vector, tuple)
+                   and all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                           and np.isfinite(v) for v in self.mask_vector),
+                   "mask_vector must be a list of finite numbers")
         check_bc(self.bc)
         if self.drafter is None:
             probing = self.mask_tokens is not None or self.tree == "static"
             object.__setattr__(self, "drafter", "probe" if probing else "auto")
         if self.mask_tokens is None:
             object.__setattr__(self, "mask_tokens", 1)
-        _check(isinstance(self.mask_tokens, int) and self.mask_tokens >= 1,
-               f"mask_tokens must be an integer >= 1, got {self.mask_tokens!r}")
         _check(self.tree in TREES, f"tree must be one of {', '.join(TREES)}, got {self.tree!r}")
         spec = drafters.get(self.drafter)
         _check(self.mask_init in MASK_INITS,
@@ -93,18 +122,18 @@ class GenerationConfig:
         _check(0.0 <= self.ema <= 1.0, f"ema (lambda) must be in [0, 1], got {self.ema!r}")
         _check(self.temperature >= 0.0 and np.isfinite(self.temperature),
                f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.seed, int) and self.seed >= 0,
-               f"seed must be an integer >= 0, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         if self.branching is not None:
             _check(self.tree == "static", "a branching only applies to tree='static'")
+            _check(isinstance(self.branching, tuple)
+                   and all(_is_int(b) and b >= 1 for b in self.branching),
+                   f"branching must be a list of integers >= 1, got {self.branching!r}")
             _check(len(self.branching) == self.mask_tokens,
                    f"branching needs one count per mask token ({self.mask_tokens}), "
                    f"got {list(self.branching)}")
+            object.__setattr__(self, "branching", tuple(int(b) for b in self.branching))
         _check(self.latency is None or isinstance(self.latency, LatencyCurve),
                "latency must be a LatencyCurve (see edgemtp profile)")
         if self.lookahead is not None:
@@ -128,9 +157,28 @@ class GenerationConfig:
     def do_sample(self) -> bool:
         return self.temperature > 0.0
 
+    def _integer(self, name: str, low: int) -> None:
+        value = getattr(self, name)
+        _check(_is_int(value) and value >= low,
+               f"{name} must be an integer >= {low}{' (0 = off)' if name == 'top_k' else ''}, "
+               f"got {value!r}")
+        object.__setattr__(self, name, int(value))
+
     def with_(self, **changes) -> "GenerationConfig":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). A drafter or mask-token count
+        left out of this config is chosen again from the new options (``with_(mask_tokens=2)``
+        of a default config means probing, as ``GenerationConfig(mask_tokens=2)`` does)."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        _check(not unknown, f"unknown generation option{'s' if len(unknown) > 1 else ''} "
+                            f"{', '.join(unknown)}; the options are "
+                            f"{', '.join(f.name for f in fields(self))}")
+        for name in self._left_out:
+            changes.setdefault(name, None)
         return replace(self, **changes)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def _check(ok: bool, message: str) -> None:

@@ -41,15 +41,19 @@ class Stopper:
     walked token by token to find where it ends."""
 
     def __init__(self, config: GenerationConfig, eos_ids: tuple[int, ...], room: int,
-                 decode: Decode | None) -> None:
+                 decode: Decode | None, before: int | None = None) -> None:
         if config.stop and decode is None:
             raise ConfigError("stop strings need a tokenizer to decode the output")
         self.eos = frozenset(config.eos_token_ids if config.eos_token_ids is not None else eos_ids)
         self.max_new, self.room = config.max_new_tokens, room
         self.stop, self.decode = config.stop, decode
-        # a stop string of L characters ends within the last L tokens; one more absorbs a
-        # tokenizer's stripped leading space
-        self.window = max((len(s) for s in self.stop), default=0) + 1
+        # a stop string of B UTF-8 bytes ends within the last B tokens (a token holds at least
+        # one byte: byte-level BPE and byte fallback split a character into up to 4); one more
+        # absorbs a tokenizer's stripped leading space
+        self.window = max((len(s.encode("utf-8")) for s in self.stop), default=0) + 1
+        # the prompt's last token: the first generated token is decoded after it, so a
+        # SentencePiece tokenizer keeps its leading space (" was" can stop at the first token)
+        self.before = before
         self.tokens: list[int] = []
         self.reason: str | None = None
 
@@ -76,7 +80,15 @@ class Stopper:
         return end
 
     def _holds_stop(self, first: int, stop: int) -> bool:
-        text = self.decode(self.tokens[max(first, 0):stop])
+        ids = self.tokens[max(first, 0):stop]
+        text = None
+        if first <= 0 and self.before is not None:  # the generated text as it reads after
+            head = self.decode([self.before])       # the prompt (the prompt's text left out)
+            whole = self.decode([self.before, *ids])
+            if whole.startswith(head):
+                text = whole[len(head):]
+        if text is None:
+            text = self.decode(ids)
         return any(s in text for s in self.stop)
 
 
@@ -110,7 +122,8 @@ class Generation:
         self._hidden = bool(getattr(self.drafter, "hidden", False))
         self.verifier = Verifier(config)
         self.stopper = Stopper(config, backend.eos_token_ids,
-                               backend.max_context - self.prompt.size, decode)
+                               backend.max_context - self.prompt.size, decode,
+                               int(self.prompt[-1]) if self.prompt.size else None)
         self.stats = Stats(bc=width, mask_tokens=self.drafter.mask_tokens,
                            prompt_tokens=self.prompt.size)
         picked = getattr(self.drafter, "picked", None)  # auto's steps per kind, kept current

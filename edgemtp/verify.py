@@ -22,8 +22,14 @@ def process_logits(logits: np.ndarray, temperature: float, top_k: int, top_p: fl
 
     >>> process_logits(np.log(np.array([0.5, 0.3, 0.2])), 1.0, 0, 0.7).round(3).tolist()
     [0.625, 0.375, 0.0]
+    >>> process_logits(np.array([1.0, 3.0, 2.0]), 1e-310, 0, 1.0).tolist()  # (as greedy)
+    [0.0, 1.0, 0.0]
     """
-    x = logits.astype(np.float64) / temperature
+    x = logits.astype(np.float64)
+    # the largest logit subtracted first: a tiny temperature then sends the others to -inf,
+    # not every logit to +-inf (NaN probabilities, the last token drawn every time)
+    with np.errstate(over="ignore"):
+        x = (x - x.max()) / temperature
     if 0 < top_k < x.size:
         kth = np.partition(x, -top_k)[-top_k]
         x = np.where(x < kth, -np.inf, x)

@@ -483,8 +483,13 @@ def _check_source(model: str) -> tuple[ModelSource, GGUFInfo | None]:
 
 
 def _source_name(job: _Job) -> str:
-    """The manifest's ``source``: the GGUF file's absolute path, else the path given."""
-    return str(Path(job.source.path).resolve()) if job.gguf else str(job.model)
+    """The manifest's ``source``: the GGUF file's absolute path, a local folder's absolute
+    path (``--backend torch`` on the package then finds it from any directory), else the hub
+    id given."""
+    if job.gguf:
+        return str(Path(job.source.path).resolve())
+    local = Path(str(job.model)).expanduser()
+    return str(local.resolve()) if local.is_dir() else str(job.model)
 
 
 def _gguf_info(info: GGUFInfo | None) -> GGUFSourceInfo | None:

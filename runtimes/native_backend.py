@@ -317,8 +317,8 @@ class NativeBackend:
                               f"holds {w.name} weights: use --backend onnxruntime, or export "
                               f"with --dtype int4")
         if dtype is not None and dtype != m["dtype"]:
-            raise ConfigError(f"{where} holds {m['dtype']} weights and a package's dtype is "
-                              f"fixed at export; drop --dtype {dtype}")
+            raise ConfigError(f"{where} computes in {m['dtype']} ({w.name} weights), and a "
+                              f"package's dtype is fixed at export; drop --dtype {dtype}")
         if kv_cache == "int8" and int(m["head_dim"]) > 256:
             raise ConfigError(f"--kv-cache int8 takes heads of up to 256 dimensions; {where} "
                               f"has {m['head_dim']}: use --kv-cache fp16")

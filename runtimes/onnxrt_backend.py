@@ -306,8 +306,9 @@ class OrtBackend:
         self.package = pkg = load_package(package_dir)
         m = pkg.manifest
         if dtype is not None and dtype != m["dtype"]:
-            raise ConfigError(f"the package {str(pkg.root)!r} holds {m['dtype']} weights and "
-                              f"a package's dtype is fixed at export; drop --dtype {dtype}, or "
+            raise ConfigError(f"the package {str(pkg.root)!r} computes in {m['dtype']} "
+                              f"({pkg.weights.name} weights), and a package's dtype is fixed at "
+                              f"export; drop --dtype {dtype}, or "
                               f"export another package (edgemtp export --dtype fp32|fp16)")
         self.vocab_size, self.hidden_size = m["vocab_size"], m["hidden_size"]
         self.eos_token_ids = tuple(int(e) for e in m["eos_token_ids"])

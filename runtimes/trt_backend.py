@@ -240,8 +240,9 @@ class TrtBackend:
         self.package = pkg = load_package(package_dir)
         m = pkg.meta
         if dtype is not None and dtype != m.dtype:
-            raise ConfigError(f"the package {str(pkg.root)!r} holds {m.dtype} weights and a "
-                              f"package's dtype is fixed at export; drop --dtype {dtype}")
+            raise ConfigError(f"the package {str(pkg.root)!r} computes in {m.dtype} "
+                              f"({pkg.weights.name} weights), and a package's dtype is fixed at "
+                              f"export; drop --dtype {dtype}")
         check_trt_weights(pkg.weights.format, f"the package {str(pkg.root)!r}")
         check_trt_cache(pkg, f"the package {str(pkg.root)!r}")
         if not m.engines:

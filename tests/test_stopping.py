@@ -300,6 +300,42 @@ def test_stop_string_across_story_end(model, eos_model, greedy):
     assert r.token_ids == ref[:cut] and r.stop_reason == "stop_string"
 
 
+def test_a_stop_string_may_begin_with_the_first_tokens_leading_space(model, greedy):
+    # SentencePiece decodes a first token alone without its leading space; the stop string is
+    # looked for in the text as it reads after the prompt (" was" stopped at token 57 before)
+    prompt = "Once upon a time, there"
+    ref = greedy(prompt, 20)
+    first = decode(model, ref[:1])
+    assert first == "was" and " was" not in decode(model, ref[:1])
+    for options in (dict(drafter="none"), PROBE):
+        r = model.generate(prompt, max_new_tokens=20, stop=(" was",), **options)
+        assert r.token_ids == ref[:1] and r.stop_reason == "stop_string", options
+    # generated text only: a string that begins in the prompt does not stop it
+    r = model.generate("Once upon a time", max_new_tokens=12, stop=("time,",), **PROBE)
+    assert r.stop_reason == "max_new_tokens"
+
+
+def test_a_multibyte_stop_string_is_found_however_many_tokens_it_takes(model):
+    # byte fallback (stories260K) and byte-level BPE split a character into up to 4 tokens:
+    # the look-back window counts bytes, not characters (an emoji stop never matched)
+    from edgemtp.engine import Stopper
+    tok = model.tokenizer
+    text = "Tom saw a star 🌟🌟 over the 日本 hill and smiled"
+    ids = tok.encode(text, add_special_tokens=False)
+    for stop in ("🌟🌟", "🌟 over", "日本", "本 hill"):
+        expected = next(m for m in range(1, len(ids) + 1) if stop in tok.decode(ids[:m]))
+        assert expected >= len(stop) + 2  # (more tokens than characters: the old window)
+        for chunk in (1, 3, 7):
+            stopper = Stopper(GenerationConfig(stop=(stop,)), (), 10 ** 6, tok.decode)
+            kept = 0
+            for i in range(0, len(ids), chunk):
+                kept += stopper.push(ids[i:i + chunk])
+                if stopper.reason:
+                    break
+            assert stopper.reason == "stop_string" and kept == expected, (stop, chunk)
+            assert stopper.tokens == ids[:expected]
+
+
 def test_stop_string_absent_from_output(model, greedy):
     prompt = PROMPTS[2]
     word = "school"  # in the prompt, not in the first 40 generated tokens
