@@ -95,8 +95,10 @@ def check_step(backend, topk: int, hidden: bool) -> None:
         plans = ", ".join(f"bc {p.bc} k {p.k}" for p in meta.plans)
         raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
                           f"top-{backend.topk}, what its plans need ({plans}, at a max context "
-                          f"of {meta.max_context}); use a smaller --bc or --drafter pld, or "
-                          f"re-export with the --bc (and --max-context) you run")
+                          f"of {meta.max_context}); probing with one mask token fits it up to "
+                          f"--bc {2 * backend.topk}: run a smaller --bc, --drafter pld or stand, "
+                          f"or re-export with the --bc, --mask-tokens (and --max-context) you "
+                          f"run")
     if hidden and not backend.supports_hidden:
         raise ConfigError(f"the package {str(backend.package.root)!r} does not export the last "
                           f"hidden states; re-export it with them to run learned heads")
@@ -565,6 +567,9 @@ class Manifest:
                f"'num_heads' {self.num_heads} is not a multiple of 'num_kv_heads' "
                f"{self.num_kv_heads}")
         _check_dtype(self.dtype, "dtype")
+        _check(self.cache.dtype == self.dtype,
+               f"'cache.dtype' {self.cache.dtype!r} differs from 'dtype' {self.dtype!r}: the "
+               f"graph's cache is in the package's dtype (fixed at export)")
         _check(all(e >= 0 for e in self.eos_token_ids),
                f"'eos_token_ids' must be >= 0, got {list(self.eos_token_ids)}")
         _check(self.max_context >= 2, f"'max_context' must be >= 2, got {self.max_context}")
@@ -587,6 +592,11 @@ class Manifest:
         _check(len(self.embeddings.mu) == len(self.embeddings.sigma) == self.hidden_size,
                f"'embeddings.mu' and 'sigma' must have hidden_size = {self.hidden_size} "
                f"values, got {len(self.embeddings.mu)} and {len(self.embeddings.sigma)}")
+        # every format 2 export records its files (they were recorded before format 2
+        # existed): without the record nothing would check the graph's bytes
+        _check(self.files is not None or self.format_version < 2,
+               f"'files' is missing: a format {self.format_version} package records the size "
+               f"and sha256 of every file it holds; re-export the package")
         if self.files is not None:
             for name in self.files:
                 _relative(name, "files")

@@ -12,6 +12,8 @@ from edgemtp.engine import PREFILL_CHUNK, Generation
 from edgemtp.latency import LatencyCurve, measure_latency
 from edgemtp.runtimes.torch_backend import TorchBackend
 
+from conftest import STORIES
+
 
 # curves slower than the real tiny model, so the host time auto measures (step time minus
 # the curve) is zero and the curve alone decides
@@ -784,3 +786,43 @@ def test_a_kind_never_run_is_charged_the_dearest_host_time_of_its_own_sort(setup
     memory["auto-host-by-kind"]["hybrid"] = max(own) + 1.0  # a whole drafter's, dearer
     fresh = AutoDrafter(backend, config, memory)
     assert fresh._host_own == max(own) and fresh._host_max == max(own) + 1.0
+
+
+@pytest.fixture(scope="module")
+def narrow_pkg(tmp_path_factory):
+    """stories260K exported with --bc 10,30 --mask-tokens 1: its graph exports top-16, fewer
+    candidates than the hybrid (20) reads."""
+    from edgemtp.export.onnx_export import export_package
+
+    out = tmp_path_factory.mktemp("narrow") / "stories-bc10-30"
+    export_package(str(STORIES), out, max_context=256, bc=(10, 30), mask_tokens=(1,),
+                   progress=False)
+    return out
+
+
+def test_every_drafter_runs_on_a_package_with_fewer_candidates_than_it_reads(narrow_pkg,
+                                                                              stories_refs):
+    # (the QA's find: the default generate, hybrid at any BC, and auto wherever it weighs whole
+    # drafters failed with "top-20 candidates asked, but the package's graph exports top-16")
+    from edgemtp.runtimes.onnxrt_backend import OrtBackend
+
+    backend = OrtBackend(str(narrow_pkg), threads=1)
+    assert backend.topk == 16
+    prompts = list(stories_refs[1][:3])
+    refs = [Generation(backend, GenerationConfig(drafter="none", max_new_tokens=48), ids).run()
+            .token_ids for ids in prompts]
+    for options in (dict(drafter="hybrid", bc=10), dict(drafter="hybrid", bc=30),
+                    dict(drafter="hybrid", bc=60), dict(drafter="stand", bc=60),
+                    dict(drafter="auto", bc=30, latency=SLOW_FLAT),
+                    dict(drafter="auto", bc=60, latency=SLOW_FLAT), dict(drafter="auto")):
+        config = GenerationConfig(max_new_tokens=48, **options)
+        memory: dict = {}
+        for ids, ref in zip(prompts, refs):
+            gen = Generation(backend, config, ids, memory=memory)
+            assert gen.run().token_ids == ref, options
+        if options.get("latency") is SLOW_FLAT:  # whole drafters weighed, none wider than 16
+            assert gen.drafter.wholes and all(w.drafter.topk <= 16 for w in gen.drafter.wholes)
+            assert gen.drafter.width <= 16
+    with pytest.raises(ConfigError, match="probing with one mask token fits it up to --bc 32"):
+        Generation(backend, GenerationConfig(drafter="probe", bc=60, max_new_tokens=8),
+                   prompts[0]).run()

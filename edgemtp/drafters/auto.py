@@ -77,6 +77,7 @@ from ..errors import ConfigError
 from ..latency import cached_latency, curve_pair
 from ..plans import Plan
 from ..tree import prune, static_tree
+from .base import fitted_topk
 from .heads import HeadsDrafter, HeadsHybridDrafter
 from .hybrid import HybridDrafter
 from .lookahead import LookaheadDrafter
@@ -215,7 +216,8 @@ class AutoDrafter:
     def __init__(self, backend: Backend, config: GenerationConfig,
                  memory: dict | None = None) -> None:
         memory = {} if memory is None else memory
-        m_max = probe_draft_nodes(config.bc)  # k = 1: BC = 2 * (1 + m)
+        # k = 1: BC = 2 * (1 + m), at most what the package's graph exports (top-K = m + 1)
+        m_max = fitted_topk(backend, probe_draft_nodes(config.bc) + 1) - 1
         self.plans = _probe_plans(m_max)
         if backend.vocab_size < m_max + 2:
             raise ConfigError(f"a plan of {m_max + 1} nodes needs a vocabulary of at least "
@@ -400,6 +402,8 @@ class AutoDrafter:
                 c = replace(config, bc=bc, heads=config.heads if hybrid_only else None,
                             tree_cost=config.tree_cost if hybrid_only else "budget", **sub)
                 d = make(backend, c, memory)
+                if d.topk > fitted_topk(backend, d.topk):
+                    continue  # (k = 2 probing wider than the package's top-K)
                 w = WholeDrafter(f"{name} BC={bc}", d, best if best else float(d.n),
                                  memory.setdefault(("auto-whole", name, bc), {}))
                 w.bc = bc

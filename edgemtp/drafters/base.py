@@ -35,6 +35,15 @@ class Drafter(Protocol):
         ...
 
 
+def fitted_topk(backend, want: int) -> int:
+    """``want`` candidates a block row, or as many as a package's graph exports
+    (``backend.topk``) where that is fewer: candidates only steer the drafting (verification
+    reads the argmax or the logits), so a drafter with fewer of them is as lossless. A package
+    exported with ``--bc 10,30`` exports top-16; the hybrid reads 20 where it can."""
+    limit = getattr(backend, "topk", None)
+    return want if not limit else max(1, min(want, int(limit)))
+
+
 class NoDrafter:
     """Plain autoregressive decoding, the BE = 1.0 reference: one position per step."""
 

@@ -15,6 +15,7 @@ from ..backend import Backend, StepOut
 from ..budgets import MAX_DEPTH, hybrid_tree_budget, hybrid_window
 from ..embeddings import MaskEmbeddings
 from ..plans import Plan
+from .base import fitted_topk
 from .lookahead import JacobiWindow, LookaheadPlan, MirroredPool
 from .ngram_index import (MAX_NGRAM, MIN_SCORE, P_EDGES, ContextModel, GrownTree, Lookup,
                           NativeIndex, NativePool, grow, layout, tree_plan)
@@ -139,6 +140,7 @@ class HybridDrafter:
 
     def __init__(self, backend: Backend, config: GenerationConfig, memory: dict | None = None,
                  max_ngram: int = MAX_NGRAM, depth: int = MAX_DEPTH) -> None:
+        self.topk = fitted_topk(backend, HYBRID_TOPK)  # (a package may export fewer)
         self.k = self.mask_tokens = config.mask_tokens
         self.bc, self.depth, self.max_ngram = config.bc, depth, max_ngram
         self.vocab, self.prune, self.calibrate = backend.vocab_size, config.prune, config.calibrate

@@ -11,6 +11,7 @@ import numpy as np
 from ..backend import Backend, StepOut
 from ..budgets import MAX_DEPTH
 from ..plans import Plan
+from .base import fitted_topk
 from .ngram_index import MAX_NGRAM, MIN_SCORE, ContextModel, tree_plan
 from .tree_cost import tree_cost
 
@@ -34,6 +35,7 @@ class StandDrafter:
 
     def __init__(self, backend: Backend, config: GenerationConfig, memory: dict | None = None,
                  max_ngram: int = MAX_NGRAM, depth: int = MAX_DEPTH) -> None:
+        self.topk = fitted_topk(backend, STAND_TOPK)  # (a package may export fewer)
         self.max_nodes, self.depth, self.max_ngram = config.bc, depth, max_ngram
         self.context = ContextModel(self.topk, max_ngram, native=True)
         # tree_cost="measured": kept in the caller's memory, so it carries across generations
