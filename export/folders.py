@@ -101,7 +101,10 @@ def swap_in(tmp: Path, out: Path) -> None:
         if old.exists() and not out.exists():
             old.rename(out)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_symlink():  # a link named as the output: the link is replaced, its target kept
+        old.unlink()
+    else:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def tidy(parent: Path) -> None:

@@ -13,6 +13,7 @@ that looks complete, and ``--force`` replaces an old package only once the new o
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import shutil
@@ -31,7 +32,7 @@ from edgemtp import __version__
 from edgemtp.api import check_model_path
 from edgemtp.budgets import check_bc, check_context, dynamic_table_size
 from edgemtp.errors import ConfigError, ModelLoadError
-from edgemtp.models.families import family_for
+from edgemtp.models.families import attention_window, family_for
 from edgemtp.models.families import max_context as context_limit
 from edgemtp.plans import static_plan
 from edgemtp.runtimes.gguf_source import GGUFInfo, ModelSource, check_gguf, resolve_model
@@ -219,6 +220,7 @@ class ExportReport:
     products: int = 0        # weight products (MatMul / MatMulNBits) in the graph
     context: int = 0         # the package's max context
     asked_context: int | None = None  # --max-context, where the model's limit capped it
+    window: int | None = None  # the model's sliding attention window, where it set the limit
 
     def summary(self) -> str:
         skipped = f"; skipped {', '.join(self.skipped)}" if self.skipped else ""
@@ -236,6 +238,9 @@ class ExportReport:
                      f"{', then re-quantized' if self.dtype in ('int4', 'int8') else ''}")
         capped = (f" (--max-context {self.asked_context} capped to the model's limit)"
                   if self.asked_context is not None and self.asked_context > self.context else "")
+        if self.window is not None and self.window == self.context:
+            capped += (" (the model's sliding attention window: edgemtp attends to the whole "
+                       "cache, which is the model's attention only within the window)")
         return (f"exported {self.family} ({dtype}) to {self.out} in {self.seconds:.1f} s: "
                 f"max context {self.context}{capped}, "
                 f"graph {self.graph_bytes / 2**20:.1f} MiB, {len(self.plans)} plan budgets"
@@ -302,14 +307,16 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
                        trust_remote_code, progress)
             check = _export_into(tmp, job, bar)
         except OSError as e:  # a full disk, a folder removed underneath
-            raise ExportError(f"writing the package failed: {_first_line(e)}") from None
+            raise ExportError(f"writing the package failed: {_write_error(e, out.parent)}"
+                              ) from None
         finally:
             bar.close()
         w = load_package(tmp).weights  # what export wrote must load before it may look complete
         swap_in(tmp, out)
     return ExportReport(out, family.name, options.dtype, time.perf_counter() - t0, check,
                         budgets, skipped, sum(f.stat().st_size for f in out.glob(f"{GRAPH}*")),
-                        gguf, w.kept_blocks, w.products, context, options.max_context)
+                        gguf, w.kept_blocks, w.products, context, options.max_context,
+                        attention_window(config, family))
 
 
 @dataclass(frozen=True)
@@ -694,6 +701,20 @@ def _eos_ids(hf) -> tuple[int, ...]:
 def _int_or_none(cfg, key: str) -> int | None:
     value = getattr(cfg, key, None)
     return value if _is_int(value) else None
+
+
+def _write_error(e: OSError, folder: Path) -> str:
+    """An OSError while writing, said as the disk's state where that is the cause (numpy's
+    short write says "32768 requested and 14304 written", not "no space left")."""
+    full = e.errno == errno.ENOSPC
+    if not full:
+        try:
+            full = shutil.disk_usage(folder).free < (1 << 20)
+        except OSError:
+            pass
+    if full:
+        return f"no space left on the device holding {str(folder)!r}"
+    return _first_line(e)
 
 
 def _first_line(e: BaseException) -> str:

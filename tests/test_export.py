@@ -281,8 +281,55 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsy
     assert main(["export", str(STORIES), "-o", str(out), "--bc", "10", "--mask-tokens", "1",
                  "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("edgemtp: error: writing the package failed: [Errno 28] No space")
+    assert err.startswith("edgemtp: error: writing the package failed: no space left on the "
+                          "device holding")
     assert len(err.splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_a_short_write_on_a_full_disk_says_the_disk_is_full(tmp_path, monkeypatch, capsys):
+    # numpy's own short write says "32768 requested and 14304 written" (the QA's full tmpfs)
+    from edgemtp.export import onnx_export
+
+    def short(*args, **kwargs):
+        raise OSError("32768 requested and 14304 written")
+
+    class Full:
+        free = 0
+
+    monkeypatch.setattr(onnx_export.np, "save", short)
+    monkeypatch.setattr(onnx_export.shutil, "disk_usage", lambda folder: Full)
+    out = tmp_path / "pkg"
+    assert main(["export", str(STORIES), "-o", str(out), "--bc", "10", "--mask-tokens", "1",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no space left on the device holding" in err and len(err.splitlines()) == 1
+
+
+def test_force_onto_a_link_replaces_the_link_and_leaves_nothing_hidden(copy, tmp_path):
+    # (the QA's find: a hidden .NAME.old-PID link stayed behind for good)
+    alias = tmp_path / "alias"
+    alias.symlink_to(copy)
+    export_package(str(STORIES), alias, bc=(10,), mask_tokens=(1,), force=True, progress=False)
+    assert alias.is_dir() and not alias.is_symlink() and load_package(alias)
+    assert load_package(copy)  # the link's target is left as it was
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_sliding_window_that_sets_the_context_is_said(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from edgemtp.export.onnx_export import ExportReport
+    from edgemtp.models.families import FAMILIES, attention_window
+
+    config = transformers.MistralConfig(sliding_window=48, max_position_embeddings=256)
+    assert attention_window(config, FAMILIES["mistral"]) == 48
+    report = ExportReport(tmp_path, "mistral", "fp32", 1.0, CheckStub(), [(10, 1)], context=48,
+                          window=48)
+    assert "(the model's sliding attention window" in report.summary()
+
+
+class CheckStub:
+    token_rows = mask_rows = worst = 0.0
+    scale = 1.0
 
 
 def test_force_replaces_a_package_whole(copy):
