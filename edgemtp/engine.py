@@ -136,6 +136,13 @@ class Generation:
 
     # -- iteration --------------------------------------------------------------------------
 
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # (``with model.generation(...) as gen:``: the cache goes back however
+        #               the block is left)
+
     def __iter__(self):
         return self
 

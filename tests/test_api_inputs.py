@@ -119,3 +119,13 @@ def test_a_stream_left_early_gives_its_cache_back(stories_pkg):
     assert m._idle == [first]
     text = "".join(m.stream(PROMPT, max_new_tokens=16))  # and a whole one still ends right
     assert text == m.last_result.text and m._idle == [first]
+
+
+def test_a_generation_is_a_context_manager(stories_pkg):
+    m = Model.load(str(stories_pkg), threads=1)
+    m.generate(PROMPT, max_new_tokens=4)
+    first = m._idle[0]
+    with m.generation(PROMPT, max_new_tokens=64) as gen:
+        next(gen)
+        assert not m._idle
+    assert gen.result.stop_reason == "closed" and m._idle == [first]
