@@ -46,8 +46,10 @@ def check_context(bc: int, max_context: int) -> None:
     """A plan compiled into a package must fit its KV cache next to at least one committed
     token (the exporter drops budgets that do not)."""
     if bc >= max_context:
+        fix = (f"use a budget below {max_context}" if max_context > 4 else
+               "the smallest probing plan (BC 4) needs a context of 5; use a larger one")
         raise BudgetError(f"block complexity {bc} does not fit the model's context of "
-                          f"{max_context} tokens; use a budget below {max_context}")
+                          f"{max_context} tokens; {fix}")
 
 
 # -- mask-token probing -------------------------------------------------------------------------

@@ -397,3 +397,10 @@ def test_length_dependent_rope_is_refused_before_loading_weights(tmp_path):
     with pytest.raises(UnsupportedModelError, match="rope type 'dynamic'"):
         export_package(str(tmp_path), tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_context_too_small_for_any_plan_says_what_would_fit(tmp_path):
+    with pytest.raises(ExportError, match="the smallest probing plan \\(BC 4\\) needs a context "
+                                          "of 5"):
+        export_package(str(STORIES), tmp_path / "pkg", max_context=2, progress=False)
+    assert not (tmp_path / "pkg").exists()
