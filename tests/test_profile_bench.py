@@ -67,13 +67,32 @@ def test_profile_writes_curve_plans_and_plot(profiled):
     assert all(p["options"].get("bc", 1) <= 10 for p in data["plans"])  # under the budget
     assert data["peak_memory_mib"] > 0
     assert (path.parent / "profile.png").stat().st_size > 1000
+    # predicted tokens/s (BE / t(T)) only where every step runs one block of T rows
+    for p in data["plans"]:
+        fixed = p["options"]["drafter"] in ("none", "probe")
+        assert (p["predicted_tokens_per_second"] is not None) == fixed, p
+    assert "predicted: BE / t(T), where every step runs one block" in profiled[1]
+    assert re.search(r"^auto BC<=10 .* - ", profiled[1], re.M), profiled[1]
+
+
+def test_profile_plot_keeps_budget_and_measured_trees_apart(profiled):
+    from tools.profile import plot_series
+
+    data = json.loads(profiled[0].read_text())
+    series = {label: xs for label, _, xs, _ in plot_series(data)}
+    assert {"stand", "stand measured", "hybrid k=1", "hybrid k=1 measured", "auto"} <= set(series)
+    for label, xs in series.items():  # one point per BC: no zig-zag between variants
+        assert xs == sorted(set(xs)), (label, xs)
+    assert sum(len(xs) for xs in series.values()) == len(data["plans"]) - 1  # all but none
 
 
 def test_profile_recommends_the_fastest_measured_plan(profiled):
     path, stdout = profiled
     data = json.loads(path.read_text())
     rec = data["recommendation"]
-    fastest = max(p["tokens_per_second"] for p in data["plans"])
+    from tools.profile import MIN_BE  # a plan that drafted next to nothing is never chosen
+    fastest = max(p["tokens_per_second"] for p in data["plans"]
+                  if p["options"]["drafter"] == "none" or p["block_efficiency"] >= MIN_BE)
     chosen = [p for p in data["plans"] if key(p["options"]) == key(rec)]
     assert chosen and chosen[0]["tokens_per_second"] == fastest, (rec, data["plans"])
     shown = re.search(r"recommended: --drafter (\S+) --bc (\d+) --mask-tokens (\d+)", stdout)

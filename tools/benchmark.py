@@ -10,7 +10,12 @@ default.
 
 Each finished (task, method, BC) row is also appended to ``<stem>.rows.jsonl`` at once
 (:class:`~edgemtp.tools.rowlog.RowLog`): after a Ctrl-C, the same command measures only the
-rows still missing; ``--fresh`` measures everything again.
+rows still missing (of the same model: a package exported again to the same folder is measured
+anew); ``--fresh`` measures everything again.
+
+Before any row is measured, every method is checked against what the loaded model can run (a
+package's graph exports a fixed top-K), and each method with rows to measure runs once untimed
+(:func:`~edgemtp.tools.measure.warm_up`: a runtime's first runs, ``auto``'s latency curve).
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ from edgemtp import drafters
 from edgemtp.budgets import check_bc
 from edgemtp.config import GenerationConfig
 from edgemtp.drafters.tree_cost import TREE_COSTS
-from edgemtp.errors import ConfigError
+from edgemtp.errors import BudgetError, ConfigError
 
 from . import at_least_one, check_fits, output_folder, quiet_transformers
-from .measure import measure
+from .measure import WARM_TOKENS, measure, misfit, warm_prompt, warm_up
 from .prompts import chat_turns, prompt_sets
-from .rowlog import RowLog
+from .rowlog import RowLog, model_identity
 
 GREEDY = "greedy"
 HF_METHOD = "transformers prompt lookup"
@@ -56,8 +61,9 @@ def command(a, load) -> int:
     stem = f"bench_{name}_{model.backend.name}"
     log = RowLog(out / f"{stem}.rows.jsonl", fresh=a.fresh, settings=dict(
         model=str(Path(a.model).resolve()) if Path(a.model).exists() else a.model,
-        backend=model.backend.name, device=a.device, dtype=a.dtype, threads=a.threads,
-        max_new_tokens=a.max_new_tokens, repeats=a.repeats))
+        model_id=model_identity(a.model), backend=model.backend.name, device=a.device,
+        dtype=a.dtype, threads=a.threads, max_new_tokens=a.max_new_tokens, repeats=a.repeats))
+    check_runnable(model, plan)  # before any row is measured
     if log.kept:
         print(f"bench: {log.path} holds {log.kept} rows measured with these settings; they "
               f"are reused (--fresh measures them again)", file=sys.stderr)
@@ -131,6 +137,32 @@ def methods(names: list[str], budgets: list[int], greedy: GenerationConfig,
     return out
 
 
+def check_runnable(model, plan: list) -> None:
+    """Every (method, BC) of ``plan`` that is to run must run on ``model`` (a package's
+    graph exports a fixed top-K: probing at BC B asks for about B / 2 candidates a row),
+    checked without a forward pass; else one line naming ``--bc`` and the largest BC that
+    runs."""
+    for method, bc, config in plan:
+        if isinstance(config, str):
+            continue
+        reason = misfit(model.backend, config)
+        if reason is None:
+            continue
+        fits = None
+        for b in range(bc - 1, 0, -1):
+            try:
+                smaller = config.with_(bc=b)
+            except ConfigError:
+                break  # (below what the drafter can use at all)
+            if misfit(model.backend, smaller) is None:
+                fits = b
+                break
+        raise BudgetError(f"--bc {bc} is more than this package can run for {method}: it "
+                          f"{reason}; "
+                          + (f"use --bc {fits} or less for it, or " if fits else "")
+                          + f"re-export the package with --bc {bc}")
+
+
 def run_bench(model, tasks: dict[str, list[str]], greedy: GenerationConfig, plan: list,
               log: RowLog, hf_reference: bool = True, repeats: int = 1,
               device: str = "cpu") -> dict:
@@ -139,11 +171,12 @@ def run_bench(model, tasks: dict[str, list[str]], greedy: GenerationConfig, plan
     are measured and added to it as soon as they finish.
 
     Tokens/s of a method on a task is the median over ``repeats`` runs of its prompts (run back
-    to back, so the first, cold one does not count when ``repeats >= 3``; the reference runs
-    once); every run's outputs are checked against greedy's."""
+    to back; the reference runs once), after one untimed warm-up generation of every method
+    that has rows to measure; every run's outputs are checked against greedy's."""
     from tqdm import tqdm
 
     at_least_one(repeats=repeats)
+    check_runnable(model, plan)
     tasks, skipped = _fitting(model, tasks, greedy.max_new_tokens)
     source = reference_source(model) if hf_reference else None
     extra = [(HF_METHOD, HF_DRAFT + 1, greedy)] if source else []
@@ -153,7 +186,16 @@ def run_bench(model, tasks: dict[str, list[str]], greedy: GenerationConfig, plan
                if not isinstance(c, str) and log.get(task, name, bc, p) is None)
     hf = functools.cache(lambda: _reference_model(source, device))
     rows, failures, greedy_outputs, reused = [], [], {}, 0
-    with tqdm(total=todo, desc="bench", unit="gen", file=sys.stderr) as bar:
+    # one untimed generation of each method with rows to measure, before any is timed
+    warm = list(dict.fromkeys((name, bc) for task, p, name, bc, c in jobs
+                              if not isinstance(c, str) and log.get(task, name, bc, p) is None))
+    configs = {(name, bc): c for _, _, name, bc, c in jobs}
+    with tqdm(total=todo + len(warm), desc="bench", unit="gen", file=sys.stderr) as bar:
+        warm_up(model, [configs[k] for k in warm if k[0] != HF_METHOD], bar)
+        if (HF_METHOD, HF_DRAFT + 1) in warm:
+            _hf_prompt_lookup(model, hf(), [warm_prompt(model)],
+                              greedy.with_(max_new_tokens=min(greedy.max_new_tokens,
+                                                              WARM_TOKENS)), bar)
         for task, prompts, name, bc, config in jobs:
             if isinstance(config, str):
                 rows.append(dict(task=task, method=name, bc=bc, skipped=config))

@@ -1,9 +1,13 @@
 """``edgemtp profile``: measure on this device what a block-complexity budget buys.
 
-It measures the forward latency curve t(T), the BE and tokens/s (the best of ``--repeats``
-runs over the prompts) of every candidate plan under the budget, and the process's peak
-memory, then recommends the drafter, budget and mask-token count of the lossless plan with the
-best measured tokens/s. The JSON it writes (``out/profile/profile.json`` by default) is what
+It checks first that the loaded model can run every candidate plan under the budget (a
+package's graph exports a fixed top-K), then measures the forward latency curve t(T), runs
+every plan once untimed (:func:`~edgemtp.tools.measure.warm_up`), then measures the BE and
+tokens/s (the best of ``--repeats`` runs over the prompts) of each, and the process's peak
+memory, and recommends the drafter, budget and mask-token count of the lossless plan with the
+best measured tokens/s among plain decoding and the plans that drafted (BE at least
+:data:`MIN_BE`: one that accepted next to nothing cannot be faster than plain decoding, only
+look it by noise). The JSON it writes (``out/profile/profile.json`` by default) is what
 ``generate --profile`` reads back through :func:`read_profile`: the recommendation, and the
 latency curve the ``auto`` drafter uses.
 """
@@ -17,17 +21,38 @@ import sys
 import time
 from pathlib import Path
 
+from edgemtp import drafters
 from edgemtp.budgets import check_bc
 from edgemtp.config import GenerationConfig
-from edgemtp.errors import ConfigError
+from edgemtp.errors import BudgetError, ConfigError
 from edgemtp.latency import LatencyCurve
 
 from . import at_least_one, check_fits, output_folder, quiet_transformers
-from .measure import measure
+from .measure import measure, misfit, warm_up
 from .prompts import load_prompts
 
 FORMAT = 1
 BC_GRID = (4, 6, 8, 10, 14, 20, 30, 40, 60, 90, 120)
+MIN_BUDGET = 2  # a block of BC positions drafts BC - 1 tokens at most: prompt lookup and
+                # STAND draft one from BC 2, probing from BC 4
+MIN_BE = 1.01   # a speculative plan below it accepted next to nothing: never recommended
+
+
+def check_budget(budget, flag: str = "--budget") -> int:
+    """The budget, or one line saying why no plan could draft under it.
+
+    >>> check_budget(1)
+    Traceback (most recent call last):
+    ...
+    edgemtp.errors.BudgetError: --budget 1 leaves no position to draft in: ...
+    """
+    budget = check_bc(budget, flag)
+    if budget < MIN_BUDGET:
+        raise BudgetError(f"{flag} {budget} leaves no position to draft in: a block of BC "
+                          f"positions holds the next token and at most BC - 1 drafted ones; "
+                          f"give {flag} {MIN_BUDGET} or more (prompt lookup and STAND draft "
+                          f"from 2, probing from 4)")
+    return budget
 
 
 def candidates(budget: int, heads: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
@@ -65,7 +90,7 @@ def candidates(budget: int, heads: tuple[str, ...] = ()) -> list[tuple[str, dict
 def command(a, load) -> int:
     """``edgemtp profile``: check every option, load the model with ``load(a)``, measure,
     write ``profile.json`` and ``profile.png`` to ``a.out``. Returns the exit code."""
-    budget = check_bc(a.budget, "--budget")
+    budget = check_budget(a.budget)
     at_least_one(prompts=a.prompts, repeats=a.repeats)
     GenerationConfig(drafter="none", max_new_tokens=a.max_new_tokens)  # checks the count
     prompts = load_prompts(a.prompts_file, a.prompts)
@@ -87,50 +112,110 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
 
     from edgemtp.latency import curve_pair, measure_latency
 
-    check_fits([check_bc(budget, "budget")], model.backend.max_context, "budget")
+    budget = check_budget(budget)
+    check_fits([budget], model.backend.max_context, "--budget")
     at_least_one(repeats=repeats)
     if not prompts:
         raise ConfigError("a profile needs at least one prompt, got none")
+    package = getattr(model.backend, "package", None)
+    heads = tuple(h.kind for h in package.meta.heads) if package else ()
+    plans = candidates(budget, heads)
+    check_runnable(model, budget, heads)  # before anything is measured
     sizes = sorted({1, 2, budget, *(b for b in BC_GRID if b <= budget)})
     # over 64 and over 512 cached rows, as auto measures them (it reads t(T) at the cache's
     # length off the line through both)
     latency = curve_pair(lambda ctx, again: measure_latency(model.backend, sizes, context=ctx,
                                                             repeats=15), model.backend, sizes)
-    package = getattr(model.backend, "package", None)
-    plans = candidates(budget, tuple(h.kind for h in package.meta.heads) if package else ())
+    configs = [(label, opts, GenerationConfig(max_new_tokens=max_new_tokens, latency=latency,
+                                              **opts)) for label, opts in plans]
     rows = []
     reference = None
-    with tqdm(total=len(plans) * len(prompts) * repeats, desc="profile", unit="gen",
+    with tqdm(total=len(plans) * (1 + len(prompts) * repeats), desc="profile", unit="gen",
               file=sys.stderr) as bar:
-        for label, opts in plans:
-            config = GenerationConfig(max_new_tokens=max_new_tokens, latency=latency, **opts)
+        warm_up(model, [config for _, _, config in configs], bar)  # untimed, every plan
+        for label, opts, config in configs:
             m = measure(model, prompts, config, bar, repeats)
             reference = reference or m.outputs  # plain decoding's, the first plan
             be = m.tokens / m.forward_calls
-            bc = opts.get("bc", 1)
+            rows_per_step = block_rows(config)
             rows.append(dict(plan=label, options=opts, block_efficiency=round(be, 4),
                              tokens_per_second=round(max(m.rates), 2),
-                             predicted_tokens_per_second=round(be / latency(bc), 2),
+                             predicted_tokens_per_second=(
+                                 None if rows_per_step is None
+                                 else round(be / latency(rows_per_step), 2)),
                              lossless=m.outputs == reference))
     base = rows[0]["tokens_per_second"]
     for row in rows:
         row["speedup"] = round(row["tokens_per_second"] / base, 3)
-    best = max((r for r in rows if r["lossless"]), key=lambda r: r["tokens_per_second"])
+    return {
+        "format_version": FORMAT, "backend": model.backend.name, "budget": budget,
+        "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "latency": latency.to_dict(), "plans": rows, "recommendation": recommend(rows),
+        "peak_memory_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                 / (2**20 if sys.platform == "darwin" else 2**10), 1),  # B, KiB
+    }
+
+
+def check_runnable(model, budget: int, heads: tuple[str, ...] = ()) -> None:
+    """Every candidate plan under ``budget`` must run on ``model`` (a package's graph exports
+    a fixed top-K: probing at BC B asks for about B / 2 candidates a row), checked without a
+    forward pass; else one line naming ``--budget`` and the largest budget that runs."""
+    seen: dict[str, str | None] = {}
+
+    def first_misfit(b: int):
+        for label, opts in candidates(b, heads):
+            key = json.dumps(opts, sort_keys=True)
+            if key not in seen:
+                seen[key] = misfit(model.backend, GenerationConfig(**opts))
+            if seen[key]:
+                return label, seen[key]
+        return None
+
+    bad = first_misfit(budget)
+    if bad is None:
+        return
+    fits = next((b for b in range(budget - 1, MIN_BUDGET - 1, -1) if first_misfit(b) is None),
+                None)
+    raise BudgetError(f"--budget {budget} is more than this package can run: plan "
+                      f"{bad[0]} {bad[1]}; "
+                      + (f"use --budget {fits} or less, or " if fits else "")
+                      + f"re-export the package with --bc {budget}")
+
+
+def block_rows(config: GenerationConfig) -> int | None:
+    """The rows of the one block every step of ``config`` runs (plain decoding: 1; probing:
+    its plan's), or None where the block varies from step to step (lookup, trees, lookahead,
+    auto): there ``BE / t(T)`` predicts nothing."""
+    if config.drafter == "none":
+        return 1
+    if config.drafter == "probe":
+        return drafters.get("probe").budget(config)
+    return None
+
+
+def recommend(rows: list[dict]) -> dict:
+    """The plan to run: the fastest lossless one among plain decoding and the plans that
+    drafted (BE >= :data:`MIN_BE`).
+
+    >>> rows = [dict(options=dict(drafter="none"), block_efficiency=1.0, lossless=True,
+    ...              tokens_per_second=100.0),
+    ...         dict(options=dict(drafter="stand", bc=1), block_efficiency=1.0, lossless=True,
+    ...              tokens_per_second=199.0)]
+    >>> recommend(rows)
+    {'drafter': 'none', 'bc': 1, 'mask_tokens': 1}
+    """
+    best = max((r for r in rows if r["lossless"] and (
+        r["options"]["drafter"] == "none" or r["block_efficiency"] >= MIN_BE)),
+        key=lambda r: r["tokens_per_second"])
     rec = {"drafter": best["options"]["drafter"], "bc": best["options"].get("bc", 1),
            "mask_tokens": best["options"].get("mask_tokens", 1)}
     if "heads" in best["options"]:
         rec["heads"] = best["options"]["heads"]
     if "tree_cost" in best["options"]:
         rec["tree_cost"] = best["options"]["tree_cost"]
-    return {
-        "format_version": FORMAT, "backend": model.backend.name, "budget": budget,
-        "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "latency": latency.to_dict(), "plans": rows, "recommendation": rec,
-        "peak_memory_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                                 / (2**20 if sys.platform == "darwin" else 2**10), 1),  # B, KiB
-    }
+    return rec
 
 
 def table(profile: dict) -> str:
@@ -145,11 +230,16 @@ def table(profile: dict) -> str:
     lines += ["",
              f"{'plan':<27}{'BE':>7}{'tok/s':>10}{'predicted':>11}{'speed-up':>10}  lossless"]
     for r in profile["plans"]:
+        predicted = r.get("predicted_tokens_per_second")
         lines.append(f"{r['plan']:<27}{r['block_efficiency']:>7.3f}{r['tokens_per_second']:>10.1f}"
-                     f"{r['predicted_tokens_per_second']:>11.1f}{r['speedup']:>9.2f}x  "
-                     f"{'yes' if r['lossless'] else 'NO'}")
+                     + (f"{predicted:>11.1f}" if predicted is not None else f"{'-':>11}")
+                     + f"{r['speedup']:>9.2f}x  {'yes' if r['lossless'] else 'NO'}")
     rec = profile["recommendation"]
     cost = f" --tree-cost {rec['tree_cost']}" if rec.get("tree_cost", "budget") != "budget" else ""
+    lines += ["", "predicted: BE / t(T), where every step runs one block of T rows (plain "
+                  "decoding, probing);",
+              "  the other plans' blocks vary by step (-)",
+              f"plans with BE below {MIN_BE} (next to nothing drafted) are not recommended"]
     lines += ["", f"recommended: --drafter {rec['drafter']} --bc {rec['bc']} --mask-tokens "
                   f"{rec['mask_tokens']}{cost}  (peak memory {profile['peak_memory_mib']} MiB)"]
     return "\n".join(lines)
@@ -171,22 +261,39 @@ def plot(profile: dict, path: Path) -> None:
     a.legend()
     a.set(xlabel="block size T (positions per forward)", ylabel="forward latency (ms)",
           title=f"t(T) on this device ({profile['backend']})")
-    series = [("probe k=1", "probe", 1, "o-"), ("probe k=2", "probe", 2, "s-"),
-              ("pld", "pld", None, "D"), ("stand", "stand", None, "^-"),
-              ("lade", "lade", None, "v-"), ("hybrid k=1", "hybrid", 1, "P-")]
-    for label, drafter, k, marker in series:
-        rows = [r for r in profile["plans"] if r["options"]["drafter"] == drafter
-                and (k is None or r["options"].get("mask_tokens") == k)]
-        if rows:
-            b.plot([r["options"]["bc"] for r in rows], [r["tokens_per_second"] for r in rows],
-                   marker, label=label)
+    for label, marker, xs, ys in plot_series(profile):
+        b.plot(xs, ys, marker, label=label)
     base = profile["plans"][0]["tokens_per_second"]
     b.axhline(base, color="gray", ls="--", label="plain decoding")
     b.set(xlabel="block complexity BC", ylabel="tokens / s", title="measured tokens/s")
-    b.legend()
+    b.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+SERIES = [  # (label, drafter, mask tokens (None: any), tree cost, marker)
+    ("probe k=1", "probe", 1, "budget", "o-"), ("probe k=2", "probe", 2, "budget", "s-"),
+    ("pld", "pld", None, "budget", "D"), ("stand", "stand", None, "budget", "^-"),
+    ("stand measured", "stand", None, "measured", "^--"), ("lade", "lade", None, "budget", "v-"),
+    ("hybrid k=1", "hybrid", 1, "budget", "P-"),
+    ("hybrid k=1 measured", "hybrid", 1, "measured", "P--"), ("auto", "auto", None, "budget", "*"),
+]
+
+
+def plot_series(profile: dict) -> list[tuple[str, str, list[int], list[float]]]:
+    """``(label, marker, BCs, tokens/s)`` per drafter of the profile's plans, a tree
+    drafter's budget and measured trees apart (one line through both zig-zagged)."""
+    out = []
+    for label, drafter, k, cost, marker in SERIES:
+        rows = sorted((r for r in profile["plans"] if r["options"]["drafter"] == drafter
+                       and (k is None or r["options"].get("mask_tokens") == k)
+                       and r["options"].get("tree_cost", "budget") == cost),
+                      key=lambda r: r["options"]["bc"])
+        if rows:
+            out.append((label, marker, [r["options"]["bc"] for r in rows],
+                        [r["tokens_per_second"] for r in rows]))
+    return out
 
 
 def read_profile(path: str) -> tuple[dict, LatencyCurve]:

@@ -24,10 +24,18 @@ def load_prompts(path: str | None, n: int) -> list[str]:
     """The first ``n`` prompts of a JSONL file (``prompt``, or Spec-Bench ``turns``: the first
     turn); ``None``: the shared story prompts."""
     path = str(STORY_PROMPTS) if path is None else path
+    rows = []
     try:
         with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    except (OSError, json.JSONDecodeError) as e:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:  # (its own line number is the string's: 1)
+                    raise ConfigError(f"cannot read prompts from {path!r}: line {number} is "
+                                      f"not JSON ({e.msg} at column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read prompts from {path!r}: {e}") from None
     prompts = [_first_prompt(r) for r in rows]
     prompts = [p for p in prompts if isinstance(p, str) and p]

@@ -3,7 +3,10 @@ and flushed at once, so an interrupted bench keeps what it measured and the same
 run again, measures only the rows still missing.
 
 A row is reused only when it was measured with the same settings (model, backend, device,
-dtype, threads, new tokens, repeats) on the same prompts (a hash of the task's prompt texts).
+dtype, threads, new tokens, repeats) on the same prompts (a hash of the task's prompt texts),
+the model's settings including what is at its path (:func:`model_identity`): a package
+exported again to the same folder (``export --force``) is another model, whose rows are
+measured anew.
 Rows measured with other settings stay in the file untouched; ``fresh`` starts the file over
 (at the first new row, so an interrupted fresh run that measured nothing loses nothing).
 
@@ -22,7 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
+
+MANIFEST = "edgemtp.json"
 
 
 class RowLog:
@@ -73,3 +79,58 @@ class RowLog:
 def _key(task: str, method: str, bc: int, prompts: list[str]) -> str:
     digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
     return f"{task}|{method}|{bc}|{digest}"
+
+
+def model_identity(path: str) -> str | None:
+    """A digest of what the model at ``path`` is, cheap to take (no weights read):
+
+    - an exported package: its manifest's bytes (which record every file's size and sha256),
+      and the size and modification time of each file it lists;
+    - a Hugging Face folder (or a folder of GGUF files): its ``config.json`` bytes, and the
+      name, size and modification time of every other file at its top level;
+    - a file (a ``.gguf``): its size and modification time.
+
+    None for a name that is no local path (a hub id: its files are not here to read).
+
+    >>> import tempfile, pathlib, time
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> (d / "config.json").write_text('{"model_type": "llama"}') and None
+    >>> first = model_identity(str(d))
+    >>> first == model_identity(str(d)), model_identity(str(d / "nothing"))
+    (True, None)
+    >>> (d / "model.safetensors").write_bytes(b"x") and None
+    >>> model_identity(str(d)) == first
+    False
+    """
+    p = Path(path)
+    h = hashlib.sha256()
+    try:
+        if p.is_file():
+            _stat_into(h, p, p.name)
+        elif (p / MANIFEST).is_file():
+            data = (p / MANIFEST).read_bytes()
+            h.update(data)
+            try:
+                files = json.loads(data).get("files") or {}
+            except (ValueError, AttributeError):
+                files = {}
+            for name in sorted(files if isinstance(files, dict) else ()):
+                f = p / name
+                if f.is_file():  # (a missing one: loading the package says so)
+                    _stat_into(h, f, name)
+        elif p.is_dir():
+            if (p / "config.json").is_file():
+                h.update((p / "config.json").read_bytes())
+            for f in sorted(p.iterdir()):
+                if f.is_file() and not f.name.startswith("."):
+                    _stat_into(h, f, f.name)
+        else:
+            return None
+    except OSError:
+        return None
+    return h.hexdigest()[:16]
+
+
+def _stat_into(h, f: Path, name: str) -> None:
+    st = os.stat(f)
+    h.update(f"|{name}|{st.st_size}|{st.st_mtime_ns}".encode())
