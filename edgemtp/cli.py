@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from . import drafters
 from .config import MASK_INITS, TREES, GenerationConfig
@@ -142,6 +143,28 @@ def _chat_messages(system: str | None, *turns: dict) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + list(turns)
 
 
+def _check_tokenizer(path: str, model=None) -> None:
+    """The command line takes text only: a package exported without a tokenizer (its manifest
+    says so; read before the model loads) or a loaded model without one is refused in one
+    line that says how to proceed."""
+    if model is None:
+        from edgemtp.runtimes.package import MANIFEST, is_package
+
+        try:
+            has = (not is_package(path)
+                   or json.loads((Path(path) / MANIFEST).read_text()).get("tokenizer", True)
+                   is not False)
+        except (OSError, ValueError, AttributeError):
+            has = True  # a broken manifest: the load says what is wrong with it
+    else:
+        has = model.tokenizer is not None
+    if not has:
+        raise ConfigError(f"{path!r} has no tokenizer (it was exported from a folder without "
+                          f"tokenizer files), and the command line takes text only; re-export "
+                          f"it from a model folder that holds them, or give token ids through "
+                          f"the Python API (edgemtp.Model.load(PATH).generate([ids]))")
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     if not a.prompt:
         raise EdgeMTPError("the prompt is empty; give --prompt some text")
@@ -151,10 +174,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from .tokenizer import check_chat_template
 
     check_prompt(a.prompt)  # before the model loads
+    _check_tokenizer(a.model)
     if a.chat:
         check_chat_template(a.model)
     config = _config(a)
     model = _load(a)
+    _check_tokenizer(a.model, model)
     prompt = a.prompt if not a.chat else model.encode_chat(
         _chat_messages(a.system, {"role": "user", "content": a.prompt}))
     if a.json:
@@ -192,8 +217,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
     it, ``/exit`` or end of input quits (Ctrl-C too, through main)."""
     from .tokenizer import check_chat_template
 
-    check_chat_template(a.model)  # before the model loads
+    _check_tokenizer(a.model)  # before the model loads
+    check_chat_template(a.model)
     config, model = _config(a), _load(a)
+    _check_tokenizer(a.model, model)
     history = _chat_messages(a.system)
     model.encode_chat(history or [{"role": "user", "content": "hi"}])  # no template: fail now
     while (line := _read_turn()) is not None:
@@ -223,6 +250,9 @@ def _read_turn() -> str | None:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
+    # checked as build-engine checks them, with --trt or without (where they do nothing, a
+    # bad value is still a mistake worth a line rather than silence)
+    _check_engine_options(a.workspace, a.max_block)
     from edgemtp.export.onnx_export import export_package
 
     if a.trt:  # fail before a long export when the engine could not be built after it
@@ -234,7 +264,6 @@ def cmd_export(a: argparse.Namespace) -> int:
             raise ConfigError("edgemtp export --trt --cache-layout head: a head-major cache "
                               "runs on onnxruntime's CPU provider only; drop --cache-layout "
                               "head for TensorRT")
-        _check_engine_options(a.workspace, a.max_block)
         import_tensorrt("edgemtp export --trt")
         cuda_device()
     report = export_package(a.model, a.output, dtype=a.dtype, max_context=a.max_context,
@@ -274,18 +303,28 @@ def _build_engine(package, workspace: float, timing_cache, progress: bool,
           f"({', '.join(p.name for p in info.profiles)})")
 
 
-def cmd_inspect(a: argparse.Namespace) -> int:
-    # load what generate loads (graph session, embeddings, tokenizer), so a package that
-    # generate would refuse is refused here, with the same message
-    from edgemtp.runtimes.package import describe
+def _load_package_as_generate(path):
+    """Load a package as ``generate`` loads it (the onnxruntime session with its graph check,
+    embeddings, tokenizer, plans, and the backend ``--backend auto`` picks on the CPU), so a
+    package that generate would refuse is refused with the same message: (the onnxruntime
+    model, the backend picked, that backend where it is not onnxruntime)."""
+    from edgemtp.runtimes.package import check_folder
 
     from .api import Model, auto_backend
 
-    model = Model.load(a.package, backend="onnxruntime", threads=1)
-    picked = auto_backend(a.package)
+    check_folder(path)  # a command that reads packages never takes a path for a hub id
+    model = Model.load(path, backend="onnxruntime", threads=1)
+    picked = auto_backend(path)
     native = None
     if picked != "onnxruntime":  # what generate runs it on must load too (its load check)
-        native = Model.load(a.package, backend=picked, threads=1).backend
+        native = Model.load(path, backend=picked, threads=1).backend
+    return model, picked, native
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from edgemtp.runtimes.package import describe
+
+    model, picked, native = _load_package_as_generate(a.package)
     print(describe(model.backend.package))
     print(_chat_template_line(model))
     print(f"generate on this machine (--backend auto, CPU): {picked}"
@@ -333,9 +372,14 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
     plan = None
     if a.package is not None:  # a bad package fails in one line before the machine is probed
-        from edgemtp.runtimes.package import load_package
+        from .errors import BackendUnavailableError
 
-        pkg = load_package(a.package, check_plans=False)
+        try:  # as inspect and generate load it, so it fails where they would
+            pkg = _load_package_as_generate(a.package)[0].backend.package
+        except BackendUnavailableError:  # no onnxruntime here (doctor says how to install
+            from edgemtp.runtimes.package import load_package  # it): the package's own checks
+
+            pkg = load_package(a.package)
     facts = doctor.probe()
     if a.package is not None:
         plan = doctor.memory_plan(pkg, facts)
@@ -575,14 +619,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
         rec = read_profile(args.profile)[0]
         sub = parser.commands[args.command]
-        own = {k: sub.get_default(k) for k in ("mask_tokens", "heads", "tree_cost")}
+        own = {k: sub.get_default(k) for k in ("bc", "mask_tokens", "heads", "tree_cost")}
         sub.set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
                          mask_tokens=int(rec["mask_tokens"]), heads=rec.get("heads"),
                          tree_cost=rec.get("tree_cost", "budget"))
         args = parser.parse_args(argv)
         if args.drafter != rec["drafter"]:
             # another drafter named on the command line: the settings the profile found for
-            # its own drafter (masks, heads, a measured tree cost) do not carry over to it
+            # its own drafter (its budget, masks, heads, a measured tree cost) do not carry
+            # over to it (a bc of 1 for 'none' is too small for any other); --bc still wins
             sub.set_defaults(**own)
             args = parser.parse_args(argv)
     return args

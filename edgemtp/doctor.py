@@ -498,6 +498,7 @@ ACT_WIDTH = 12  # hidden-sized values a position holds at once: residual, norm, 
 #                 out, and the MLP's gate and up taken at 4 x hidden (the manifest does not
 #                 record intermediate_size; llama-family models use 2.7x to 4x)
 PLAN_DTYPES = {"fp32": 4, "fp16": 2}
+NPY_HEADER = 128  # numpy's header of a 2-d table
 
 
 def workspace_bytes(m, t: int, rows: int, itemsize: int) -> int:
@@ -535,17 +536,50 @@ def device_pool(facts: Facts) -> Pool:
                 host=True)
 
 
+def parameter_count(pkg) -> int | None:
+    """The graph's weights as values, what a float re-export stores at 4 or 2 bytes each: a
+    float package's weight bytes over its value size; a quantized one's read off its graph
+    (a ``MatMulNBits`` product K x N, a block-quantized table its rows x columns, and every
+    other float initializer but the products' scales, zero points and a GGUF file's block
+    offsets). None where it cannot be told: no ``onnx`` package to read the graph with."""
+    w = pkg.weights
+    if w.bits is None:
+        return pkg.weight_bytes() // PLAN_DTYPES.get(w.format, 4)
+    try:
+        import onnx
+        from onnx import helper
+    except ModuleNotFoundError:
+        return None
+    from edgemtp.runtimes.native_backend import offset_branches
+
+    graph = onnx.load(str(pkg.graph_path), load_external_data=False).graph
+    inits = {t.name: t for t in graph.initializer}
+    aux, n = {b[0] for b in offset_branches(graph).values()}, 0
+    for node in graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "MatMulNBits":
+            n += attrs["K"] * attrs["N"]
+            aux.update(node.input[1:])
+        elif node.op_type == "GatherBlockQuantized" and node.input[0] in inits:
+            n += math.prod(inits[node.input[0]].dims) * 8 // attrs.get("bits", 4)
+            aux.update([node.input[0], *node.input[2:]])
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+    return n + sum(math.prod(t.dims) for t in graph.initializer
+                   if t.name not in aux and t.data_type in floats)
+
+
 @dataclass(frozen=True)
 class PlanRow:
-    dtype: str
-    own: bool                  # the package's dtype (the other needs a re-export)
+    dtype: str                 # the weights: the package's own format (int4 ...) or fp32/fp16
+    own: bool                  # the package's weights (another needs a re-export)
     weights: int
     kv_cache: int
     workspace: int
     embeddings: int            # host-side table; counted when the pool is host memory
     total: int
     fits: bool | None          # None: the pool's size is unknown
-    max_context: int | None    # the largest cache (rows) whose total fits
+    max_context: int | None    # the largest cache (rows) whose total fits, at most the
+    #                            package's max context
     max_prompt: int | None     # the longest prompt prefilled in one block, with the cache at
     #                            the smaller of the package's and the largest that fits
 
@@ -562,31 +596,46 @@ class MemoryPlan:
 
 
 def memory_plan(pkg, facts: Facts) -> MemoryPlan:
-    """Weights + KV cache at the package's max context + workspace, per dtype, against the
-    device's memory; the largest context and the longest one-block prompt that fit."""
+    """Weights + KV cache at the package's max context + workspace against the device's
+    memory, for the package's own weights (as they are on disk, the cache as it runs) and for
+    the float formats a re-export with ``--dtype fp32|fp16`` would give (weights from the
+    parameter count; a row that cannot be estimated is left out); the largest context that
+    fits, up to the package's max context (its graph's limit), and the longest one-block
+    prompt."""
     m, pool = pkg.meta, device_pool(facts)
     t = max(p.T for p in m.plans)
     # a quantized package's host table is the graph's own (in the weights already counted)
     separate = getattr(m.embeddings, "layout", "npy") == "npy"
     emb = (pkg.root / m.embeddings.file).stat().st_size if pool.host and separate else 0
-    rows = []
-    for dtype, nbytes in PLAN_DTYPES.items():
-        weights = pkg.weight_bytes() * nbytes // PLAN_DTYPES[m.dtype]
-        # the package's own dtype: its cache as it runs (an exact package: float64 values)
-        kv_row = pkg.kv_cache_bytes(1, None if dtype == m.dtype else dtype)
+    own = pkg.weights.format
+    kinds = [own] + [d for d in PLAN_DTYPES if d != own]
+    params = parameter_count(pkg)
+    own_emb, rows = emb, []
+    for kind in kinds:
+        emb = own_emb
+        if kind == own:  # as it is: its file, its activations' and cache's dtype
+            weights, nbytes = pkg.weight_bytes(), PLAN_DTYPES[m.dtype]
+            kv_row = pkg.kv_cache_bytes(1)  # (an exact package: float64 values)
+        elif params is None:
+            continue  # no parameter count to size a re-export by
+        else:
+            nbytes = PLAN_DTYPES[kind]
+            weights, kv_row = params * nbytes, pkg.kv_cache_bytes(1, kind)
+            # a float package's host table: embeddings.npy [V, d] in its dtype
+            emb = m.vocab_size * m.hidden_size * nbytes + NPY_HEADER if pool.host else 0
         fixed = weights + emb + workspace_bytes(m, t, 0, nbytes)
         per_row = kv_row + t * m.num_heads * 4     # the cache row and its attention column
         total = _with_margin(fixed + per_row * m.max_context)
         budget = pool.available / (1 + MARGIN) if pool.available else None
         ctx = max(0, math.floor((budget - fixed) / per_row)) if budget else None
         ctx = None if ctx is None else (ctx if ctx > t else 0)  # a plan needs T < context
-        usable = None if ctx is None else min(ctx, m.max_context)
+        ctx = None if ctx is None else min(ctx, m.max_context)  # the graph's own limit
         rows.append(PlanRow(
-            dtype, dtype == m.dtype, weights, kv_row * m.max_context,
+            kind, kind == own, weights, kv_row * m.max_context,
             workspace_bytes(m, t, m.max_context, nbytes), emb, total,
             None if budget is None else total <= pool.available, ctx,
-            None if usable is None else _longest_prompt(
-                m, nbytes, budget - weights - emb - kv_row * usable, usable)))
+            None if ctx is None else _longest_prompt(
+                m, nbytes, budget - weights - emb - kv_row * ctx, ctx)))
     from edgemtp.runtimes.package import cuda_graph_readiness
 
     return MemoryPlan(str(pkg.root), m.max_context, t, pool, tuple(rows),
@@ -612,9 +661,11 @@ def _native_line(pkg, pool: Pool) -> str:
         parts.append(f"{size(b(m.max_context))} {name}")
         if pool.available:  # the cache grows 16 rows at a time, past a fixed margin (b(0))
             room = pool.available / (1 + MARGIN) - weights - b(0)
-            fits.append(f"{max(0, math.floor(room / ((b(16) - b(0)) / 16)))} ({name})")
+            rows = max(0, math.floor(room / ((b(16) - b(0)) / 16)))
+            fits.append(f"{min(rows, m.max_context)} ({name})")
     return (f"weights {size(weights)}, KV cache at {m.max_context} tokens {' or '.join(parts)}"
-            + (f"; largest context that fits: {', '.join(fits)}" if fits else ""))
+            + (f"; largest context that fits: {', '.join(fits)} (at most the package's max "
+               f"context)" if fits else ""))
 
 
 def _with_margin(n: float) -> int:
@@ -719,7 +770,7 @@ def describe_verdicts(vs: list[Verdict]) -> list[str]:
 
 
 def describe_plan(p: MemoryPlan) -> list[str]:
-    head = (f"{'dtype':<7} {'weights':>10} {'KV cache':>10} {'workspace':>10} "
+    head = (f"{'format':<7} {'weights':>10} {'KV cache':>10} {'workspace':>10} "
             f"{'embedding':>10} {'total':>10}  {'fits':<4} {'max context':>11} "
             f"{'max prompt':>10}")
     lines = [f"package   {p.package}: max context {p.max_context}, largest plan block "
@@ -745,10 +796,11 @@ def describe_plan(p: MemoryPlan) -> list[str]:
         "x 4 B): one block's activations, fp32 scores and logits",
         "          embedding table: host-side (mask initialisation), counted in host or "
         "shared memory only",
-        "          * = the package's dtype; the other is what a re-export with --dtype would "
-        "need (weights scaled by bytes per value)",
-        "          max context = the largest KV cache that fits (re-export with --max-context "
-        "to use it, up to the model's position limit)",
+        "          * = the package's own weights, as on disk; fp32/fp16 rows are what a "
+        "re-export with --dtype would need (its parameters x 4 or 2 bytes)",
+        f"          max context = the largest KV cache that fits, at most the package's max "
+        f"context {p.max_context} (its graph's limit; more needs a re-export with "
+        f"--max-context, up to the model's position limit)",
         "          max prompt = the longest prompt prefilled in one block (scores grow as heads "
         "x P^2), the cache at the package's max context or the largest that fits",
     ]

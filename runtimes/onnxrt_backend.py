@@ -446,26 +446,20 @@ class OrtBackend:
 
     def _check_graph(self) -> None:
         # the manifest describes the graph the package ships; disagreement means a mixed-up
-        # package, which would otherwise fail later with a shape error mid-generation
-        m = self.package.manifest
-        inputs = {i.name: i.shape for i in self.graph.get_inputs()}
-        outputs = {o.name: o.shape for o in self.graph.get_outputs()}
-        want_in, want_out = m["graph"]["inputs"], m["graph"]["outputs"]
-        if list(inputs) != want_in or list(outputs) != want_out:
-            missing = [n for n in want_in + want_out if n not in inputs and n not in outputs]
-            extra = [n for n in list(inputs) + list(outputs) if n not in want_in + want_out]
-            raise ModelLoadError(f"model.onnx does not match the manifest: graph inputs/outputs "
-                                 f"missing {missing[:3]}, unexpected {extra[:3]}")
-        expect = {"mask_embeds": [None, m["hidden_size"]],
-                  "past_key_0": ([1, m["num_kv_heads"], None, m["head_dim"]]
-                                 if self.head_major else
-                                 [1, None, m["num_kv_heads"], m["head_dim"]]),
-                  "topk_ids": [1, None, m["topk"]], "logits": [1, None, m["vocab_size"]]}
-        for name, dims in expect.items():
-            got = inputs.get(name, outputs.get(name))
-            if any(w is not None and g != w for g, w in zip(got, dims)):
-                raise ModelLoadError(f"model.onnx does not match the manifest: {name} has shape "
-                                     f"{got}, the manifest implies {dims}")
+        # or edited package, which would otherwise fail later mid-generation (a shape error,
+        # or onnxruntime's "Unexpected input data type")
+        def io(values) -> dict:
+            return {v.name: (_ORT_TYPES.get(v.type, v.type),
+                             [d if isinstance(d, int) else None for d in v.shape])
+                    for v in values}
+
+        self.package.check_graph_io(io(self.graph.get_inputs()), io(self.graph.get_outputs()))
+
+
+# onnxruntime's element type names as numpy's (Package.check_graph_io)
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16",
+              "tensor(double)": "float64", "tensor(int64)": "int64", "tensor(int32)": "int32",
+              "tensor(bool)": "bool", "tensor(uint8)": "uint8", "tensor(int8)": "int8"}
 
 
 def _pad_rows(input_ids, position_ids, tree_mask, rows: int):

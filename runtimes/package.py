@@ -519,7 +519,9 @@ class Manifest:
     :meth:`to_dict`; :func:`load_package` reads it with :meth:`from_dict`.
 
     ``files`` (every file the export wrote, by path inside the package) and
-    ``tokenizer_files`` are absent (None / empty) in packages from before they were recorded;
+    ``tokenizer_files`` are absent (None / empty) in packages from before they were recorded
+    (format 1; every format 2 export records its files, so a format 2 manifest without
+    ``files`` is refused: nothing would check the package's bytes);
     ``engines`` is empty until ``edgemtp build-engine`` adds one (their files are not among
     ``files``: they are written after export, on the device).
     """
@@ -829,6 +831,49 @@ class Package:
                                  f"different sha256): it is corrupt or was edited; re-export "
                                  f"the package")
 
+    def check_graph_io(self, inputs: Mapping[str, tuple], outputs: Mapping[str, tuple]) -> None:
+        """The graph's own inputs and outputs against the manifest, as a backend reads them
+        (``name -> (element type as a numpy dtype name or None, shape with None for a named
+        dimension)``, in graph order): the names, the shapes the manifest implies and the
+        element types the runtime binds. A mixed-up or edited package fails at load in one
+        line, not mid-generation in onnxruntime (every backend that loads the graph calls
+        it, so ``inspect`` fails where ``generate`` would)."""
+        m, graph = self.meta, self.meta.graph.file
+        want_in, want_out = list(m.graph.inputs), list(m.graph.outputs)
+        if list(inputs) != want_in or list(outputs) != want_out:
+            missing = [n for n in want_in + want_out if n not in inputs and n not in outputs]
+            extra = [n for n in list(inputs) + list(outputs) if n not in want_in + want_out]
+            raise ModelLoadError(f"{graph} does not match the manifest: graph inputs/outputs "
+                                 f"missing {missing[:3]}, unexpected {extra[:3]}")
+        found = {**inputs, **outputs}
+        expect = {"mask_embeds": [None, m.hidden_size],
+                  "past_key_0": ([1, m.num_kv_heads, None, m.head_dim] if m.cache.head_major
+                                 else [1, None, m.num_kv_heads, m.head_dim]),
+                  "topk_ids": [1, None, m.topk], "logits": [1, None, m.vocab_size]}
+        for name, dims in expect.items():
+            got = list(found[name][1])
+            if len(got) != len(dims) or any(w is not None and g != w
+                                            for g, w in zip(got, dims)):
+                raise ModelLoadError(f"{graph} does not match the manifest: {name} has shape "
+                                     f"{got}, the manifest implies {dims}")
+        key, value = np.dtype(self.np_dtype).name, np.dtype(self.np_value_dtype).name
+        why_value = (f"'cache.value_dtype' {m.cache.value_dtype!r}" if m.cache.value_dtype
+                     else f"'dtype' {m.dtype!r} and no 'cache.value_dtype'")
+        types = {"input_ids": "int64", "position_ids": "int64", "tree_mask": "bool",
+                 "mask_embeds": "float32", PAST_LEN: "int64", "topk_ids": "int64",
+                 "topk_logprobs": "float32", "argmax": "int64", "logits": "float32"}
+        for name in (*kv_names("past", m.num_layers), *kv_names("present", m.num_layers)):
+            types[name] = value if "_value_" in name else key
+        for name, (got, _) in found.items():
+            want = types.get(name)
+            if want is not None and got is not None and got != want:
+                why = (why_value if "_value_" in name else f"'dtype' {m.dtype!r}"
+                       if name.startswith(("past_", "present_")) else "every package")
+                raise ModelLoadError(f"{graph} does not match the manifest: {name} is {got} in "
+                                     f"the graph, but the manifest ({why}) implies {want}; "
+                                     f"the manifest was edited or is another package's: "
+                                     f"re-export")
+
     def check_engines(self) -> None:
         """Every listed TensorRT engine is there and whole (its sha256 checked when at most
         ``HASH_LIMIT`` bytes, like the export's files)."""
@@ -885,10 +930,9 @@ class Package:
                                      f"does not belong to this manifest; re-export")
 
 
-def load_package(path, check_plans: bool = True, check_engines: bool = True) -> Package:
-    """Read and validate a package folder; one-line :class:`ModelLoadError` when it is bad.
-    With ``check_plans`` (the default), the plans read from it become the runtime's plans;
-    ``check_engines=False`` lets ``build-engine`` replace an engine that is gone or broken."""
+def check_folder(path) -> Path:
+    """``path`` as a package folder: one that exists and holds a manifest (what a command that
+    reads only packages checks first, before anything would take it for a hub id)."""
     root = Path(path)
     if root.is_file():
         hint = (f"; export it first: edgemtp export {str(path)} -o PACKAGE"
@@ -897,10 +941,18 @@ def load_package(path, check_plans: bool = True, check_engines: bool = True) -> 
                              f"'edgemtp export'{hint}")
     if not root.is_dir():
         raise ModelLoadError(f"package folder {str(path)!r} does not exist")
-    mpath = root / MANIFEST
-    if not mpath.is_file():
+    if not (root / MANIFEST).is_file():
         raise ModelLoadError(f"{str(path)!r} has no {MANIFEST}; expected a folder written by "
                              f"'edgemtp export'")
+    return root
+
+
+def load_package(path, check_plans: bool = True, check_engines: bool = True) -> Package:
+    """Read and validate a package folder; one-line :class:`ModelLoadError` when it is bad.
+    With ``check_plans`` (the default), the plans read from it become the runtime's plans;
+    ``check_engines=False`` lets ``build-engine`` replace an engine that is gone or broken."""
+    root = check_folder(path)
+    mpath = root / MANIFEST
     try:
         raw = json.loads(mpath.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

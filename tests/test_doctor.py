@@ -170,9 +170,11 @@ def test_doctor_with_a_package_prints_its_memory_plan(runs, stories_pkg):
     assert rows["fp32"]["weights"] == pkg.weight_bytes()
     assert rows["fp16"]["kv_cache"] == pkg.kv_cache_bytes(dtype="fp16") \
         == 2 * m.num_layers * m.max_context * m.num_kv_heads * m.head_dim * 2
-    for r in rows.values():  # a 1 MiB model fits any machine that runs these tests
-        assert r["fits"] and r["max_context"] > m.max_context
+    for r in rows.values():  # a 1 MiB model fits any machine that runs these tests: the
+        # largest context that fits is the package's own limit (it said millions)
+        assert r["fits"] and r["max_context"] == m.max_context
         assert r["max_prompt"] == m.max_context
+    assert f"at most the package's max context {m.max_context}" in p.stdout
 
 
 @pytest.mark.parametrize("case, expect", [("missing", r"nope.* does not exist"),
@@ -281,13 +283,19 @@ def test_desktop_verdicts_and_install_steps():
 
 
 def _total(pkg, dtype: str, rows: int, host: bool) -> float:
-    """The plan's formula as the report states it, written out independently."""
+    """The plan's formula as the report states it, written out independently (a float
+    package: its own row as on disk, the other's weights its parameters x bytes and its
+    host table [V, d] in that dtype)."""
     m, b = pkg.meta, doctor.PLAN_DTYPES[dtype]
+    own = dtype == m.dtype
     t = max(p.T for p in m.plans)
-    weights = pkg.weight_bytes() * b // doctor.PLAN_DTYPES[m.dtype]
+    params = pkg.weight_bytes() // doctor.PLAN_DTYPES[m.dtype]
+    weights = pkg.weight_bytes() if own else params * b
     kv = 2 * m.num_layers * rows * m.num_kv_heads * m.head_dim * b
     work = t * (12 * m.hidden_size * b + (m.num_heads * (rows + t) + m.vocab_size) * 4)
-    emb = (pkg.root / "embeddings.npy").stat().st_size if host else 0
+    table = (pkg.root / "embeddings.npy").stat().st_size if own else \
+        m.vocab_size * m.hidden_size * b + 128
+    emb = table if host else 0
     return (weights + kv + work + emb) * 1.10
 
 
@@ -305,7 +313,10 @@ def test_memory_plan_max_context_is_the_largest_that_fits(stories_pkg, facts, av
         assert r.fits == (r.total <= avail)
         assert r.max_context > plan.block, "every size here fits the largest plan"
         assert _total(pkg, r.dtype, r.max_context, facts.jetson) <= avail
-        assert _total(pkg, r.dtype, r.max_context + 1, facts.jetson) > avail
+        # the largest that fits, up to the package's own limit (its graph's)
+        assert r.max_context <= pkg.meta.max_context
+        assert (r.max_context == pkg.meta.max_context
+                or _total(pkg, r.dtype, r.max_context + 1, facts.jetson) > avail)
         assert r.fits == (r.max_context >= pkg.meta.max_context)
     text = "\n".join(doctor.describe_plan(plan))
     assert ("shared CPU/GPU memory" in text) == facts.jetson
@@ -316,3 +327,107 @@ def test_memory_plan_when_nothing_fits(stories_pkg):
     pkg = load_package(stories_pkg, check_plans=False)
     plan = doctor.memory_plan(pkg, replace(ORIN, host_available=2**20))
     assert [(r.fits, r.max_context, r.max_prompt) for r in plan.rows] == [(False, 0, 0)] * 2
+
+
+# -- a package as inspect and generate see it (QA: labels, sizes, refusals) -------------------
+
+
+@pytest.fixture(scope="module")
+def int4_pkg(tmp_path_factory):
+    """stories260K as a small int4 package (one plan)."""
+    from conftest import STORIES
+    from edgemtp.export.onnx_export import export_package
+
+    out = tmp_path_factory.mktemp("doctor-int4") / "stories-int4"
+    export_package(str(STORIES), out, dtype="int4", max_context=128, bc=(10,),
+                   mask_tokens=(1,), progress=False)
+    return out
+
+
+def test_an_int4_package_s_rows_are_its_weights_and_float_re_exports(int4_pkg, stories_pkg):
+    # its row was labelled with the activations' dtype ("fp32 *"), an fp16 row was half the
+    # int4 file, and the context figures ran to millions past the graph's limit
+    pkg, fp32 = load_package(int4_pkg, check_plans=False), load_package(stories_pkg,
+                                                                        check_plans=False)
+    plan = doctor.memory_plan(pkg, ORIN)
+    rows = {r.dtype: r for r in plan.rows}
+    assert list(rows) == ["int4", "fp32", "fp16"]
+    assert rows["int4"].own and not rows["fp32"].own and not rows["fp16"].own
+    assert rows["int4"].weights == pkg.weight_bytes()
+    # a float re-export stores the model's parameters: the fp32 package's graph's (give or
+    # take a table that depends on the max context)
+    import onnx
+
+    graph = onnx.load(str(fp32.graph_path)).graph
+    values = sum(math.prod(t.dims) for t in graph.initializer
+                 if t.data_type == onnx.TensorProto.FLOAT)
+    assert abs(rows["fp32"].weights - 4 * values) <= 0.01 * 4 * values
+    assert rows["fp16"].weights == rows["fp32"].weights // 2 > 1.5 * pkg.weight_bytes()
+    assert [r.max_context for r in plan.rows] == [128] * 3  # 6 GiB fit far more
+    text = "\n".join(doctor.describe_plan(plan))
+    assert re.search(r"^ +int4 \* ", text, re.M) and not re.search(r"fp(32|16) \*", text)
+    assert "at most the package's max context 128" in text
+    if plan.native:  # the C decoder builds here
+        assert "largest context that fits: 128 (float16), 128 (int8)" in plan.native
+
+
+def _swap_plan(p: Path) -> None:
+    # another budget's plan file in place of bc=30 k=1, its record updated to match
+    from edgemtp.runtimes.package import record_files
+
+    (p / "plans/bc30_k1.npz").write_bytes((p / "plans/bc10_k1.npz").read_bytes())
+    m = json.loads((p / "edgemtp.json").read_text())
+    m["files"] = {k: {"bytes": v.bytes, "sha256": v.sha256}
+                  for k, v in record_files(p).items()}
+    (p / "edgemtp.json").write_text(json.dumps(m))
+
+
+def _set(*path_value):
+    *keys, value = path_value
+
+    def edit(p: Path) -> None:
+        m = json.loads((p / "edgemtp.json").read_text())
+        d = m
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+        (p / "edgemtp.json").write_text(json.dumps(m))
+    return edit
+
+
+BROKEN = {"num-kv-heads": _set("num_kv_heads", 2), "head-dim": _set("head_dim", 4),
+          "topk": _set("topk", 40), "swapped-plan": _swap_plan,
+          "cache-layout": _set("cache", "layout", "[1, H_kv, P, D] per layer, head-major")}
+
+
+@pytest.fixture(scope="module")
+def broken_runs(stories_pkg, tmp_path_factory):
+    """doctor and inspect on each broken copy of the package: {case: (doctor, inspect)}."""
+    import shutil
+
+    jobs = {}
+    for case, breaker in BROKEN.items():
+        copy = tmp_path_factory.mktemp(case) / "pkg"
+        shutil.copytree(stories_pkg, copy)
+        breaker(copy)
+        jobs[(case, "doctor")] = ["doctor", str(copy)]
+        jobs[(case, "inspect")] = ["inspect", str(copy)]
+
+    def run(argv):
+        return subprocess.run([sys.executable, "-m", "edgemtp.cli", *argv], capture_output=True,
+                              text=True, cwd=ROOT, timeout=300)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {k: pool.submit(run, argv) for k, argv in jobs.items()}
+        done = {k: f.result() for k, f in futures.items()}
+    return {case: (done[(case, "doctor")], done[(case, "inspect")]) for case in BROKEN}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_doctor_refuses_what_inspect_refuses_with_the_same_line(broken_runs, case):
+    # doctor printed a plan (exit 0) for packages inspect and generate refuse
+    doc, ins = broken_runs[case]
+    for p in (doc, ins):
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        (line,) = p.stderr.strip().splitlines()
+        assert line.startswith("edgemtp: error: "), line
+    assert doc.stderr == ins.stderr and doc.stdout == ""

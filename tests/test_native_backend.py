@@ -251,7 +251,8 @@ def test_doctor_plans_the_native_memory_on_the_cpu(int4_pkg, stories_pkg, backen
     assert (f"KV cache at {ctx} tokens {size(backend.cache_bytes('fp16'))} float16 or "
             f"{size(backend.cache_bytes('int8'))} int8") in line
     fits = re.search(r"largest context that fits: (\d+) \(float16\), (\d+) \(int8\)", line)
-    assert fits and int(fits[2]) > int(fits[1]) > ctx, line
+    # (capped at the package's max context: a larger one needs a re-export)
+    assert fits and int(fits[2]) == int(fits[1]) == ctx, line
     assert native_line(stories_pkg) == []  # fp32: onnxruntime runs it
 
 

@@ -209,8 +209,15 @@ def edit(p: Path, change) -> None:
 
 
 def drop_records(p: Path) -> None:
-    """An older package: no file sizes, no tokenizer file list."""
-    edit(p, lambda m: [m.pop("files"), m.pop("tokenizer_files")])
+    """An older package: no file sizes, no tokenizer file list. Every format 2 export records
+    its files (a format 2 manifest without them is refused: 'no-files-record'), so it is a
+    format 1 manifest (no past_len input; the graph keeps its own, which only a session
+    would see)."""
+    def older(m: dict) -> None:
+        m.pop("files"), m.pop("tokenizer_files")
+        m["format_version"] = 1
+        m["graph"]["inputs"].remove("past_len")
+    edit(p, older)
 
 
 def externalize(p: Path) -> None:
@@ -322,6 +329,23 @@ PACKAGE_CASES = [
     # the graph's own names against the manifest's: onnxruntime's session, so generate only
     ("graph-io-mismatch-older-package", both(drop_records, rename_graph_input),
      ("does not match the manifest",), ("generate",)),
+    # a current manifest without its file record would check no file's bytes (a corrupted
+    # graph then ran and gave garbage)
+    ("no-files-record", both(lambda p: edit(p, lambda m: m.pop("files")), cut("model.onnx")),
+     ("'files' is missing", "format 2", "re-export"), BOTH),
+    # dtype fields edited: generate crashed in onnxruntime ("Unexpected input data type")
+    ("dtype-edited", set_key("dtype", "fp16"),
+     ("'cache.dtype' 'fp32' differs from 'dtype' 'fp16'",), BOTH),
+    ("dtype-and-cache-dtype-edited", lambda p: edit(p, lambda m: [
+        m.__setitem__("dtype", "fp16"), m["cache"].__setitem__("dtype", "fp16")]),
+     ("model.onnx does not match the manifest", "past_key_0 is float32 in the graph",
+      "implies float16"), BOTH),
+    ("value-dtype-fp64-on-fp32", lambda p: edit(
+        p, lambda m: m["cache"].__setitem__("value_dtype", "fp64")),
+     ("past_value_0 is float32 in the graph", "'cache.value_dtype' 'fp64'", "float64"), BOTH),
+    ("value-dtype-unknown", lambda p: edit(
+        p, lambda m: m["cache"].__setitem__("value_dtype", "fp16")),
+     ("'cache.value_dtype' must be absent or 'fp64', got 'fp16'",)),
 ]
 
 
@@ -367,3 +391,30 @@ def test_a_file_is_not_a_package_and_a_gguf_gets_the_export_hint(tmp_path):
         with pytest.raises(ModelLoadError, match="is a file; expected a package folder") as e:
             load_package(tmp_path / name)
         assert ("export it first: edgemtp export" in str(e.value)) == hint
+
+
+@pytest.fixture(scope="module")
+def int4_copy(tmp_path_factory) -> Path:
+    """stories260K as a small int4 package (one plan; the native backend's on the CPU)."""
+    out = tmp_path_factory.mktemp("int4") / "stories-int4"
+    export_package(str(STORIES), out, dtype="int4", max_context=128, bc=(10,),
+                   mask_tokens=(1,), progress=False)
+    return out
+
+
+def test_an_int4_package_whose_value_dtype_is_edited_fails_in_one_line(int4_copy, tmp_path):
+    # an exact-sums package keeps its values in float64; with 'cache.value_dtype' null,
+    # inspect printed onnxruntime's traceback (the native backend's load check ran the
+    # graph) and generate would have fed it float32 values
+    copy = tmp_path / "pkg"
+    shutil.copytree(int4_copy, copy)
+    edit(copy, lambda m: m["cache"].__setitem__("value_dtype", None))
+    files = snapshot(copy)
+    procs = run_all({"inspect": ("inspect", str(copy)),
+                     "generate": ("generate", "--model", str(copy), "--prompt", "Once upon",
+                                  "--max-new-tokens", "4"),
+                     "doctor": ("doctor", str(copy))})
+    lines = {error_line(p, "past_value_0 is float64 in the graph", "implies float32")
+             for p in procs.values()}
+    assert len(lines) == 1, lines
+    assert snapshot(copy) == files

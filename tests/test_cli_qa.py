@@ -1,0 +1,117 @@
+"""Command-line defects a QA pass found (tools report, 2026-11-29), each run for real in a
+subprocess: a profile's budget for another drafter, ``inspect`` of a mistyped path, a
+package without a tokenizer, and ``export``'s TensorRT options without ``--trt``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import STORIES
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgemtp.cli", *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def one_line(p: subprocess.CompletedProcess, *words: str) -> str:
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("edgemtp: error: "), line
+    for w in words:
+        assert w in line, line
+    return line
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer_pkg(tmp_path_factory) -> Path:
+    """stories260K exported from a folder with its config and weights only."""
+    from edgemtp.export.onnx_export import export_package
+
+    src = tmp_path_factory.mktemp("notok") / "model"
+    src.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(STORIES / name, src)
+    out = src.parent / "pkg"
+    export_package(str(src), out, max_context=64, bc=(10,), mask_tokens=(1,), progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(stories_pkg, no_tokenizer_pkg, tmp_path_factory) -> dict:
+    """Every command of this file, a few at a time."""
+    tmp = tmp_path_factory.mktemp("cli_qa")
+    prof = tmp / "profile.json"  # a profile that found plain decoding best (bc 1)
+    prof.write_text(json.dumps({
+        "format_version": 1, "latency": {"block_sizes": [1, 10], "seconds": [0.001, 0.002]},
+        "recommendation": {"drafter": "none", "bc": 1, "mask_tokens": 1}}))
+    gen = ["generate", "--model", str(stories_pkg), "--prompt", "Once upon a time",
+           "--max-new-tokens", "4", "--threads", "1", "--json", "--profile", str(prof)]
+    notok = ["--model", str(no_tokenizer_pkg), "--prompt", "Once upon a time",
+             "--max-new-tokens", "4"]
+    jobs = {
+        "profile-own": (gen, ROOT),
+        "profile-probe": ([*gen, "--drafter", "probe"], ROOT),
+        "profile-probe-bc": ([*gen, "--drafter", "probe", "--bc", "10"], ROOT),
+        "inspect-typo": (["inspect", "out/typo"], tmp),
+        "notok-text": (["generate", *notok], ROOT),
+        "notok-json": (["generate", *notok, "--json"], ROOT),
+        "notok-chat": (["chat", str(no_tokenizer_pkg)], ROOT),
+        "workspace-0": (["export", str(STORIES), "-o", str(tmp / "w0"), "--workspace", "0"],
+                        ROOT),
+        "max-block-0": (["export", str(STORIES), "-o", str(tmp / "b0"), "--max-block", "0"],
+                        ROOT),
+    }
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {k: pool.submit(cli, *argv, cwd=cwd) for k, (argv, cwd) in jobs.items()}
+        done = {k: f.result() for k, f in futures.items()}
+    done["tmp"] = tmp
+    return done
+
+
+def test_another_drafter_than_the_profile_s_takes_the_default_budget(runs):
+    # the profile's bc 1 (for 'none') carried over to probing: "block complexity 1 is too
+    # small for k=1 mask tokens"
+    out = {}
+    for key in ("profile-own", "profile-probe", "profile-probe-bc"):
+        p = runs[key]
+        assert p.returncode == 0, p.stderr
+        out[key] = json.loads(p.stdout)
+    assert (out["profile-own"]["drafter"], out["profile-own"]["bc"]) == ("none", 1)
+    assert (out["profile-probe"]["drafter"], out["profile-probe"]["bc"]) == ("probe", 30)
+    assert out["profile-probe-bc"]["bc"] == 10  # --bc given: it wins
+    assert out["profile-probe"]["token_ids"] == out["profile-own"]["token_ids"]
+
+
+def test_inspect_of_a_missing_relative_path_never_asks_the_hub(runs):
+    # it said "'out/typo' is not a local folder, and the Hugging Face hub cannot be reached"
+    line = one_line(runs["inspect-typo"], "package folder 'out/typo' does not exist")
+    assert "hub" not in line
+
+
+@pytest.mark.parametrize("key", ["notok-text", "notok-json", "notok-chat"])
+def test_a_package_without_a_tokenizer_says_so_and_how_to_proceed(runs, key):
+    # plain text said "streaming text needs a tokenizer", --json "pass token ids" (which the
+    # command line cannot)
+    one_line(runs[key], "has no tokenizer", "re-export", "Python API")
+
+
+@pytest.mark.parametrize("key, words", [
+    ("workspace-0", "--workspace must be a number of GiB > 0, got 0"),
+    ("max-block-0", "--max-block must be a number of rows in [1, 1024], got 0")])
+def test_export_checks_the_engine_options_without_trt_too(runs, key, words):
+    # accepted in silence without --trt, where build-engine refuses them
+    one_line(runs[key], words)
+    assert not (runs["tmp"] / key.replace("workspace-0", "w0").replace("max-block-0", "b0")
+                ).exists()
