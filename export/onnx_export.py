@@ -221,6 +221,7 @@ class ExportReport:
     context: int = 0         # the package's max context
     asked_context: int | None = None  # --max-context, where the model's limit capped it
     window: int | None = None  # the model's sliding attention window, where it set the limit
+    tokenizer: bool = True     # the package carries tokenizer files
 
     def summary(self) -> str:
         skipped = f"; skipped {', '.join(self.skipped)}" if self.skipped else ""
@@ -246,7 +247,10 @@ class ExportReport:
                 f"graph {self.graph_bytes / 2**20:.1f} MiB, {len(self.plans)} plan budgets"
                 f"{skipped}; self-check max |logit diff| {self.check.token_rows:.1e} on token "
                 f"rows, {self.check.mask_rows:.1e} on mask rows (logit scale "
-                f"{self.check.scale:.3g})")
+                f"{self.check.scale:.3g})"
+                + ("" if self.tokenizer else
+                   "; no tokenizer (the model folder has no tokenizer files): the CLI needs "
+                   "one, the Python API takes token ids"))
 
 
 # -- entry point ----------------------------------------------------------------------------
@@ -311,12 +315,14 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
                               ) from None
         finally:
             bar.close()
-        w = load_package(tmp).weights  # what export wrote must load before it may look complete
+        written = load_package(tmp)  # what export wrote must load before it may look complete
+        w = written.weights
         swap_in(tmp, out)
     return ExportReport(out, family.name, options.dtype, time.perf_counter() - t0, check,
                         budgets, skipped, sum(f.stat().st_size for f in out.glob(f"{GRAPH}*")),
                         gguf, w.kept_blocks, w.products, context, options.max_context,
-                        attention_window(config, family))
+                        attention_window(config, family),
+                        bool(written.manifest.get("tokenizer", True)))
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,9 @@ def no_tokenizer_pkg(tmp_path_factory) -> Path:
     for name in ("config.json", "model.safetensors"):
         shutil.copy(STORIES / name, src)
     out = src.parent / "pkg"
-    export_package(str(src), out, max_context=64, bc=(10,), mask_tokens=(1,), progress=False)
+    report = export_package(str(src), out, max_context=64, bc=(10,), mask_tokens=(1,),
+                            progress=False)
+    assert "; no tokenizer (the model folder has no tokenizer files)" in report.summary()
     return out
 
 

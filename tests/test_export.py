@@ -325,6 +325,11 @@ def test_a_sliding_window_that_sets_the_context_is_said(tmp_path):
     report = ExportReport(tmp_path, "mistral", "fp32", 1.0, CheckStub(), [(10, 1)], context=48,
                           window=48)
     assert "(the model's sliding attention window" in report.summary()
+    assert "no tokenizer" not in report.summary()
+    report = ExportReport(tmp_path, "llama", "fp32", 1.0, CheckStub(), [(10, 1)], context=48,
+                          tokenizer=False)
+    assert report.summary().endswith("; no tokenizer (the model folder has no tokenizer files): "
+                                     "the CLI needs one, the Python API takes token ids")
 
 
 class CheckStub:
