@@ -96,6 +96,31 @@ def _check_hub(repo: str) -> None:
                              f"local model folder") from None
 
 
+class _Stream:
+    """A text stream (an iterator of deltas whose ``StopIteration.value`` is the result) that
+    gives its generation's KV cache back when closed, also before its first item (a plain
+    generator runs no ``finally`` when closed before it started) or when dropped."""
+
+    def __init__(self, deltas: Iterator[str], gen: Generation) -> None:
+        self._deltas, self._gen = deltas, gen
+
+    def __iter__(self) -> "_Stream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()
+        self._gen.close()  # (a no-op once it ended)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (at interpreter exit)
+            pass
+
+
 def token_ids(prompt, vocab_size: int) -> list[int]:
     """A prompt given as token ids, checked: a flat sequence of integers in the vocabulary."""
     if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Sequence, np.ndarray)):
@@ -246,7 +271,8 @@ class Model:
         end (``close()``, a ``break``) hands its KV cache back to the model at once."""
         if self.tokenizer is None:
             raise ConfigError("streaming text needs a tokenizer")
-        return self._stream(self.generation(prompt, config, **options))
+        gen = self.generation(prompt, config, **options)
+        return _Stream(self._stream(gen), gen)
 
     def _stream(self, gen: Generation) -> Iterator[str]:
         text = TextStream(self.tokenizer)

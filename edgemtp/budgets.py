@@ -8,7 +8,10 @@ A budget ``bc`` is the number of input positions one decode forward pass may use
 
 from __future__ import annotations
 
+import numbers
 from math import comb
+
+import numpy as np
 
 from .errors import BudgetError, ConfigError
 
@@ -33,8 +36,9 @@ def check_bc(bc, what: str = "block complexity (bc)") -> int:
     >>> check_bc(30)
     30
     """
-    if isinstance(bc, bool) or not isinstance(bc, int) or bc < 1:
+    if isinstance(bc, (bool, np.bool_)) or not isinstance(bc, numbers.Integral) or bc < 1:
         raise ConfigError(f"{what} must be an integer >= 1, got {bc!r}")
+    bc = int(bc)
     if bc > MAX_BC:
         raise BudgetError(f"{what} {bc} is above the largest supported block of {MAX_BC} "
                           f"positions (a decode step that wide is slower than plain decoding "

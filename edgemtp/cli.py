@@ -372,14 +372,15 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
     plan = None
     if a.package is not None:  # a bad package fails in one line before the machine is probed
-        from .errors import BackendUnavailableError
+        from edgemtp.runtimes.package import load_package
 
-        try:  # as inspect and generate load it, so it fails where they would
-            pkg = _load_package_as_generate(a.package)[0].backend.package
-        except BackendUnavailableError:  # no onnxruntime here (doctor says how to install
-            from edgemtp.runtimes.package import load_package  # it): the package's own checks
-
-            pkg = load_package(a.package)
+        # what inspect and generate check, without loading the weights (doctor says whether
+        # they fit: on a board that shares its memory with the GPU, loading them could not)
+        pkg = load_package(a.package)
+        try:
+            pkg.check_graph_file()
+        except ImportError:  # (no onnx here: the manifest's and files' own checks)
+            pass
     facts = doctor.probe()
     if a.package is not None:
         plan = doctor.memory_plan(pkg, facts)

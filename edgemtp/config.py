@@ -107,7 +107,9 @@ class GenerationConfig:
                    and all(isinstance(v, numbers.Real) and not isinstance(v, bool)
                            and np.isfinite(v) for v in self.mask_vector),
                    "mask_vector must be a list of finite numbers")
-        check_bc(self.bc)
+        object.__setattr__(self, "bc", check_bc(self.bc))
+        _check(self.drafter is None or isinstance(self.drafter, str),
+               f"drafter must be a name (a string), got {self.drafter!r}")
         if self.drafter is None:
             probing = self.mask_tokens is not None or self.tree == "static"
             object.__setattr__(self, "drafter", "probe" if probing else "auto")
@@ -139,8 +141,10 @@ class GenerationConfig:
         if self.lookahead is not None:
             _check("lookahead" in spec.options,
                    "lookahead (L, W, G) only applies to drafter='lade'")
-            _check(len(self.lookahead) == 3 and all(isinstance(v, int) for v in self.lookahead),
-                   f"lookahead needs three integers (L, W, G), got {list(self.lookahead)}")
+            _check(isinstance(self.lookahead, tuple) and len(self.lookahead) == 3
+                   and all(_is_int(v) for v in self.lookahead),
+                   f"lookahead needs three integers (L, W, G), got {self.lookahead!r}")
+            object.__setattr__(self, "lookahead", tuple(int(v) for v in self.lookahead))
         if self.heads is not None:
             _check("heads" in spec.options,
                    "heads (a kind) only applies to drafter='heads', 'hybrid' or 'auto'")

@@ -37,8 +37,10 @@ class GenerationResult:
 
 class Stopper:
     """Decides after every single token, so a stop can land mid-way through an accepted path.
-    Stop strings are checked with one decode per step; only a step whose text holds one is
-    walked token by token to find where it ends."""
+    Stop strings are looked for in the generated text as it grows, token by token, through
+    the incremental detokenizer the streams use (:class:`~edgemtp.tokenizer.TextStream`: a
+    character split over several byte tokens counts once its last byte is in, and the text
+    stays whole however a byte-fallback decoder treats a run with a cut character)."""
 
     def __init__(self, config: GenerationConfig, eos_ids: tuple[int, ...], room: int,
                  decode: Decode | None, before: int | None = None) -> None:
@@ -46,14 +48,16 @@ class Stopper:
             raise ConfigError("stop strings need a tokenizer to decode the output")
         self.eos = frozenset(config.eos_token_ids if config.eos_token_ids is not None else eos_ids)
         self.max_new, self.room = config.max_new_tokens, room
-        self.stop, self.decode = config.stop, decode
-        # a stop string of B UTF-8 bytes ends within the last B tokens (a token holds at least
-        # one byte: byte-level BPE and byte fallback split a character into up to 4); one more
-        # absorbs a tokenizer's stripped leading space
-        self.window = max((len(s.encode("utf-8")) for s in self.stop), default=0) + 1
-        # the prompt's last token: the first generated token is decoded after it, so a
-        # SentencePiece tokenizer keeps its leading space (" was" can stop at the first token)
-        self.before = before
+        self.stop = config.stop
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.text = ""  # the generated text so far (whole characters), where stop strings are
+        self._stream = None
+        if self.stop:
+            from .tokenizer import TextStream
+
+            # the text as it reads after the prompt's last token: a SentencePiece tokenizer
+            # keeps the first generated token's leading space (" was" stops at the first token)
+            self._stream = TextStream(_Decoder(decode), before)
         self.tokens: list[int] = []
         self.reason: str | None = None
 
@@ -64,32 +68,32 @@ class Stopper:
         start, end, reason = len(self.tokens), len(tokens), None
         for i, tok in enumerate(tokens):
             n = start + i + 1
-            reason = ("eos" if tok in self.eos else "max_new_tokens" if n >= self.max_new
+            reason = ("eos" if tok in self.eos
+                      else "stop_string" if self._stream is not None and self._ends_stop(tok)
+                      else "max_new_tokens" if n >= self.max_new
                       else "max_context" if n >= self.room else None)
             if reason:
                 end = i + 1
                 break
         self.tokens.extend(tokens[:end])
-        if self.stop and self._holds_stop(start + 1 - self.window, start + end):
-            for i in range(end - (reason == "eos")):  # the first token whose text ends one
-                if self._holds_stop(start + i + 1 - self.window, start + i + 1):
-                    end, reason = i + 1, "stop_string"
-                    del self.tokens[start + end:]
-                    break
         self.reason = reason
         return end
 
-    def _holds_stop(self, first: int, stop: int) -> bool:
-        ids = self.tokens[max(first, 0):stop]
-        text = None
-        if first <= 0 and self.before is not None:  # the generated text as it reads after
-            head = self.decode([self.before])       # the prompt (the prompt's text left out)
-            whole = self.decode([self.before, *ids])
-            if whole.startswith(head):
-                text = whole[len(head):]
-        if text is None:
-            text = self.decode(ids)
-        return any(s in text for s in self.stop)
+    def _ends_stop(self, token: int) -> bool:
+        """Whether ``token`` completes a stop string in the generated text."""
+        delta = self._stream.push([token])
+        if not delta:
+            return False
+        look = max(len(self.text) - self.longest + 1, 0)  # a new one ends in the delta
+        self.text += delta
+        return any(self.text.find(s, look) >= 0 for s in self.stop)
+
+
+class _Decoder:
+    """A decode function as the tokenizer :class:`~edgemtp.tokenizer.TextStream` reads."""
+
+    def __init__(self, decode: Decode) -> None:
+        self.decode = decode
 
 
 class Generation:

@@ -147,6 +147,23 @@ def read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _whole(text: str) -> bool:
+    return "\ufffd" not in text
+
+
+def text_after(tokenizer: Tokenizer, before: int | None, ids: list[int]) -> str:
+    """The decode of ``ids`` as it reads after the token ``before`` (the prompt's last): a
+    SentencePiece tokenizer keeps the first token's leading space, which the decode of
+    ``ids`` alone drops (byte-level BPE keeps it either way); the decode of ``ids`` where
+    ``before`` ends inside a character."""
+    if before is not None:
+        head = tokenizer.decode([before])
+        whole = tokenizer.decode([before, *ids])
+        if _whole(head) and whole.startswith(head):
+            return whole[len(head):]
+    return tokenizer.decode(ids)
+
+
 class TextStream:
     """Turns committed token ids into printable text deltas, decoding only a short window
     each push (not the whole output), and holding back an incomplete multi-byte character
@@ -158,9 +175,13 @@ class TextStream:
     text-generation-inference).
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, before: int | None = None) -> None:
         self.tok, self.ids = tokenizer, []
         self.prefix = self.read = 0  # ids[prefix:read] decoded last time; ids[read:] are new
+        if before is not None and _whole(tokenizer.decode([before])):
+            # the text as it reads after the prompt's last token: a SentencePiece tokenizer
+            # keeps the first token's leading space (" was", as vLLM's detokenizer gives it)
+            self.ids, self.read = [before], 1
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)

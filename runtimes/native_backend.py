@@ -35,7 +35,7 @@ from edgemtp import native
 from edgemtp.backend import StepOut, check_options
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
 from edgemtp.runtimes.host_table import _unpack
-from edgemtp.runtimes.package import check_step, load_package
+from edgemtp.runtimes.package import check_step, graph_io, load_package
 
 _P = ctypes.c_void_p
 BLOCK = 32
@@ -280,22 +280,6 @@ class _Graph:
                                     offset=int(info.get("offset", 0)), shape=tuple(t.dims)))
 
 
-def _io(values) -> dict:
-    """Graph inputs or outputs as ``name -> (numpy dtype name, shape)``
-    (``Package.check_graph_io``), a named dimension as None."""
-    from onnx import helper
-    out = {}
-    for v in values:
-        t = v.type.tensor_type
-        try:
-            elem = np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)).name
-        except (KeyError, TypeError, ValueError):
-            elem = None
-        out[v.name] = (elem, [d.dim_value if d.HasField("dim_value") else None
-                              for d in t.shape.dim])
-    return out
-
-
 def _attrs(node) -> dict:
     from onnx import helper
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -363,8 +347,8 @@ class NativeBackend:
         g = _Graph(self.package.graph_path)
         # the graph's inputs and outputs against the manifest, as the onnxruntime backend
         # checks them (the load check below that runs it is skipped once it has passed)
-        self.package.check_graph_io(*(_io(v) for v in (g.model.graph.input,
-                                                         g.model.graph.output)))
+        self.package.check_graph_io(*(graph_io(v) for v in (g.model.graph.input,
+                                                             g.model.graph.output)))
         L, d, H, Hkv, D = (m["num_layers"], m["hidden_size"], m["num_heads"],
                            m["num_kv_heads"], m["head_dim"])
         nodes = [n for n in g.model.graph.node if n.op_type == "MatMulNBits"]

@@ -96,9 +96,9 @@ def check_step(backend, topk: int, hidden: bool) -> None:
         raise ConfigError(f"top-{topk} candidates asked, but the package's graph exports "
                           f"top-{backend.topk}, what its plans need ({plans}, at a max context "
                           f"of {meta.max_context}); probing with one mask token fits it up to "
-                          f"--bc {2 * backend.topk}: run a smaller --bc, --drafter pld or stand, "
-                          f"or re-export with the --bc, --mask-tokens (and --max-context) you "
-                          f"run")
+                          f"--bc {2 * backend.topk + 1}: run a smaller --bc, --drafter pld or "
+                          f"stand, or re-export with the --bc, --mask-tokens (and "
+                          f"--max-context) you run")
     if hidden and not backend.supports_hidden:
         raise ConfigError(f"the package {str(backend.package.root)!r} does not export the last "
                           f"hidden states; re-export it with them to run learned heads")
@@ -831,6 +831,14 @@ class Package:
                                  f"different sha256): it is corrupt or was edited; re-export "
                                  f"the package")
 
+    def check_graph_file(self) -> None:
+        """:meth:`check_graph_io` on the graph file's declared inputs and outputs, read
+        without its weights (``doctor``: a package is judged without loading it)."""
+        import onnx
+
+        g = onnx.load(str(self.graph_path), load_external_data=False).graph
+        self.check_graph_io(graph_io(g.input), graph_io(g.output))
+
     def check_graph_io(self, inputs: Mapping[str, tuple], outputs: Mapping[str, tuple]) -> None:
         """The graph's own inputs and outputs against the manifest, as a backend reads them
         (``name -> (element type as a numpy dtype name or None, shape with None for a named
@@ -945,6 +953,23 @@ def check_folder(path) -> Path:
         raise ModelLoadError(f"{str(path)!r} has no {MANIFEST}; expected a folder written by "
                              f"'edgemtp export'")
     return root
+
+
+def graph_io(values) -> dict:
+    """Graph inputs or outputs (onnx ``ValueInfoProto``s) as ``name -> (numpy dtype name,
+    shape)`` (:meth:`Package.check_graph_io`), a named dimension as None."""
+    from onnx import helper
+
+    out = {}
+    for v in values:
+        t = v.type.tensor_type
+        try:
+            elem = np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)).name
+        except (KeyError, TypeError, ValueError):
+            elem = None
+        out[v.name] = (elem, [d.dim_value if d.HasField("dim_value") else None
+                              for d in t.shape.dim])
+    return out
 
 
 def load_package(path, check_plans: bool = True, check_engines: bool = True) -> Package:

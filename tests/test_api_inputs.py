@@ -113,6 +113,13 @@ def test_a_stream_left_early_gives_its_cache_back(stories_pkg):
     assert not m._idle
     s.close()
     assert m._idle == [first] and first.cache_len == 0
+    s = m.stream(PROMPT, max_new_tokens=64)  # closed before its first item (the review's)
+    assert not m._idle
+    s.close()
+    assert m._idle == [first]
+    s = m.stream(PROMPT, max_new_tokens=64)
+    del s  # dropped unstarted
+    assert m._idle == [first]
     for i, _ in enumerate(m.stream(PROMPT, max_new_tokens=64)):
         if i == 1:
             break

@@ -823,6 +823,6 @@ def test_every_drafter_runs_on_a_package_with_fewer_candidates_than_it_reads(nar
         if options.get("latency") is SLOW_FLAT:  # whole drafters weighed, none wider than 16
             assert gen.drafter.wholes and all(w.drafter.topk <= 16 for w in gen.drafter.wholes)
             assert gen.drafter.width <= 16
-    with pytest.raises(ConfigError, match="probing with one mask token fits it up to --bc 32"):
+    with pytest.raises(ConfigError, match="probing with one mask token fits it up to --bc 33"):
         Generation(backend, GenerationConfig(drafter="probe", bc=60, max_new_tokens=8),
                    prompts[0]).run()

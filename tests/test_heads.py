@@ -536,3 +536,14 @@ def test_runner_through_the_public_binding_gives_the_same_candidates(trained):
         a, b = fast.run(h, 7), public.run(h, 7)
         np.testing.assert_array_equal(a[0], b[0])
         np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_the_hybrid_with_heads_takes_a_measured_tree_cost(trained, stories_refs):
+    # (the review's: it handed tree_cost="measured" on to its heads drafter, which refused it)
+    _, prompts, refs = stories_refs
+    pkg, _ = trained
+    backend = _ort(pkg)
+    config = GenerationConfig(drafter="hybrid", heads="residual", bc=30, tree_cost="measured",
+                              max_new_tokens=128)
+    for ids, ref in zip(prompts[:2], refs):
+        assert Generation(backend, config, ids).run().token_ids == ref

@@ -29,6 +29,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from edgemtp import GenerationConfig, Model  # noqa: E402
+from edgemtp.tokenizer import text_after  # noqa: E402
 
 from conftest import story_prompts  # noqa: E402
 from test_chat import CHATML  # noqa: E402
@@ -127,12 +128,12 @@ def hurried(stories_pkg, tmp_path_factory):
 
 
 def expected(ref, prompt, stop=(), **options) -> str:
-    """The Python API's text, ending before the first stop string as OpenAI's API does."""
+    """The Python API's tokens as text after the prompt (a SentencePiece model's first token
+    keeps its leading space, as OpenAI's API and vLLM give it), ending before the first stop
+    string as OpenAI's API does."""
     config = GenerationConfig(**options, stop=tuple(stop))
-    if isinstance(prompt, list):  # chat messages
-        text = ref.chat(prompt, config).text
-    else:
-        text = ref.generate(prompt, config).text
+    ids = ref.encode_chat(prompt) if isinstance(prompt, list) else ref.encode(prompt)
+    text = text_after(ref.tokenizer, ids[-1], ref.generate(ids, config).token_ids)
     cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
     return text[:min(cuts)] if cuts else text
 
@@ -153,7 +154,8 @@ def streamed(chunks, chat: bool) -> tuple[str, str, dict | None]:
 def test_completion_equals_the_python_api(server, ref):
     r = server.client().completions.create(model="stories", prompt=PROMPTS[0], max_tokens=40)
     gen = ref.generate(PROMPTS[0], max_new_tokens=40)
-    assert r.choices[0].text == gen.text and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == expected(ref, PROMPTS[0], max_new_tokens=40)
+    assert r.choices[0].text.strip() == gen.text.strip() and r.choices[0].finish_reason == "length"
     u = r.usage.model_dump()
     assert (u["prompt_tokens"], u["completion_tokens"]) == (gen.stats.prompt_tokens, 40)
     assert u["total_tokens"] == u["prompt_tokens"] + 40
@@ -193,6 +195,23 @@ def test_stop_strings_end_the_text_before_them(server, ref, stream):
     text, finish, _ = streamed(r, chat=False) if stream else (r.choices[0].text,
                                                               r.choices[0].finish_reason, None)
     assert (text, finish) == (want, "stop")
+
+
+def test_a_stop_string_with_the_first_tokens_leading_space_is_cut(server, ref):
+    # SentencePiece: the first generated token "▁was" reads " was" after the prompt, as
+    # OpenAI's API and vLLM give it; the engine stops on " was" there, and the server cuts it
+    prompt = "Once upon a time, there"
+    assert ref.generate(prompt, max_new_tokens=1, drafter="none").text == "was"
+    for stream in (False, True):
+        r = server.client().completions.create(model="stories", prompt=prompt, max_tokens=8,
+                                               stop=[" was"], stream=stream)
+        text, finish, _ = streamed(r, chat=False) if stream else (r.choices[0].text,
+                                                                  r.choices[0].finish_reason, None)
+        assert (text, finish) == ("", "stop"), stream
+        r = server.client().completions.create(model="stories", prompt=prompt, max_tokens=3,
+                                               stream=stream)
+        text = streamed(r, chat=False)[0] if stream else r.choices[0].text
+        assert text.startswith(" was"), (stream, text)
 
 
 def test_sampling_with_a_seed_and_edgemtp_options(server, ref):

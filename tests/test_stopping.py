@@ -320,20 +320,32 @@ def test_a_multibyte_stop_string_is_found_however_many_tokens_it_takes(model):
     # the look-back window counts bytes, not characters (an emoji stop never matched)
     from edgemtp.engine import Stopper
     tok = model.tokenizer
-    text = "Tom saw a star 🌟🌟 over the 日本 hill and smiled"
-    ids = tok.encode(text, add_special_tokens=False)
-    for stop in ("🌟🌟", "🌟 over", "日本", "本 hill"):
+    cases = [("Tom saw a star 🌟🌟 over the 日本 hill and smiled", s)
+             for s in ("🌟🌟", "🌟 over", "日本", "本 hill")]
+    # (the review's: byte tokens of another character right before or after the stop string
+    # in one run; byte fallback decodes a run with a cut character as U+FFFD throughout)
+    cases += [("Tom saw 日🌟日本語 and smiled", "🌟"), ("Tom saw 日🌟 over the hill", "🌟"),
+              ("Tom saw 日🌟日本語 and smiled", "日本")]
+    for text, stop in cases:
+        ids = tok.encode(text, add_special_tokens=False)
         expected = next(m for m in range(1, len(ids) + 1) if stop in tok.decode(ids[:m]))
         assert expected >= len(stop) + 2  # (more tokens than characters: the old window)
-        for chunk in (1, 3, 7):
+        for chunk in (1, 2, 3, 7):
             stopper = Stopper(GenerationConfig(stop=(stop,)), (), 10 ** 6, tok.decode)
             kept = 0
             for i in range(0, len(ids), chunk):
                 kept += stopper.push(ids[i:i + chunk])
                 if stopper.reason:
                     break
-            assert stopper.reason == "stop_string" and kept == expected, (stop, chunk)
+            assert stopper.reason == "stop_string" and kept == expected, (text, stop, chunk)
             assert stopper.tokens == ids[:expected]
+    # a prompt that ends inside a run of byte tokens: its last token is no prefix to decode
+    # the first generated ones after (it turned their text into U+FFFD)
+    prompt = tok.encode("Tom saw 日", add_special_tokens=False)
+    ids = tok.encode("Tom saw 日🌟 and he smiled", add_special_tokens=False)[len(prompt):]
+    stopper = Stopper(GenerationConfig(stop=("🌟",)), (), 10 ** 6, tok.decode, prompt[-1])
+    kept = sum(stopper.push([i]) for i in ids[:8] if not stopper.reason)
+    assert stopper.reason == "stop_string" and kept == 4
 
 
 def test_stop_string_absent_from_output(model, greedy):

@@ -148,8 +148,9 @@ class HeadsHybridDrafter(HybridDrafter):
     def __init__(self, backend: Backend, config: GenerationConfig,
                  memory: dict | None = None) -> None:
         super().__init__(backend, config, memory)
-        self.heads = HeadsDrafter(backend, config.with_(drafter="heads", calibrate=False),
-                                  candidates=self.topk)
+        self.heads = HeadsDrafter(backend, config.with_(drafter="heads", calibrate=False,
+                                                        tree_cost="budget"),
+                                  candidates=self.topk)  # (the tree cost is the hybrid's)
         self.k = self.mask_tokens = 0
         key = ("hybrid-heads-hit-rates", config.bc, config.heads, config.prune,
                config.calibrate)

@@ -30,7 +30,7 @@ from typing import Callable
 from ..api import Model
 from ..config import GenerationConfig
 from ..engine import GenerationResult
-from ..tokenizer import TextStream
+from ..tokenizer import TextStream, text_after
 from .requests import APIError
 
 Emit = Callable[[str], None]  # called in the worker thread with each text delta
@@ -176,7 +176,8 @@ class Scheduler:
         job.started = time.monotonic()
         model = self.model
         gen = model.generation(job.prompt_ids, job.config)
-        text = TextStream(model.tokenizer) if emit else None
+        before = job.prompt_ids[-1] if job.prompt_ids else None
+        text = TextStream(model.tokenizer, before) if emit else None
         try:
             for ids in gen:
                 if emit is not None and (delta := text.push(ids)):
@@ -191,7 +192,9 @@ class Scheduler:
         finally:
             gen.close()  # the session goes back to the pool now, even on an error
         result = gen.result
-        result.text = model.tokenizer.decode(result.token_ids)
+        # as OpenAI's API and vLLM give it: the text as it reads after the prompt (a
+        # SentencePiece model's first token keeps its leading space)
+        result.text = text_after(model.tokenizer, before, result.token_ids)
         self._mean_s += 0.2 * (time.monotonic() - job.started - self._mean_s)
         return result
 
