@@ -431,3 +431,16 @@ def test_doctor_refuses_what_inspect_refuses_with_the_same_line(broken_runs, cas
         (line,) = p.stderr.strip().splitlines()
         assert line.startswith("edgemtp: error: "), line
     assert doc.stderr == ins.stderr and doc.stdout == ""
+
+
+def test_doctor_judges_a_package_without_loading_its_weights(stories_pkg, monkeypatch, capsys):
+    # doctor says whether a package fits: loading it to find out (an onnxruntime session, the
+    # C decoder's packed weights) could not, where it does not (the review's find)
+    from edgemtp import api, cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("doctor loaded the model")
+
+    monkeypatch.setattr(api.Model, "load", refuse)
+    assert cli.main(["doctor", str(stories_pkg)]) == 0
+    assert "fits" in capsys.readouterr().out
