@@ -245,6 +245,10 @@ class TrtBackend:
                               f"export; drop --dtype {dtype}")
         check_trt_weights(pkg.weights.format, f"the package {str(pkg.root)!r}")
         check_trt_cache(pkg, f"the package {str(pkg.root)!r}")
+        try:  # the graph the engines were built from, against the manifest (types included)
+            pkg.check_graph_file()
+        except ImportError:  # (onnx is not needed to run engines)
+            pass
         if not m.engines:
             raise ModelLoadError(f"the package {str(pkg.root)!r} has no TensorRT engine; build "
                                  f"one on this machine: edgemtp build-engine {str(pkg.root)}")
