@@ -655,5 +655,17 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, a shell's status for a writer killed by a closed pipe
 
 
+def entry() -> None:
+    """The ``edgemtp`` command: :func:`main`, then an exit that a Ctrl-C arriving once the
+    work is done cannot turn into a traceback (the interpreter's shutdown runs torch's
+    finalizers, ~0.2 s after an export, where a KeyboardInterrupt printed one and could end
+    the process by the signal, though the package was whole)."""
+    import signal
+
+    rc = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

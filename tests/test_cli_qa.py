@@ -117,3 +117,21 @@ def test_export_checks_the_engine_options_without_trt_too(runs, key, words):
     one_line(runs[key], words)
     assert not (runs["tmp"] / key.replace("workspace-0", "w0").replace("max-block-0", "b0")
                 ).exists()
+
+
+def test_the_command_ignores_a_ctrl_c_once_its_work_is_done(monkeypatch):
+    # (the QA's find: a Ctrl-C in the ~0.2 s of shutdown after a finished export printed a
+    # traceback from torch's finalizers, or ended the process by the signal)
+    import signal
+
+    from edgemtp import cli
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(cli, "main", lambda: 0)
+    try:
+        with pytest.raises(SystemExit) as done:
+            cli.entry()
+        assert done.value.code == 0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
