@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import numbers
 import os
 import re
 import threading
@@ -20,6 +19,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from .backend import Backend, Session, backend_class, check_options, check_torch_device
+from .budgets import is_int
 from .config import GenerationConfig
 from .engine import Generation, GenerationResult
 from .errors import ConfigError, ModelLoadError
@@ -127,7 +127,7 @@ def token_ids(prompt, vocab_size: int) -> list[int]:
         raise ConfigError(f"the prompt must be text (str) or a list of token ids, got "
                           f"{type(prompt).__name__}")
     ids = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
-    bad = next((t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+    bad = next((t for t in ids if not is_int(t)), None)
     if bad is not None:
         raise ConfigError(f"token ids must be integers, got {bad!r} ({type(bad).__name__})")
     out = [int(t) for t in ids]

@@ -30,13 +30,18 @@ HYBRID_WINDOWS = ((60, (1, 12)), (30, (1, 8)), (10, (1, 3)))
 AUTO_BUDGETS = (10, 30)
 
 
+def is_int(value) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def check_bc(bc, what: str = "block complexity (bc)") -> int:
     """A budget as an int in ``[1, MAX_BC]``, before anything is allocated for it.
 
     >>> check_bc(30)
     30
     """
-    if isinstance(bc, (bool, np.bool_)) or not isinstance(bc, numbers.Integral) or bc < 1:
+    if not is_int(bc) or bc < 1:
         raise ConfigError(f"{what} must be an integer >= 1, got {bc!r}")
     bc = int(bc)
     if bc > MAX_BC:

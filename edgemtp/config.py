@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from . import drafters
-from .budgets import check_bc
+from .budgets import check_bc, is_int
 from .errors import ConfigError
 from .drafters.tree_cost import TREE_COSTS
 from .latency import LatencyCurve
@@ -77,7 +77,7 @@ class GenerationConfig:
             object.__setattr__(self, "stop", ())
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        if _is_int(self.eos_token_ids):  # one id, as transformers' eos_token_id takes it
+        if is_int(self.eos_token_ids):  # one id, as transformers' eos_token_id takes it
             object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
         # what was left out, so that with_() chooses again (mask_tokens=2 means probing)
         object.__setattr__(self, "_left_out", frozenset(
@@ -99,7 +99,7 @@ class GenerationConfig:
                f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.eos_token_ids is not None:
             _check(isinstance(self.eos_token_ids, tuple)
-                   and all(_is_int(i) and i >= 0 for i in self.eos_token_ids),
+                   and all(is_int(i) and i >= 0 for i in self.eos_token_ids),
                    f"eos_token_ids must be token ids (integers >= 0), got {self.eos_token_ids!r}")
             object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
         if self.mask_vector is not None:
@@ -130,7 +130,7 @@ class GenerationConfig:
         if self.branching is not None:
             _check(self.tree == "static", "a branching only applies to tree='static'")
             _check(isinstance(self.branching, tuple)
-                   and all(_is_int(b) and b >= 1 for b in self.branching),
+                   and all(is_int(b) and b >= 1 for b in self.branching),
                    f"branching must be a list of integers >= 1, got {self.branching!r}")
             _check(len(self.branching) == self.mask_tokens,
                    f"branching needs one count per mask token ({self.mask_tokens}), "
@@ -142,7 +142,7 @@ class GenerationConfig:
             _check("lookahead" in spec.options,
                    "lookahead (L, W, G) only applies to drafter='lade'")
             _check(isinstance(self.lookahead, tuple) and len(self.lookahead) == 3
-                   and all(_is_int(v) for v in self.lookahead),
+                   and all(is_int(v) for v in self.lookahead),
                    f"lookahead needs three integers (L, W, G), got {self.lookahead!r}")
             object.__setattr__(self, "lookahead", tuple(int(v) for v in self.lookahead))
         if self.heads is not None:
@@ -163,7 +163,7 @@ class GenerationConfig:
 
     def _integer(self, name: str, low: int) -> None:
         value = getattr(self, name)
-        _check(_is_int(value) and value >= low,
+        _check(is_int(value) and value >= low,
                f"{name} must be an integer >= {low}{' (0 = off)' if name == 'top_k' else ''}, "
                f"got {value!r}")
         object.__setattr__(self, name, int(value))
@@ -179,10 +179,6 @@ class GenerationConfig:
         for name in self._left_out:
             changes.setdefault(name, None)
         return replace(self, **changes)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def _check(ok: bool, message: str) -> None:
