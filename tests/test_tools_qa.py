@@ -63,7 +63,32 @@ def test_model_identity_changes_with_the_files_not_with_a_reread(stories_pkg, tm
     manifest["dtype"] = "fp16"  # (what a re-export rewrites)
     (pkg / "edgemtp.json").write_text(json.dumps(manifest))
     assert model_identity(str(pkg)) != first
-    assert model_identity("someone/some-model") is None  # a hub id
+    assert model_identity("someone/some-model") is None  # a hub id not in the cache
+
+
+def test_model_identity_of_a_hub_id_is_its_cached_snapshot(tmp_path, monkeypatch):
+    """``bench --model org/name`` keys its rows by the snapshot from_pretrained loads: a
+    newer revision pulled into the cache is measured anew."""
+    from huggingface_hub import constants
+
+    from edgemtp.tools.rowlog import model_identity
+
+    repo = tmp_path / "hub" / "models--someone--some-model"
+
+    def snapshot(commit, config):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text(config)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert model_identity("someone/some-model") is None
+    snapshot("a" * 40, '{"model_type": "llama"}')
+    first = model_identity("someone/some-model")
+    assert first and model_identity("someone/some-model") == first
+    snapshot("b" * 40, '{"model_type": "llama", "vocab_size": 5}')
+    assert model_identity("someone/some-model") not in (None, first)
+    assert model_identity("someone/other-model") is None
 
 
 def test_bench_refuses_a_bc_the_package_cannot_run_before_any_row(stories_pkg, tmp_path):
@@ -73,18 +98,22 @@ def test_bench_refuses_a_bc_the_package_cannot_run_before_any_row(stories_pkg, t
                "10,100", "--sets", "stories", "--per-set", "1", "--max-new-tokens", "8",
                "--repeats", "1", "--threads", "1", "--no-hf-reference", "--out", str(out))
     one_line_error(proc, "--bc 100", "probe", "top-50", "top-31", "use --bc 63 or less")
-    assert not list(out.glob("*.rows.jsonl"))  # no row ran
+    assert not out.exists()  # no row ran, and the --out folder it made is gone again
 
 
 def test_profile_checks_the_budget_against_the_package_before_measuring(stories_pkg,
                                                                          tmp_path):
+    out = tmp_path / "runs" / "profile"
     proc = cli("profile", str(stories_pkg), "--budget", "90", "--prompts", "1",
                "--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--out",
-               str(tmp_path))
+               str(out))
     one_line_error(proc, "--budget 90", "probe k=1 BC=90", "top-45", "top-31",
                    "use --budget 89 or less")
     assert "--bc 9" not in proc.stderr.replace("--bc 90", "")  # (profile has no --bc)
-    assert not (tmp_path / "profile.json").exists()
+    assert not (tmp_path / "runs").exists()  # both folders it made are gone again
+    out.mkdir(parents=True)  # a folder that was there stays
+    proc = cli("profile", str(stories_pkg), "--budget", "90", "--out", str(out))
+    assert proc.returncode == 2 and out.is_dir() and not list(out.iterdir())
 
 
 def _trace(monkeypatch, module, model):

@@ -8,22 +8,34 @@ dependency here is imported inside the function that needs it.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from edgemtp.errors import BudgetError, ConfigError
 
 
-def output_folder(path: str) -> Path:
+@contextlib.contextmanager
+def output_folder(path: str):
     """The ``--out`` folder, made now (before minutes of measuring), or one line saying why
-    it cannot be.
+    it cannot be. A ``with`` block: where the work inside it fails (a budget the model
+    refuses once it is loaded, Ctrl-C before a row is kept), the folders it made are removed
+    again while they are still empty, so a refused run leaves nothing behind.
 
     >>> import tempfile, os
     >>> f = tempfile.NamedTemporaryFile(delete=False); f.close()
-    >>> output_folder(f.name)
+    >>> with output_folder(f.name): pass
     Traceback (most recent call last):
     ...
     edgemtp.errors.ConfigError: --out ... is a file; expected a folder to write the results in
     >>> os.unlink(f.name)
+    >>> d = Path(tempfile.mkdtemp())
+    >>> try:
+    ...     with output_folder(str(d / "a" / "b")) as out:
+    ...         assert out.is_dir(); raise ConfigError("refused")
+    ... except ConfigError:
+    ...     pass
+    >>> sorted(os.listdir(d))
+    []
     """
     import os
 
@@ -31,6 +43,7 @@ def output_folder(path: str) -> Path:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; expected a folder to write the "
                           f"results in")
+    made = [p for p in (out, *out.absolute().parents) if not p.exists()]  # deepest first
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -38,7 +51,15 @@ def output_folder(path: str) -> Path:
                           f"give a folder you can write to") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {str(out)!r} is not writable; give a folder you can write to")
-    return out
+    try:
+        yield out
+    except BaseException:
+        for folder in made:
+            try:
+                folder.rmdir()  # only while empty
+            except OSError:
+                break
+        raise
 
 
 def at_least_one(**counts: int) -> None:

@@ -52,7 +52,12 @@ def command(a, load) -> int:
                    check_tree_costs(getattr(a, "tree_cost", "budget")))
     at_least_one(per_set=a.per_set, repeats=a.repeats)
     tasks = prompt_sets([s for s in a.sets.split(",") if s], a.per_set)
-    output_folder(a.out)
+    with output_folder(a.out):
+        return _run(a, load, tasks, greedy, plan)
+
+
+def _run(a, load, tasks, greedy, plan) -> int:
+    """``command``'s work once every option is checked and ``--out`` is made."""
     quiet_transformers(a.model)
     model = load(a)
     tasks = chat_turns(model, tasks)

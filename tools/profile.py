@@ -94,11 +94,11 @@ def command(a, load) -> int:
     at_least_one(prompts=a.prompts, repeats=a.repeats)
     GenerationConfig(drafter="none", max_new_tokens=a.max_new_tokens)  # checks the count
     prompts = load_prompts(a.prompts_file, a.prompts)
-    out = output_folder(a.out)
-    quiet_transformers(a.model)
-    profile = run_profile(load(a), budget, prompts, a.max_new_tokens, repeats=a.repeats)
-    (out / "profile.json").write_text(json.dumps(profile, indent=1))
-    plot(profile, out / "profile.png")
+    with output_folder(a.out) as out:
+        quiet_transformers(a.model)
+        profile = run_profile(load(a), budget, prompts, a.max_new_tokens, repeats=a.repeats)
+        (out / "profile.json").write_text(json.dumps(profile, indent=1))
+        plot(profile, out / "profile.png")
     print(table(profile))
     print(f"wrote {out / 'profile.json'} (use: edgemtp generate --profile {out / 'profile.json'}) "
           f"and {out / 'profile.png'}")

@@ -90,7 +90,11 @@ def model_identity(path: str) -> str | None:
       name, size and modification time of every other file at its top level;
     - a file (a ``.gguf``): its size and modification time.
 
-    None for a name that is no local path (a hub id: its files are not here to read).
+    - a hub id (``org/name``): the snapshot of it in the local Hugging Face cache, the one
+      ``from_pretrained`` loads (its folder, named by the commit, and that folder's files as
+      above).
+
+    None where neither is here to read (a hub id not in the cache).
 
     >>> import tempfile, pathlib, time
     >>> d = pathlib.Path(tempfile.mkdtemp())
@@ -125,10 +129,27 @@ def model_identity(path: str) -> str | None:
                 if f.is_file() and not f.name.startswith("."):
                     _stat_into(h, f, f.name)
         else:
-            return None
+            snapshot = _cached_snapshot(path)
+            inner = snapshot and model_identity(snapshot)
+            if not inner:
+                return None
+            h.update(f"{snapshot}|{inner}".encode())
     except OSError:
         return None
     return h.hexdigest()[:16]
+
+
+def _cached_snapshot(name: str) -> str | None:
+    """The local folder of hub id ``name``'s snapshot in the Hugging Face cache (no network),
+    or None."""
+    if not name or name.startswith((".", "/")) or name.count("/") > 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # not cached, not a valid id, or huggingface_hub missing
+        return None
 
 
 def _stat_into(h, f: Path, name: str) -> None:
