@@ -282,6 +282,9 @@ def test_desktop_verdicts_and_install_steps():
                                                       True]  # native: not probed
 
 
+STORIES_PARAMS = 260032
+
+
 def _total(pkg, dtype: str, rows: int, host: bool) -> float:
     """The plan's formula as the report states it, written out independently (a float
     package: its own row as on disk, the other's weights its parameters x bytes and its
@@ -289,7 +292,7 @@ def _total(pkg, dtype: str, rows: int, host: bool) -> float:
     m, b = pkg.meta, doctor.PLAN_DTYPES[dtype]
     own = dtype == m.dtype
     t = max(p.T for p in m.plans)
-    params = pkg.weight_bytes() // doctor.PLAN_DTYPES[m.dtype]
+    params = STORIES_PARAMS  # (transformers' count: see the test below)
     weights = pkg.weight_bytes() if own else params * b
     kv = 2 * m.num_layers * rows * m.num_kv_heads * m.head_dim * b
     work = t * (12 * m.hidden_size * b + (m.num_heads * (rows + t) + m.vocab_size) * 4)
@@ -321,6 +324,34 @@ def test_memory_plan_max_context_is_the_largest_that_fits(stories_pkg, facts, av
     text = "\n".join(doctor.describe_plan(plan))
     assert ("shared CPU/GPU memory" in text) == facts.jetson
     assert ("GPU 0 (NVIDIA GeForce RTX 4090) free memory" in text) == (not facts.jetson)
+
+
+def test_memory_plan_figures_match_the_real_model_and_session(stories_pkg):
+    """Anchors for the plan's formula, taken where doctor does not look: the parameter count
+    is transformers' own, the fp32 row's weights are what the fp32 package's files weigh (the
+    graph's protobuf framing aside), its KV cache what a real onnxruntime session holds at
+    the max context, and the fp16 row half of both."""
+    from conftest import STORIES
+    from transformers import AutoModelForCausalLM
+
+    from edgemtp.runtimes.onnxrt_backend import OrtBackend
+
+    pkg = load_package(stories_pkg, check_plans=False)
+    assert pkg.meta.dtype == "fp32"
+    params = AutoModelForCausalLM.from_pretrained(STORIES).num_parameters()
+    assert doctor.parameter_count(pkg) == params == STORIES_PARAMS
+    rows = {r.dtype: r for r in doctor.memory_plan(pkg, DESKTOP).rows}
+    on_disk = sum(f.stat().st_size for f in stories_pkg.iterdir()
+                  if f.name.startswith("model.onnx"))
+    assert rows["fp32"].own and rows["fp32"].weights == on_disk
+    assert 4 * params < on_disk < 1.1 * 4 * params  # (the graph's nodes and framing)
+    session = OrtBackend(str(stories_pkg), threads=1).session()
+    kv = session.kv
+    if hasattr(kv, "_resize"):  # (a cache that grows in buckets: at its full width)
+        kv._resize(pkg.meta.max_context)
+    assert rows["fp32"].kv_cache == kv.k.nbytes + kv.v.nbytes
+    assert rows["fp16"].kv_cache * 2 == rows["fp32"].kv_cache
+    assert rows["fp16"].weights * 2 == 4 * params
 
 
 def test_memory_plan_when_nothing_fits(stories_pkg):
