@@ -124,6 +124,11 @@ class Generation:
         self.drafter: Drafter = make_drafter(backend, config, memory)
         # learned heads read the rows' last hidden states; other drafters never ask for them
         self._hidden = bool(getattr(self.drafter, "hidden", False))
+        check = getattr(backend, "check_step", None)
+        if check is not None:  # what the steps will ask the package's graph for, refused now
+            check(max(int(getattr(self.drafter, "topk", 0) or 0),  # (not at the first step:
+                      int(getattr(self.drafter, "topk_max", 0) or 0)),  # a stream's 400)
+                  self._hidden)
         self.verifier = Verifier(config)
         self.stopper = Stopper(config, backend.eos_token_ids,
                                backend.max_context - self.prompt.size, decode,

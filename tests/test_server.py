@@ -607,6 +607,45 @@ def test_sigterm_under_load_finishes_what_was_accepted_and_exits_0(chat_pkg, ref
 
 # -- start-up ------------------------------------------------------------------------------------
 
+def test_limits_and_refusals_hold_before_a_stream_begins(stories_pkg, tmp_path):
+    """QA (server_report.md 1-4): a streamed request the package cannot run is a 400 before
+    any event, as without streaming, and names the model, not the server's folder; the
+    --max-tokens-limit bounds a request without max_tokens; a JSON integer of 5000 digits is
+    a 400; "stream": null is no stream."""
+    s = Server(stories_pkg, "--drafter", "none", "--max-tokens-limit", "8",
+               "--model-name", "stories", log_path=tmp_path / "log")
+    try:
+        assert "a request without max_tokens gets 8 tokens (--max-tokens-limit)" in s.stderr()
+        with s.http(None) as h:
+            for body, message in (({"drafter": "heads"}, "has no learned heads"),
+                                  ({"drafter": "probe", "bc": 64}, "top-31")):
+                for stream in (False, True):
+                    r = h.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4,
+                                                         "stream": stream, **body})
+                    assert r.status_code == 400, (stream, r.text)
+                    error = r.json()["error"]
+                    assert message in error["message"], error
+                    assert str(stories_pkg) not in r.text and "ort0" not in r.text
+                    assert "'stories'" in r.text or body["drafter"] != "heads", r.text
+            # a stream that can run still streams
+            with h.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 4,
+                                                           "stream": True}) as r:
+                events = [x for x in r.iter_lines() if x]
+            assert r.status_code == 200 and events[-1] == "data: [DONE]", events
+            r = h.post("/v1/completions", json={"prompt": PROMPTS[0]})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+            big = b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}"
+            r = h.post("/v1/completions", content=big,
+                       headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+            r = h.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": None})
+            assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+            assert h.get("/health").json()["running"] == 0
+    finally:
+        assert s.stop() == 0
+    assert "Traceback" not in s.stderr()
+
+
 def test_bad_flags_end_in_one_line_and_exit_2(stories_pkg):
     for flags, message in ((["--parallel", "0"], "--parallel must be >= 1"),
                            (["--timeout", "-1"], "--timeout must be > 0"),

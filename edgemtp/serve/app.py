@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
@@ -51,6 +52,7 @@ class Settings:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     timeout_s: float = 300.0      # per request: queue wait and generation together
+    source: str | None = None     # the path the model was loaded from (never shown)
 
 
 class ClientGone(Exception):
@@ -146,12 +148,12 @@ class _Server:
         self.metrics.queue_wait.observe(time.monotonic() - waited)
         reply = _Reply(kind is ChatRequest, s.model_name, job, len(ids))
         if req.stream:
-            return self._stream(reply, bool(req.stream_options and
-                                            req.stream_options.include_usage), arrived)
+            return await self._stream(request, reply, bool(
+                req.stream_options and req.stream_options.include_usage), arrived)
         try:
             result = await _unless_disconnected(request, self.scheduler.run(job))
         except ConfigError as e:  # the drafter refused the prompt (checked where it is built)
-            raise APIError(400, str(e)) from None
+            raise APIError(400, self._public(e)) from None
         self._finished(result, reply, arrived)
         cut = first_stop(result.text, config.stop)
         text = result.text if cut is None else result.text[:cut]
@@ -183,14 +185,44 @@ class _Server:
                                 f"send a plain prompt to /v1/completions instead",
                            param="messages")
 
-    def _stream(self, reply: "_Reply", include_usage: bool, arrived: float) -> Response:
+    def _public(self, e: ConfigError) -> str:
+        """A ConfigError's message for a remote client: the folder the model was loaded from
+        named as the served model (the client has no business seeing the server's paths)."""
+        text, source = str(e), self.settings.source
+        if source:
+            for form in {source, str(Path(source).resolve())}:
+                text = text.replace(repr(form), repr(self.settings.model_name))
+                text = text.replace(form, self.settings.model_name)
+        return text
+
+    async def _stream(self, request: Request, reply: "_Reply", include_usage: bool,
+                      arrived: float) -> Response:
         # the job starts here, not in the body iterator: if the client left before the first
         # event, the iterator never runs, but the job still ends (cancelled) and frees its slot
         deltas: asyncio.Queue[str] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        begun = loop.create_future()  # the worker built the generation (drafter, plans)
+
+        def on_begin() -> None:
+            loop.call_soon_threadsafe(lambda: begun.done() or begun.set_result(None))
+
         task = asyncio.ensure_future(self.scheduler.run(
-            reply.job, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d)))
+            reply.job, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d), on_begin))
         task.add_done_callback(lambda _: deltas.put_nowait(""))  # queued after every delta
+        # the headers wait for the drafter: an option the package cannot run (a drafter it
+        # has no heads for, a plan wider than its top-K) is a 400, as without streaming, not
+        # an error event after a 200
+        try:
+            await _unless_disconnected(request, asyncio.wait(
+                [begun, task], return_when=asyncio.FIRST_COMPLETED))
+        except ClientGone:
+            reply.job.cancel()
+            raise
+        if not begun.done():
+            e = task.exception()
+            if isinstance(e, ConfigError):
+                raise APIError(400, self._public(e))
+            task.result()  # (anything else: the 500 handler, the traceback to the log)
 
         def on_close() -> None:
             if not task.done():  # the client went away mid-stream
@@ -215,7 +247,7 @@ class _Server:
         except Exception as e:  # noqa: BLE001 (after the headers: an error event)
             if not isinstance(e, ConfigError):
                 log.error("generation failed", exc_info=e)
-            yield _sse(APIError(400, str(e)).body() if isinstance(e, ConfigError)
+            yield _sse(APIError(400, self._public(e)).body() if isinstance(e, ConfigError)
                        else _unexpected_body(e))
             yield "data: [DONE]\n\n"
             return
@@ -265,12 +297,13 @@ class _Server:
             raise too_big
         try:
             return json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
         except RecursionError:  # ~1000 nested arrays or objects: Python's recursion limit
             raise APIError(400, "the body's JSON is nested too deeply to read (arrays or "
                                 "objects about 1000 levels inside each other); a request needs "
                                 "only a few levels", code="invalid_json") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and int()'s refusal
+            # of a number over 4300 digits
+            raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
 
 
 class _Reply:

@@ -49,6 +49,12 @@ def command(a: argparse.Namespace, load, config_of) -> int:
     _check(a)
     api_key = _api_key(a)
     base = config_of(a)  # the server's generation defaults; a bad flag fails before loading
+    if a.max_tokens_limit is not None and base.max_new_tokens > a.max_tokens_limit:
+        # the limit bounds every request, one that leaves out max_tokens too
+        print(f"edgemtp: note: a request without max_tokens gets {a.max_tokens_limit} tokens "
+              f"(--max-tokens-limit), not --max-new-tokens {base.max_new_tokens}",
+              file=sys.stderr)
+        base = base.with_(max_new_tokens=a.max_tokens_limit)
     if a.threads is None:
         a.threads = 1  # one intra-op thread per generation: --parallel of them share the cores
     model = load(a)
@@ -77,7 +83,8 @@ def _run(model, sock: socket.socket, a, api_key, base, name: str) -> int:
     context = model.backend.max_context
     limits = Limits(max_tokens=a.max_tokens_limit or context, max_context=context)
     settings = Settings(model_name=name, base=base, limits=limits, api_key=api_key,
-                        max_body_bytes=a.max_body_bytes, timeout_s=a.timeout)
+                        max_body_bytes=a.max_body_bytes, timeout_s=a.timeout,
+                        source=str(a.model))
     app = create_app(model, settings, a.parallel, a.queue)
     scheduler = app.state.server.scheduler
     host, port = sock.getsockname()[:2]

@@ -73,7 +73,7 @@ class _Common(_Strict):
     top_k: int | None = None  # not OpenAI's; llama.cpp's server takes it too
     seed: int | None = None
     stop: Union[str, list[str], None] = None
-    stream: bool = False
+    stream: bool | None = False  # (null: not streamed, as OpenAI's API and vLLM take it)
     stream_options: StreamOptions | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     # edgemtp's own options, as extra body fields (openai client: extra_body={...})

@@ -155,13 +155,16 @@ class Scheduler:
 
     # -- running ---------------------------------------------------------------------------
 
-    async def run(self, job: Job, emit: Emit | None = None) -> GenerationResult:
+    async def run(self, job: Job, emit: Emit | None = None,
+                  on_begin: Callable[[], None] | None = None) -> GenerationResult:
         """Run an acquired job in a worker thread (then :meth:`release` the slot). If this
         coroutine is cancelled, the worker stops after its current forward pass and the
-        slot is released only once it has: a slot always means one free worker."""
+        slot is released only once it has: a slot always means one free worker.
+        ``on_begin`` is called in the worker once the generation is built (its drafter and
+        plans: what refuses options the package cannot run), before its first forward pass."""
         loop = asyncio.get_running_loop()
         self.jobs.add(job)
-        work = loop.run_in_executor(self.pool, self._work, job, emit)
+        work = loop.run_in_executor(self.pool, self._work, job, emit, on_begin)
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -172,10 +175,12 @@ class Scheduler:
             self.jobs.discard(job)
             self.release()
 
-    def _work(self, job: Job, emit: Emit | None) -> GenerationResult:
+    def _work(self, job: Job, emit: Emit | None, on_begin=None) -> GenerationResult:
         job.started = time.monotonic()
         model = self.model
         gen = model.generation(job.prompt_ids, job.config)
+        if on_begin is not None:
+            on_begin()
         before = job.prompt_ids[-1] if job.prompt_ids else None
         text = TextStream(model.tokenizer, before) if emit else None
         try:
