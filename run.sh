@@ -13,7 +13,16 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.edgemtp-installed" ] || [ pypro
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   echo "run.sh: [1/2] torch==2.13.0 (CPU build)" >&2
-  "$VENV/bin/pip" install -q "torch==2.13.0"
+  if [ "$(uname -sm)" = "Linux x86_64" ] && "$VENV/bin/python" -c \
+      "import socket; socket.getaddrinfo('download.pytorch.org', 443)" 2>/dev/null; then
+    # PyPI's Linux x86-64 torch is the CUDA build (GBs of nvidia-* wheels): the CPU build
+    # comes from PyTorch's own index
+    "$VENV/bin/pip" install -q "torch==2.13.0+cpu" \
+      --extra-index-url https://download.pytorch.org/whl/cpu
+  else  # (macOS and Linux aarch64, whose PyPI wheels are CPU builds; a machine without that
+    #    index, whose pip finds a local CPU wheel)
+    "$VENV/bin/pip" install -q "torch==2.13.0"
+  fi
   echo "run.sh: [2/2] edgemtp[export,bench,dev,serve]" >&2
   "$VENV/bin/pip" install -q -e ".[export,bench,dev,serve]"
   touch "$VENV/.edgemtp-installed"

@@ -174,6 +174,7 @@ class Model:
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None = None) -> None:
         self.backend, self.tokenizer = backend, tokenizer
         self.memory: dict = {}  # drafter state learned across generations (calibration)
+        self.last_result: GenerationResult | None = None  # the last finished stream's
         self._idle: list[Session] = []
         self._lock = threading.Lock()
 

@@ -105,8 +105,9 @@ def test_a_tiny_temperature_samples_the_argmax(model):
 
 def test_a_stream_left_early_gives_its_cache_back(stories_pkg):
     m = Model.load(str(stories_pkg), threads=1)
+    assert m.last_result is None  # (README QA: no stream has finished yet)
     m.generate(PROMPT, max_new_tokens=4)
-    assert len(m._idle) == 1
+    assert len(m._idle) == 1 and m.last_result is None  # (generate is not a stream)
     first = m._idle[0]
     s = m.stream(PROMPT, max_new_tokens=64)
     next(s)
