@@ -662,7 +662,10 @@ def _native_line(pkg, pool: Pool) -> str:
             room = pool.available / (1 + MARGIN) - weights - b(0)
             rows = max(0, math.floor(room / ((b(16) - b(0)) / 16)))
             fits.append(f"{min(rows, m.max_context)} ({name})")
-    return (f"weights {size(weights)}, KV cache at {m.max_context} tokens {' or '.join(parts)}"
+    # (the files' size: the decoder packs them into somewhat less, which inspect gives,
+    #  having loaded them; doctor reads no weights)
+    return (f"weights {size(weights)} (on disk; packed a little smaller: edgemtp inspect), "
+            f"KV cache at {m.max_context} tokens {' or '.join(parts)}"
             + (f"; largest context that fits: {', '.join(fits)} (at most the package's max "
                f"context)" if fits else ""))
 

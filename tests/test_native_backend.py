@@ -248,6 +248,12 @@ def test_doctor_plans_the_native_memory_on_the_cpu(int4_pkg, stories_pkg, backen
 
     [line] = native_line(int4_pkg)
     ctx = backend.max_context
+    # the files' size (doctor loads no weights), an upper bound of what the decoder packs
+    from edgemtp.runtimes.package import load_package
+
+    on_disk = load_package(int4_pkg, check_plans=False).weight_bytes()
+    assert f"weights {size(on_disk)} (on disk; packed a little smaller" in line, line
+    assert backend.arena.used <= on_disk
     assert (f"KV cache at {ctx} tokens {size(backend.cache_bytes('fp16'))} float16 or "
             f"{size(backend.cache_bytes('int8'))} int8") in line
     fits = re.search(r"largest context that fits: (\d+) \(float16\), (\d+) \(int8\)", line)
