@@ -96,6 +96,11 @@ class _Decoder:
         self.decode = decode
 
 
+def step_topk(drafter) -> int:
+    """The most candidates a row any of ``drafter``'s steps asks the backend for."""
+    return max(int(getattr(drafter, "topk", 0) or 0), int(getattr(drafter, "topk_max", 0) or 0))
+
+
 class Generation:
     """One generation in progress. Iterate to run it; each item is the list of tokens one
     forward pass committed (the first comes from prefill).
@@ -126,9 +131,8 @@ class Generation:
         self._hidden = bool(getattr(self.drafter, "hidden", False))
         check = getattr(backend, "check_step", None)
         if check is not None:  # what the steps will ask the package's graph for, refused now
-            check(max(int(getattr(self.drafter, "topk", 0) or 0),  # (not at the first step:
-                      int(getattr(self.drafter, "topk_max", 0) or 0)),  # a stream's 400)
-                  self._hidden)
+            check(step_topk(self.drafter), self._hidden)  # (not at the first step: a stream's
+            #                                                400 comes before any event)
         self.verifier = Verifier(config)
         self.stopper = Stopper(config, backend.eos_token_ids,
                                backend.max_context - self.prompt.size, decode,

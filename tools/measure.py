@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from edgemtp.config import GenerationConfig
-from edgemtp.engine import GenerationResult
+from edgemtp.engine import GenerationResult, step_topk
 from edgemtp.errors import ConfigError
 from edgemtp.latency import LatencyCurve
 
@@ -122,7 +122,7 @@ def misfit(backend, config: GenerationConfig) -> str | None:
         drafter = make_drafter(backend, config, {})
     except ConfigError as e:
         return str(e)
-    topk = max(int(getattr(drafter, "topk", 0) or 0), int(getattr(drafter, "topk_max", 0) or 0))
+    topk = step_topk(drafter)
     limit = getattr(backend, "topk", None)
     if limit and topk > limit:
         meta = getattr(getattr(backend, "package", None), "meta", None)
