@@ -234,12 +234,30 @@ def cmd_chat(a: argparse.Namespace) -> int:
             continue
         turn = {"role": "user", "content": line}
         try:
+            history = _fit_history(model, history, turn, config.max_new_tokens, bool(a.system))
             answer = _print_stream(model, model.chat_stream(history + [turn], config))
-        except EdgeMTPError as e:  # e.g. the conversation outgrew the context: keep the REPL
+        except EdgeMTPError as e:  # e.g. one turn longer than the context: keep the REPL
             print(f"edgemtp: error: {e} (/reset starts a new conversation)", file=sys.stderr)
             continue
         history += [turn, {"role": "assistant", "content": answer}]
     return 0
+
+
+def _fit_history(model, history: list[dict], turn: dict, max_new: int, system: bool):
+    """``history`` with its oldest exchanges (a user turn and its answer) dropped, the system
+    message kept, until the conversation with ``turn`` leaves room for an answer: up to
+    ``max_new`` tokens, at most a quarter of the context (as Ollama and LM Studio keep a
+    long chat going). Says on stderr how many it dropped."""
+    context = model.backend.max_context
+    room, first, dropped = min(max_new, context // 4), 1 if system else 0, 0
+    while (len(history) > first
+           and len(model.encode_chat(history + [turn])) + room > context):
+        history = history[:first] + history[first + 2:]
+        dropped += 1
+    if dropped:
+        print(f"[dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''} to fit the "
+              f"context of {context} tokens]", file=sys.stderr)
+    return history
 
 
 def _read_turn() -> str | None:

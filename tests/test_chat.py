@@ -3,6 +3,7 @@
 the CLI's ``generate --chat`` and ``chat`` REPL work end to end, with one-line errors."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -178,6 +179,37 @@ def test_chat_repl_keeps_history_resets_and_exits(model, chat_model):
     assert out.stdout == f"{a1}\n{a2}\n{fresh}\n"
     stats = [line for line in out.stderr.splitlines() if line.startswith("[")]
     assert len(stats) == 4 and stats[2] == "[history cleared]"
+
+
+def test_a_chat_longer_than_the_context_drops_its_oldest_exchanges(chat_model):
+    """The REPL keeps going where the conversation outgrows the context: the oldest exchanges
+    go (the system message stays) until there is room for an answer, and it says so. Each
+    answer equals the Python API's chat on the history that was kept."""
+    from edgemtp import Model
+
+    ctx, new = 96, 12
+    small = Model.load(str(chat_model), threads=1, max_context=ctx)
+    system = {"role": "system", "content": "Be brief."}
+    lines = ["Tell me a story about a dog.", "What happened next?", "And the cat?",
+             "Where did they go?", "How did it end?"]
+    history, want, drops = [], [], 0
+    for line in lines:  # the policy written out: room for min(new, ctx // 4) tokens
+        turn = {"role": "user", "content": line}
+        room = min(new, ctx // 4)
+        while history and len(small.encode_chat([system, *history, turn])) + room > ctx:
+            history, drops = history[2:], drops + 1
+        answer = small.chat([system, *history, turn], max_new_tokens=new).text
+        want.append(answer)
+        history += [turn, {"role": "assistant", "content": answer}]
+    assert drops >= 2, "the test's conversation must outgrow the context"
+    out = _cli("chat", str(chat_model), "--system", "Be brief.", "--max-context", str(ctx),
+               "--max-new-tokens", str(new), stdin="\n".join(lines) + "\n")
+    assert out.returncode == 0, out.stderr
+    assert "error" not in out.stderr, out.stderr
+    assert out.stdout == "".join(f"{a}\n" for a in want)
+    said = re.findall(r"\[dropped the (\d+) oldest exchanges? to fit the context of 96 tokens\]",
+                      out.stderr)
+    assert sum(map(int, said)) == drops, out.stderr
 
 
 @pytest.mark.parametrize("args,expected", [
