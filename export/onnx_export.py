@@ -32,7 +32,7 @@ from edgemtp import __version__
 from edgemtp.api import check_model_path
 from edgemtp.budgets import check_bc, check_context, dynamic_table_size
 from edgemtp.errors import ConfigError, ModelLoadError
-from edgemtp.models.families import attention_window, family_for
+from edgemtp.models.families import attention_window, family_for, missing_weights
 from edgemtp.models.families import max_context as context_limit
 from edgemtp.plans import static_plan
 from edgemtp.runtimes.gguf_source import GGUFInfo, ModelSource, check_gguf, resolve_model
@@ -561,15 +561,31 @@ def _safetensors_size(path: Path, size: int) -> int | None:
 
 @contextmanager
 def _transformers_progress(enabled: bool):
-    """transformers' own progress bars (``Loading weights``) follow ``progress``."""
+    """transformers' own progress bars (``Loading weights``, and the GGUF loader's
+    ``Converting and de-quantizing GGUF tensors``, a tqdm of its own) follow ``progress``;
+    its load report (missing and unexpected tensors) is left out: :func:`_load_model` says
+    what matters of it in one line."""
+    import functools
+
     from transformers.utils import logging as hf_logging
 
-    was = hf_logging.is_progress_bar_enabled()
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # (an older transformers without it: nothing to quiet)
+        gguf_utils = None
+    bar = getattr(gguf_utils, "tqdm", None)
+    was, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    hf_logging.set_verbosity_error()
+    if bar is not None and not enabled:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+        hf_logging.set_verbosity(level)
+        if bar is not None:
+            gguf_utils.tqdm = bar
 
 
 def _load_model(job: _Job, torch_dtype):
@@ -578,11 +594,16 @@ def _load_model(job: _Job, torch_dtype):
 
     try:
         with _transformers_progress(job.progress):
-            hf = AutoModelForCausalLM.from_pretrained(job.source.folder, dtype=torch_dtype,
-                                                      trust_remote_code=job.trust_remote_code,
-                                                      **job.source.pretrained_kwargs())
+            hf, info = AutoModelForCausalLM.from_pretrained(
+                job.source.folder, dtype=torch_dtype, trust_remote_code=job.trust_remote_code,
+                output_loading_info=True, **job.source.pretrained_kwargs())
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise ExportError(f"cannot load {job.model!r} as a causal LM: {_first_line(e)}") from None
+    # (transformers would fill a missing weight with random values: an export would ship
+    #  them as the model)
+    problem = missing_weights(job.model, info)
+    if problem:
+        raise ExportError(problem)
     return hf.eval()
 
 

@@ -62,3 +62,18 @@ def max_context(config, family: Family, requested: int | None = None) -> int:
             raise ConfigError(f"max context must be >= 2 tokens, got {requested}")
         limit = min(limit, int(requested))
     return limit
+
+
+def missing_weights(model: str, loading_info: dict) -> str | None:
+    """Why a checkpoint cannot stand for its model, from ``from_pretrained``'s
+    ``output_loading_info``: the weights its config needs and it lacks, which transformers
+    fills with random values (a tied LM head is not listed: it is the embedding). None where
+    nothing is missing."""
+    missing = sorted(loading_info.get("missing_keys") or ())
+    if not missing:
+        return None
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    return (f"{model!r} lacks {len(missing)} weight{'s' if len(missing) > 1 else ''} its config "
+            f"needs ({shown}); loading would fill them with random values: check the checkpoint "
+            f"is complete (every shard, the LM head) and that its config's model_type is the "
+            f"architecture the weights were trained as")

@@ -21,7 +21,7 @@ from edgemtp.backend import StepOut, check_options, check_torch_device
 from edgemtp.errors import ConfigError, ModelLoadError
 from edgemtp.runtimes.host_table import HostRows
 from edgemtp.models.static_decoder import StaticTreeDecoder
-from edgemtp.models.families import family_for, max_context
+from edgemtp.models.families import family_for, max_context, missing_weights
 from edgemtp.runtimes.gguf_source import check_gguf, check_hf_folder, resolve_model
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -190,12 +190,20 @@ class TorchBackend:
             family_for(load_hf_config(model, trust_remote_code))  # before any weight loads
         hf_logging.disable_progress_bar()  # edgemtp shows its own progress where it is long
         try:
-            hf = AutoModelForCausalLM.from_pretrained(
-                source.folder, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
-                **source.pretrained_kwargs())
+            level = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # (its load report: missing_weights says it)
+            try:
+                hf, info = AutoModelForCausalLM.from_pretrained(
+                    source.folder, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+                    output_loading_info=True, **source.pretrained_kwargs())
+            finally:
+                hf_logging.set_verbosity(level)
         except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: a truncated file
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelLoadError(f"cannot load {model!r} as a causal LM: {first}") from None
+        problem = missing_weights(model, info)
+        if problem:  # (random values would decode as if they were the model)
+            raise ModelLoadError(problem)
         self.family = family_for(hf.config)
         self.source = str(Path(model).resolve()) if Path(model).exists() else model
         if self.package is not None:

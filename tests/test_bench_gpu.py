@@ -181,7 +181,7 @@ def test_gguf_entry_runs_real_weights_paired(tmp_path):
                            "--prompts", "1", "--new-tokens", "8", "--drafters", "pld,auto",
                            "--bc", "10", "--skip", "t_ms,static", "--warmup", "1",
                            "--paired", "1", "--threads", "2", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     e = json.loads((tmp_path / "gpu_summary.json").read_text())["entries"]["smollm2-gguf/fp32"]
     assert e["weights"] == SMOLLM_GGUF.name and e["shape"]["layers"] == 30

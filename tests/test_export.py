@@ -409,3 +409,24 @@ def test_a_context_too_small_for_any_plan_says_what_would_fit(tmp_path):
                                           "of 5"):
         export_package(str(STORIES), tmp_path / "pkg", max_context=2, progress=False)
     assert not (tmp_path / "pkg").exists()
+
+
+def test_a_checkpoint_missing_weights_is_refused_not_filled_with_random_values(tmp_path):
+    """QA (export_report.md D1): transformers fills a weight the checkpoint lacks with random
+    values; export, and generate on the torch backend, refuse it in one line naming it."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "stories-cut"
+    shutil.copytree(STORIES, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    for args in (("export", str(folder), "-o", str(tmp_path / "pkg"), "--quiet"),
+                 ("generate", "--model", str(folder), "--prompt", "Once", "--threads", "1")):
+        proc = cli(*args)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("edgemtp: error: "), \
+            proc.stderr  # (transformers' load report table is not printed)
+        assert "lacks 1 weight its config needs (model.layers.1.mlp.down_proj.weight)" in \
+            proc.stderr and "random values" in proc.stderr
+    assert not (tmp_path / "pkg").exists()
