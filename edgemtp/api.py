@@ -175,6 +175,9 @@ class Model:
         self.backend, self.tokenizer = backend, tokenizer
         self.memory: dict = {}  # drafter state learned across generations (calibration)
         self.last_result: GenerationResult | None = None  # the last finished stream's
+        # why backend="auto" did not take an int4 package to the native decoder (None: it did,
+        # or it was not asked to)
+        self.native_declined: str | None = None
         self._idle: list[Session] = []
         self._lock = threading.Lock()
 
@@ -209,7 +212,8 @@ class Model:
         check_model_path(path)
         threads = threads if threads is not None else env_threads()
         check_options(device, dtype, max_context, threads)  # before any heavy import
-        if backend == "auto":
+        auto = backend == "auto"
+        if auto:
             backend = auto_backend(path, device)
         if backend == "torch":
             _check_torch_model(path, device)
@@ -224,12 +228,30 @@ class Model:
                 raise ConfigError(f"kv_cache is an option of the native backend, not of "
                                   f"{backend!r} (an int4 package on the CPU)")
             extra["kv_cache"] = kv_cache
-        impl = backend_class(backend)(path, device=device, dtype=dtype, max_context=max_context,
-                                      trust_remote_code=trust_remote_code, threads=threads,
-                                      **extra)
-        if not impl.has_tokenizer:
-            return cls(impl, None)
-        return cls(impl, Tokenizer(path, trust_remote_code=trust_remote_code))
+        declined = None
+        try:
+            impl = backend_class(backend)(path, device=device, dtype=dtype,
+                                          max_context=max_context,
+                                          trust_remote_code=trust_remote_code, threads=threads,
+                                          **extra)
+        except ConfigError as e:
+            from .runtimes.native_backend import NativeUnsupported
+
+            if not (auto and backend == "native" and isinstance(e, NativeUnsupported)
+                    and not extra):
+                raise
+            # a package the C decoder does not know (an untied embedding, say): onnxruntime
+            # runs every package, and auto goes there
+            declined = str(e).split("; use --backend onnxruntime")[0].split(
+                ": use --backend onnxruntime")[0]
+            backend = "onnxruntime"
+            impl = backend_class(backend)(path, device=device, dtype=dtype,
+                                          max_context=max_context,
+                                          trust_remote_code=trust_remote_code, threads=threads)
+        model = cls(impl, Tokenizer(path, trust_remote_code=trust_remote_code)
+                    if impl.has_tokenizer else None)
+        model.native_declined = declined
+        return model
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

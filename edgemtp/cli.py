@@ -332,23 +332,26 @@ def _load_package_as_generate(path):
 
     check_folder(path)  # a command that reads packages never takes a path for a hub id
     model = Model.load(path, backend="onnxruntime", threads=1)
-    picked = auto_backend(path)
-    native = None
+    picked, native = auto_backend(path), None
     if picked != "onnxruntime":  # what generate runs it on must load too (its load check)
-        native = Model.load(path, backend=picked, threads=1).backend
+        auto = Model.load(path, threads=1)  # (native declining a package: onnxruntime)
+        picked, native = auto.backend.name, auto
     return model, picked, native
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     from edgemtp.runtimes.package import describe
 
-    model, picked, native = _load_package_as_generate(a.package)
+    model, picked, auto = _load_package_as_generate(a.package)
     print(describe(model.backend.package))
     print(_chat_template_line(model))
+    declined = auto.native_declined if auto is not None else None
     print(f"generate on this machine (--backend auto, CPU): {picked}"
           + (" (edgemtp's C decoder; EDGEMTP_NATIVE=0 for onnxruntime)"
-             if picked == "native" else ""))
+             if picked == "native" else "")
+          + (f" (not the native C decoder: {declined})" if declined else ""))
     if picked == "native":  # its memory, not the onnxruntime graph's (the lines above)
+        native = auto.backend
         mib = 2 ** 20
         fp16, q8 = native.cache_bytes("fp16"), native.cache_bytes("int8")
         print(f"          its memory: weights {native.arena.used / mib:.1f} MiB (packed), "

@@ -163,7 +163,12 @@ def fake_quantize(hf, spec: QuantSpec, file_blocks=None) -> int:
                         or (_tied_to(hf, module) is None and file_blocks.find(w) is not None)):
                     continue
                 deq = dequantize(*block_quantize(w, spec), spec, w.shape[1])
-                module.weight.copy_(torch.from_numpy(deq))
+                if _tied_to(hf, module) is not None and w.shape[1] % spec.block_size:
+                    # the graph's embedding keeps its float table there (quantize_graph):
+                    # only the lm_head is quantized
+                    module.weight = nn.Parameter(torch.from_numpy(deq), requires_grad=False)
+                else:
+                    module.weight.copy_(torch.from_numpy(deq))
                 count += 1
     for name, module in hf.named_modules():
         if name.endswith("v_proj"):
@@ -251,6 +256,12 @@ def quantize_graph(proto, spec: QuantSpec, file_blocks=None,
         proto.CopyFrom(out)
     _round_scales(proto)
     if tied is None:
+        return None
+    width = next(i.dims[1] for i in proto.graph.initializer if i.name == tied[2])
+    if width % spec.block_size:
+        # GatherBlockQuantized gives whole blocks: a hidden size of 48 would come out 64 wide
+        # (onnxruntime refused the graph). The Gather keeps its float table, as an untied
+        # model's does
         return None
     return _share_quantized_table(proto, spec, tied[0].output[0], lm_head_b)
 

@@ -55,14 +55,19 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 def runs_natively(path) -> bool:
     """Whether ``--backend auto`` takes this package to the native backend: int4 weights in
-    blocks of 32, a Llama-style family (:data:`FAMILIES`), and a C decoder that builds here."""
+    blocks of 32, a Llama-style family (:data:`FAMILIES`), a tied embedding, shapes its
+    kernels take (a hidden size of whole 16s, heads of whole 8s), and a C decoder that builds
+    here. (What only the graph shows, the backend finds when it loads; ``Model.load`` then
+    runs the package on onnxruntime.)"""
     try:
         m = json.loads((Path(path) / "edgemtp.json").read_text())
         w = m.get("weights") or {}
         if (w.get("format") != "int4" or w.get("block_size", BLOCK) != BLOCK
-                or m.get("family") not in FAMILIES):
+                or m.get("family") not in FAMILIES or w.get("tied_embedding") is False
+                or int(m["hidden_size"]) % 16 or int(m["head_dim"]) % 8
+                or int(m["num_heads"]) % int(m["num_kv_heads"])):
             return False
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, ZeroDivisionError):
         return False
     return native.decoder_lib() is not None
 
@@ -80,6 +85,12 @@ def cache_bytes(layers: int, kv_heads: int, head_dim: int, rows: int, kv_cache: 
         chunks = head_dim // (32 if head_dim % 32 == 0 else head_dim)
         return layers * kv_heads * cap * (2 * head_dim + 4 + 4 * chunks)
     return layers * kv_heads * cap * head_dim * 2 * 2
+
+
+class NativeUnsupported(ConfigError):
+    """A package the native decoder does not know how to run (an untied or float embedding,
+    a norm or rotary form it does not take, shapes its kernels do not): onnxruntime runs it,
+    and ``--backend auto`` goes there instead."""
 
 
 class Q4W(ctypes.Structure):
@@ -313,9 +324,9 @@ class NativeBackend:
         m, where = pkg.manifest, f"the package {str(pkg.root)!r}"
         w = pkg.weights
         if w.format != "int4" or (w.block_size or BLOCK) != BLOCK:
-            raise ConfigError(f"the native backend runs int4 packages (block size 32); {where} "
-                              f"holds {w.name} weights: use --backend onnxruntime, or export "
-                              f"with --dtype int4")
+            raise NativeUnsupported(f"the native backend runs int4 packages (block size 32); "
+                                    f"{where} holds {w.name} weights: use --backend "
+                                    f"onnxruntime, or export with --dtype int4")
         if dtype is not None and dtype != m["dtype"]:
             raise ConfigError(f"{where} computes in {m['dtype']} ({w.name} weights), and a "
                               f"package's dtype is fixed at export; drop --dtype {dtype}")
@@ -361,7 +372,7 @@ class NativeBackend:
         if (m.get("family") not in FAMILIES or len(nodes) != 4 * L + 1 or len(rot) != 2 * L
                 or len(gather) != 1 or len(skip) != 2 * L or unknown or H % Hkv or d % 16
                 or D % 8):
-            raise ConfigError(f"the native backend runs Llama-style int4 packages ("
+            raise NativeUnsupported(f"the native backend runs Llama-style int4 packages ("
                               f"{', '.join(FAMILIES)}: fused q/k/v and gate/up, rotate-half "
                               f"rotary, RMSNorm, a tied int4 embedding); {where} is a "
                               f"{m.get('family')} graph it does not know: use --backend "
@@ -377,8 +388,8 @@ class NativeBackend:
                 return mat8(node, a, n_out, k_in)
             if (a.get("bits") != 4 or a.get("block_size") != BLOCK or a.get("N") != n_out
                     or a.get("K") != k_in or len(node.input) < 3):
-                raise ConfigError(f"{where}: {node.name} is not a {k_in} -> {n_out} int4 product "
-                                  f"in blocks of 32 (the native backend reads the graph in "
+                raise NativeUnsupported(f"{where}: {node.name} is not a {k_in} -> {n_out} int4 "
+                                  f"product in blocks of 32 (the native backend reads the graph in "
                                   f"layer order); use --backend onnxruntime")
             b = g.array(node.input[1])
             nb = b.shape[1]
@@ -393,7 +404,7 @@ class NativeBackend:
             if branch is not None:  # a GGUF file's Q4_1 blocks: d q + m
                 offsets = g.array(branch[0]).T
                 if offsets.shape != (n_out, nb):
-                    raise ConfigError(f"{where}: {node.name}'s block offsets are "
+                    raise NativeUnsupported(f"{where}: {node.name}'s block offsets are "
                                       f"{list(offsets.shape)}, not [{n_out}, {nb}]; use "
                                       f"--backend onnxruntime")
                 outputs[node.name] = branch[1].output[0]
@@ -401,7 +412,7 @@ class NativeBackend:
             try:
                 G, nb, w, sc, z, mn = pack_q4(q, scales, zp, offsets)
             except ValueError as e:
-                raise ConfigError(f"{where}: {node.name}: {e}; use --backend onnxruntime") \
+                raise NativeUnsupported(f"{where}: {node.name}: {e}; use --backend onnxruntime") \
                     from None
             w, sc, z, mn = (arena.put(x) for x in (w, sc, z, mn))  # (the arena keeps them)
             half.append(sc.dtype == np.float16)
@@ -414,7 +425,7 @@ class NativeBackend:
             (Q4W.bits 8): [G][nb][8][16][4], chunk k's bytes r*4 .. r*4 + 3 inputs 4k .. 4k + 3
             of column 16g + r; zero points only where some are not 128."""
             if a.get("block_size") != BLOCK or a.get("N") != n_out or a.get("K") != k_in:
-                raise ConfigError(f"{where}: {node.name} is not a {k_in} -> {n_out} 8-bit "
+                raise NativeUnsupported(f"{where}: {node.name} is not a {k_in} -> {n_out} 8-bit "
                                   f"product in blocks of 32; use --backend onnxruntime")
             b = g.array(node.input[1])
             nb = b.shape[1]
@@ -463,7 +474,7 @@ class NativeBackend:
         try:
             norms = [g.array(n) for n in names] + [g.array("decoder.model.norm.weight")]
         except KeyError as e:
-            raise ConfigError(f"{where}: the graph has no norm weight {e.args[0]!r}; use "
+            raise NativeUnsupported(f"{where}: the graph has no norm weight {e.args[0]!r}; use "
                               f"--backend onnxruntime") from None
         norm_in, norm_post = f32(np.stack(norms[0:2 * L:2])), f32(np.stack(norms[1:2 * L:2]))
         # Qwen2: a bias added to the fused q/k/v product (an Add reading its output and a
@@ -484,30 +495,30 @@ class NativeBackend:
             if c:
                 b = g.array(c[0]).reshape(-1)
                 if b.size != (H + 2 * Hkv) * D:
-                    raise ConfigError(f"{where}: layer {i}'s q/k/v bias has {b.size} values, "
+                    raise NativeUnsupported(f"{where}: layer {i}'s q/k/v bias has {b.size} values, "
                                       f"not {(H + 2 * Hkv) * D}; use --backend onnxruntime")
                 biases.append(b)
         if biases and len(biases) != L:
-            raise ConfigError(f"{where}: q/k/v biases in {len(biases)} of {L} layers; use "
+            raise NativeUnsupported(f"{where}: q/k/v biases in {len(biases)} of {L} layers; use "
                               f"--backend onnxruntime")
         qkv_bias = f32(np.stack(biases)) if biases else None
         qn = [f"decoder.model.layers.{i}.self_attn.{k}_norm.weight" for i in range(L)
               for k in ("q", "k")]
         have = [n in consts for n in qn]
         if any(have) and not all(have):
-            raise ConfigError(f"{where}: q/k norm weights in some layers only; use --backend "
+            raise NativeUnsupported(f"{where}: q/k norm weights in some layers only; use --backend "
                               f"onnxruntime")
         q_norm = k_norm = None
         if all(have):
             q_norm = f32(np.stack([g.array(n).reshape(-1) for n in qn[0::2]]))
             k_norm = f32(np.stack([g.array(n).reshape(-1) for n in qn[1::2]]))
             if q_norm.shape != (L, D) or k_norm.shape != (L, D):
-                raise ConfigError(f"{where}: q/k norm weights are not {D} wide; use --backend "
-                                  f"onnxruntime")
+                raise NativeUnsupported(f"{where}: q/k norm weights are not {D} wide; use "
+                                        f"--backend onnxruntime")
         norm_final = f32(norms[-1])
         qa, ka = _attrs(rot[0]), _attrs(rot[1])
         if qa.get("interleaved", 0) or ka.get("num_heads") != Hkv or qa.get("num_heads") != H:
-            raise ConfigError(f"{where}: the rotary embedding is not rotate-half over q then "
+            raise NativeUnsupported(f"{where}: the rotary embedding is not rotate-half over q then "
                               f"k; use --backend onnxruntime")
         cos, sin = f32(g.array(rot[1].input[2])), f32(g.array(rot[1].input[3]))
         qcos = g.array(rot[0].input[2])
@@ -516,8 +527,8 @@ class NativeBackend:
         eps = float(_attrs(skip[0]).get("epsilon", 1e-5))
         t = self._table  # the manifest's block-quantized table (the graph gathers from it)
         if getattr(t, "_bits", None) not in (4, 8) or t._bs != BLOCK:
-            raise ConfigError(f"{where}: the embedding table is not int4 or int8 in blocks of "
-                              f"32; use --backend onnxruntime")
+            raise NativeUnsupported(f"{where}: the embedding table is not int4 or int8 in "
+                                    f"blocks of 32; use --backend onnxruntime")
         emb_q, emb_sc = np.ascontiguousarray(t._data), f32(t._scales)
         emb_zp = None if t._zp is None else np.ascontiguousarray(t._zp)
         self._keep += [emb_q, emb_zp, qkv, o, gu, down, lm]

@@ -711,3 +711,71 @@ def test_one_row_steps_split_between_threads_give_the_row_loops_bits(int4_pkg, f
             assert np.array_equal(x, y)
     for x, y in zip(got[0][1], got[1][1]):
         assert np.array_equal(x, y)
+
+
+def _tiny_llama(folder, hidden, heads, kv_heads, fresh_norms=False):
+    """A random-weight Llama with stories260K's tokenizer (norms of 1 everywhere where
+    ``fresh_norms``: the graph then holds them as one shared initializer)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=512,
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name and not fresh_norms:
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(STORIES / f, folder)
+    return folder
+
+
+@pytest.mark.parametrize("shape", ["heads of 12", "shared norms"])
+def test_auto_runs_a_package_the_native_decoder_declines_on_onnxruntime(tmp_path, shape):
+    """QA (export_report.md D3): an int4 package the C decoder does not take ran into the
+    native backend's refusal in generate and inspect. --backend auto now runs it on
+    onnxruntime: where the manifest shows it (heads of 12 dimensions; its kernels take
+    multiples of 8) without trying, where only the graph does (norm weights held as one
+    initializer) once the native backend declines it, and inspect says why; --backend native
+    still refuses it in one line. (The hidden size of 48, not whole blocks of 32, also made
+    the int4 export's tied embedding 64 wide, a traceback from onnxruntime: the embedding
+    keeps its float table there.)"""
+    from edgemtp import Model
+
+    folder = tmp_path / "tiny"
+    if shape == "heads of 12":
+        _tiny_llama(folder, 48, 4, 2)
+    else:
+        _tiny_llama(folder, 64, 8, 4, fresh_norms=True)
+    pkg = tmp_path / "tiny-int4"
+    export_package(str(folder), pkg, dtype="int4", max_context=128, bc=(10,),
+                   mask_tokens=(1,), progress=False)
+    model = Model.load(str(pkg), threads=1)
+    assert model.backend.name == "onnxruntime"
+    if shape == "heads of 12":
+        assert model.native_declined is None  # (not tried: the manifest says it all)
+    else:
+        assert "no norm weight" in model.native_declined
+        assert "use --backend" not in model.native_declined
+    ort = Model.load(str(pkg), backend="onnxruntime", threads=1)
+    assert ort.native_declined is None
+    want = ort.generate("Once upon a time", drafter="none", max_new_tokens=12).token_ids
+    for drafter in ("none", "probe", "auto"):
+        got = model.generate("Once upon a time", drafter=drafter, bc=10, max_new_tokens=12)
+        assert got.token_ids == want, drafter
+    run = subprocess.run([sys.executable, "-m", "edgemtp.cli", "inspect", str(pkg)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "generate on this machine (--backend auto, CPU): onnxruntime" in run.stdout
+    assert ("(not the native C decoder: " in run.stdout) == (shape == "shared norms")
+    run = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model", str(pkg),
+                          "--backend", "native", "--prompt", "Once"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "use --backend onnxruntime" in run.stderr
