@@ -464,7 +464,8 @@ def trace_to_onnx(module: ExportDecoder, path: Path, dtype: torch.dtype, opset: 
 def tidy_graph(model, module: ExportDecoder) -> None:
     """Write the contract's output shapes into the graph (the tracer leaves generated names
     such as ``TopKtopk_ids_dim_0`` or ``Reshapepresent_value_4_dim_2`` where a size is
-    known)."""
+    known), and give every weight its own initializer (:func:`own_initializers`)."""
+    own_initializers(model)
     dec = module.decoder
     kv = [1, "T", dec.n_kv, dec.head_dim]
     shapes = {"topk_ids": [1, "T", module.topk], "topk_logprobs": [1, "T", module.topk],
@@ -480,6 +481,24 @@ def tidy_graph(model, module: ExportDecoder) -> None:
             else:
                 dim.ClearField("dim_param")
                 dim.dim_value = value
+
+
+def own_initializers(model) -> None:
+    """The tracer stores bit-identical weights once and reads the copies through ``Identity``
+    nodes named as the weights (a model whose layers repeat: a depth up-scaled model, a
+    passthrough merge; a fresh model's norms of 1). Each becomes an initializer of its own
+    under that name: the int4/int8 quantizer converts only products whose weight is an
+    initializer (the copies stayed float32, and a model whose layer 1 copies layer 0 failed
+    its self-check by a logit of 1.24), and the native decoder finds every layer's norm by
+    name."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    for node in list(graph.node):
+        if node.op_type == "Identity" and node.input[0] in inits:
+            copy = graph.initializer.add()
+            copy.CopyFrom(inits[node.input[0]])
+            copy.name = node.output[0]
+            graph.node.remove(node)
 
 
 def shape_reads(path: Path) -> tuple[str, ...]:

@@ -736,32 +736,58 @@ def _tiny_llama(folder, hidden, heads, kv_heads, fresh_norms=False):
     return folder
 
 
-@pytest.mark.parametrize("shape", ["heads of 12", "shared norms"])
+def _rename_final_norm(pkg) -> None:
+    """The package's graph with its final norm weight under another name (onnxruntime runs
+    it the same; the native decoder finds norms by name), the manifest's digest updated."""
+    import hashlib
+    import json
+
+    import onnx
+
+    graph = pkg / "model.onnx"
+    proto = onnx.load(str(graph), load_external_data=False)
+    old, new = "decoder.model.norm.weight", "renamed_final_norm"
+    for init in proto.graph.initializer:
+        if init.name == old:
+            init.name = new
+    for node in proto.graph.node:
+        node.input[:] = [new if i == old else i for i in node.input]
+    onnx.save_model(proto, str(graph))
+    manifest = json.loads((pkg / "edgemtp.json").read_text())
+    data = graph.read_bytes()
+    manifest["files"]["model.onnx"] = {"bytes": len(data),
+                                       "sha256": hashlib.sha256(data).hexdigest()}
+    (pkg / "edgemtp.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("shape", ["heads of 12", "graph it declines"])
 def test_auto_runs_a_package_the_native_decoder_declines_on_onnxruntime(tmp_path, shape):
     """QA (export_report.md D3): an int4 package the C decoder does not take ran into the
     native backend's refusal in generate and inspect. --backend auto now runs it on
     onnxruntime: where the manifest shows it (heads of 12 dimensions; its kernels take
-    multiples of 8) without trying, where only the graph does (norm weights held as one
-    initializer) once the native backend declines it, and inspect says why; --backend native
-    still refuses it in one line. (The hidden size of 48, not whole blocks of 32, also made
-    the int4 export's tied embedding 64 wide, a traceback from onnxruntime: the embedding
-    keeps its float table there.)"""
+    multiples of 8) without trying, where only the graph does (here a norm weight under a
+    name it does not look for) once the native backend declines it, and inspect says why;
+    --backend native still refuses it in one line. (The hidden size of 48, not whole blocks
+    of 32, also made the int4 export's tied embedding 64 wide, a traceback from onnxruntime:
+    the embedding keeps its float table there.)"""
     from edgemtp import Model
 
     folder = tmp_path / "tiny"
     if shape == "heads of 12":
         _tiny_llama(folder, 48, 4, 2)
     else:
-        _tiny_llama(folder, 64, 8, 4, fresh_norms=True)
+        _tiny_llama(folder, 64, 8, 4)
     pkg = tmp_path / "tiny-int4"
     export_package(str(folder), pkg, dtype="int4", max_context=128, bc=(10,),
                    mask_tokens=(1,), progress=False)
+    if shape == "graph it declines":
+        _rename_final_norm(pkg)
     model = Model.load(str(pkg), threads=1)
     assert model.backend.name == "onnxruntime"
     if shape == "heads of 12":
         assert model.native_declined is None  # (not tried: the manifest says it all)
     else:
-        assert "no norm weight" in model.native_declined
+        assert "no norm weight 'decoder.model.norm.weight'" in model.native_declined
         assert "use --backend" not in model.native_declined
     ort = Model.load(str(pkg), backend="onnxruntime", threads=1)
     assert ort.native_declined is None
@@ -773,9 +799,49 @@ def test_auto_runs_a_package_the_native_decoder_declines_on_onnxruntime(tmp_path
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "generate on this machine (--backend auto, CPU): onnxruntime" in run.stdout
-    assert ("(not the native C decoder: " in run.stdout) == (shape == "shared norms")
+    assert ("(not the native C decoder: " in run.stdout) == (shape == "graph it declines")
     run = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model", str(pkg),
                           "--backend", "native", "--prompt", "Once"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert "use --backend onnxruntime" in run.stderr
+
+
+def test_a_model_whose_layers_repeat_exports_to_int4_and_runs_natively(tmp_path):
+    """QA (export_report.md D2): the tracer stores bit-identical weights once (a layer that
+    copies another, as depth up-scaled models and passthrough merges have; a fresh model's
+    norms of 1) and read the copies through Identity nodes. The quantizer left those products
+    in float32 (the int4 self-check failed by a logit of 1.24) and the native decoder found no
+    norm weight for layer 1. Each copy is now an initializer of its own."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from edgemtp import Model
+
+    folder = _tiny_llama(tmp_path / "dup", 64, 8, 4, fresh_norms=True)
+    weights = load_file(str(folder / "model.safetensors"))
+    for name in list(weights):
+        if name.startswith("model.layers.1."):
+            weights[name] = weights[name.replace("layers.1.", "layers.0.")].clone()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    pkg = tmp_path / "dup-int4"
+    export_package(str(folder), pkg, dtype="int4", max_context=128, bc=(10,),
+                   mask_tokens=(1,), progress=False)  # (raised: self-check failed)
+    import onnx
+
+    proto = onnx.load(str(pkg / "model.onnx"), load_external_data=False)
+    assert not [n for n in proto.graph.node if n.op_type == "Identity"
+                and n.input[0] in {i.name for i in proto.graph.initializer}]
+    inits = {i.name for i in proto.graph.initializer}
+    float_weights = [n.name for n in proto.graph.node if n.op_type == "MatMul"
+                     and n.input[1] in inits]
+    assert not float_weights  # every product quantized, layer 1's too
+    assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 4 * 2 + 1
+    model = Model.load(str(pkg), threads=1)
+    assert model.backend.name == "native" and model.native_declined is None
+    want = model.generate("Once upon a time", drafter="none", max_new_tokens=12).token_ids
+    for drafter in ("probe", "pld", "auto"):
+        got = model.generate("Once upon a time", drafter=drafter, bc=10, max_new_tokens=12)
+        assert got.token_ids == want, drafter
+    assert torch.equal(weights["model.layers.1.mlp.up_proj.weight"],
+                       weights["model.layers.0.mlp.up_proj.weight"])
