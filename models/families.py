@@ -40,11 +40,24 @@ def family_for(config) -> Family:
 
 
 def attention_window(config, family: Family) -> int | None:
-    """Tokens a query may see when the config turns a sliding window on, else None."""
+    """Tokens a query may see when the config turns a sliding window on for some layer, else
+    None (a Qwen2/Qwen3 config with ``use_sliding_window`` but ``max_window_layers`` past its
+    last layer: transformers' ``layer_types`` lists no sliding layer, and none slides).
+
+    >>> from types import SimpleNamespace as C
+    >>> fam = FAMILIES["qwen2"]
+    >>> attention_window(C(sliding_window=32, use_sliding_window=True), fam)
+    32
+    >>> attention_window(C(sliding_window=32, use_sliding_window=True,
+    ...                    layer_types=["full_attention"] * 2), fam)
+    """
     if not family.sliding_window:
         return None
     window = getattr(config, "sliding_window", None)
     if family.name in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    layers = getattr(config, "layer_types", None)
+    if isinstance(layers, (list, tuple)) and layers and "sliding_attention" not in layers:
         return None
     return int(window) if window else None
 
