@@ -55,7 +55,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 def runs_natively(path) -> bool:
     """Whether ``--backend auto`` takes this package to the native backend: int4 weights in
-    blocks of 32, a Llama-style family (:data:`FAMILIES`), a tied embedding, shapes its
+    blocks of 32, a Llama-style family (:data:`FAMILIES`), a tied embedding or an untied
+    float32 one, shapes its
     kernels take (a hidden size of whole 16s, heads of whole 8s), and a C decoder that builds
     here. (What only the graph shows, the backend finds when it loads; ``Model.load`` then
     runs the package on onnxruntime.)"""
@@ -63,7 +64,9 @@ def runs_natively(path) -> bool:
         m = json.loads((Path(path) / "edgemtp.json").read_text())
         w = m.get("weights") or {}
         if (w.get("format") != "int4" or w.get("block_size", BLOCK) != BLOCK
-                or m.get("family") not in FAMILIES or w.get("tied_embedding") is False
+                or m.get("family") not in FAMILIES
+                or (w.get("tied_embedding") is False
+                    and (m.get("embeddings") or {}).get("dtype") != "fp32")
                 or int(m["hidden_size"]) % 16 or int(m["head_dim"]) % 8
                 or int(m["num_heads"]) % int(m["num_kv_heads"])):
             return False
@@ -369,14 +372,17 @@ class NativeBackend:
         ops = {n.op_type for n in g.model.graph.node}
         unknown = ops & {"SimplifiedLayerNormalization", "LayerNormalization", "Gelu",
                          "FastGelu", "Tanh"}
+        # the embedding: a tied model's int4/int8 table, which the graph gathers from, or an
+        # untied model's float32 rows (embeddings.npy), which the host gathers
+        float_rows = getattr(self._table, "_bits", None) is None
         if (m.get("family") not in FAMILIES or len(nodes) != 4 * L + 1 or len(rot) != 2 * L
-                or len(gather) != 1 or len(skip) != 2 * L or unknown or H % Hkv or d % 16
-                or D % 8):
+                or len(gather) != (0 if float_rows else 1) or len(skip) != 2 * L or unknown
+                or H % Hkv or d % 16 or D % 8):
             raise NativeUnsupported(f"the native backend runs Llama-style int4 packages ("
                               f"{', '.join(FAMILIES)}: fused q/k/v and gate/up, rotate-half "
-                              f"rotary, RMSNorm, a tied int4 embedding); {where} is a "
-                              f"{m.get('family')} graph it does not know: use --backend "
-                              f"onnxruntime")
+                              f"rotary, RMSNorm, a tied int4 or an untied float32 embedding); "
+                              f"{where} is a {m.get('family')} graph it does not know: use "
+                              f"--backend onnxruntime")
 
         half: list[bool] = []
         branches = offset_branches(g.model.graph)
@@ -525,12 +531,23 @@ class NativeBackend:
         # q's tables may carry the softmax scale (a power of two, exact): cos(0) = 1
         scale = float(qcos[0, 0]) if not np.array_equal(qcos, cos) else D ** -0.5
         eps = float(_attrs(skip[0]).get("epsilon", 1e-5))
-        t = self._table  # the manifest's block-quantized table (the graph gathers from it)
-        if getattr(t, "_bits", None) not in (4, 8) or t._bs != BLOCK:
+        t = self._table  # the manifest's table: block-quantized (the graph gathers from it)
+        #                  or, untied, float32 rows
+        if float_rows:
+            rows = getattr(t, "_table", None)
+            if rows is None or rows.dtype != np.float32 or rows.shape != (self.vocab_size, d):
+                raise NativeUnsupported(f"{where}: the embedding table is not float32 "
+                                        f"[{self.vocab_size}, {d}]; use --backend onnxruntime")
+            # (the memory map as it is: C order, read a row at a time, never copied)
+            emb_q, emb_sc, emb_zp, emb_bits = np.ascontiguousarray(rows), f32(np.zeros(1)), \
+                None, 32
+        elif t._bits not in (4, 8) or t._bs != BLOCK:
             raise NativeUnsupported(f"{where}: the embedding table is not int4 or int8 in "
                                     f"blocks of 32; use --backend onnxruntime")
-        emb_q, emb_sc = np.ascontiguousarray(t._data), f32(t._scales)
-        emb_zp = None if t._zp is None else np.ascontiguousarray(t._zp)
+        else:
+            emb_q, emb_sc = np.ascontiguousarray(t._data), f32(t._scales)
+            emb_zp = None if t._zp is None else np.ascontiguousarray(t._zp)
+            emb_bits = t._bits
         self._keep += [emb_q, emb_zp, qkv, o, gu, down, lm]
         self.model = _Model(L=L, d=d, H=H, Hkv=Hkv, D=D, F=F, V=self.vocab_size,
                             rope_rows=cos.shape[0], threads=self.threads or 0, eps=eps,
@@ -545,7 +562,7 @@ class NativeBackend:
                             q_norm=None if q_norm is None else q_norm.ctypes.data,
                             k_norm=None if k_norm is None else k_norm.ctypes.data,
                             emb_zp=None if emb_zp is None else emb_zp.ctypes.data,
-                            emb_bits=t._bits)
+                            emb_bits=emb_bits)
         self.dims = (L, Hkv, D)
         # a row's LM head against the whole row, in the kernel's products: auto's price of a
         # prompt row's outputs (drafters/auto.py). An 8-bit head takes as many as a 4-bit one

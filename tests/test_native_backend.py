@@ -845,3 +845,47 @@ def test_a_model_whose_layers_repeat_exports_to_int4_and_runs_natively(tmp_path)
         assert got.token_ids == want, drafter
     assert torch.equal(weights["model.layers.1.mlp.up_proj.weight"],
                        weights["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_an_untied_int4_package_runs_on_the_native_decoder(tmp_path):
+    """An untied model (Llama-3-8B, Mistral-7B, Qwen2.5-7B: an LM head of its own) exports
+    its embedding as float32 rows the host gathers (embeddings.npy); the native decoder
+    reads them (it took only a tied int4/int8 table, and --backend auto ran such packages on
+    onnxruntime at half the speed). Its load check holds its logits to the graph's, and every
+    drafter gives its plain decoding's tokens."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from edgemtp import Model
+    from edgemtp.runtimes.package import load_package
+
+    hf = AutoModelForCausalLM.from_pretrained(str(STORIES))
+    hf.config.tie_word_embeddings = False
+    table = hf.model.embed_tokens.weight.detach().clone()
+    head = torch.nn.Linear(table.shape[1], table.shape[0], bias=False)
+    with torch.no_grad():  # (its own weights: not the embedding's)
+        head.weight.copy_(table + 0.05 * torch.randn(table.shape,
+                                                     generator=torch.Generator().manual_seed(0)))
+    hf.lm_head = head
+    folder = tmp_path / "untied"
+    hf.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+              "generation_config.json"):
+        shutil.copy(STORIES / f, folder)
+    pkg = tmp_path / "untied-int4"
+    export_package(str(folder), pkg, dtype="int4", max_context=256, bc=(10, 30),
+                   mask_tokens=(1,), progress=False)
+    meta = load_package(pkg, check_plans=False).meta
+    assert meta.weights.tied_embedding is False and meta.embeddings.layout == "npy"
+    model = Model.load(str(pkg), threads=1)
+    assert model.backend.name == "native" and model.native_declined is None
+    assert model.backend.probe is not None  # the load check ran against the graph
+    ort = Model.load(str(pkg), backend="onnxruntime", threads=1)
+    for prompt in ("Once upon a time", "The little dog"):
+        want = model.generate(prompt, drafter="none", max_new_tokens=24).token_ids
+        assert want[:8] == ort.generate(prompt, drafter="none", max_new_tokens=8).token_ids
+        for drafter in ("probe", "pld", "hybrid", "auto"):
+            got = model.generate(prompt, drafter=drafter, bc=10, max_new_tokens=24)
+            assert got.token_ids == want, (prompt, drafter)

@@ -207,7 +207,9 @@ typedef struct {
     const float *qkv_bias;                  /* [L][(H + 2 Hkv) D] or NULL (Qwen2) */
     const float *q_norm, *k_norm;           /* [L][D] each or NULL: RMSNorm per head of q
                                                and k before the rotary embedding (Qwen3) */
-    int emb_bits;                           /* 4, or 8 (a GGUF file's Q8_0 table); 0: 4 */
+    int emb_bits;                           /* 4, or 8 (a GGUF file's Q8_0 table); 0: 4;
+                                               32: an untied model's float32 rows [V][d] in
+                                               emb_q (emb_sc, emb_zp unused) */
 } Model;
 
 /* the K/V cache holds half-precision values (as llama.cpp's default cache): half the bytes
@@ -901,6 +903,10 @@ static void embed_row(const Model *M, int64_t id, const float *mask_embeds, int 
         int64_t slot = id - M->V;
         if (slot >= n_mask) slot = n_mask - 1;
         memcpy(out, mask_embeds + slot * d, sizeof(float) * d);
+        return;
+    }
+    if (M->emb_bits == 32) {  /* an untied model's float32 rows (embeddings.npy) */
+        memcpy(out, (const float *)(const void *)M->emb_q + (size_t)id * d, sizeof(float) * d);
         return;
     }
     int nb = (d + 31) / 32, zb = (nb + 1) / 2;
