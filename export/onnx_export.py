@@ -655,14 +655,17 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str,
                              if spec else {}))
     size = sum(p.numel() * p.element_size() for p in module.parameters())
     external = f"{GRAPH}.data" if spec or size > EXTERNAL_DATA_BYTES else None
+    # an untied quantized model's float embedding, which its Gather reads: the host maps it
+    # from the graph's weights file rather than from a second copy in embeddings.npy
+    rows = _float_table(proto, module) if spec and tied is None else None
     if external:
         from onnx.external_data_helper import convert_model_to_external_data, set_external_data
 
         convert_model_to_external_data(proto, all_tensors_to_one_file=True, location=external,
                                        size_threshold=1024)
-        for init in proto.graph.initializer:  # the host maps a tied table, however small
-            if tied and init.name in (tied.data, tied.scales, tied.zero_points) \
-                    and not init.external_data:
+        for init in proto.graph.initializer:  # the host maps a table, however small
+            if ((tied and init.name in (tied.data, tied.scales, tied.zero_points))
+                    or init.name == rows) and not init.external_data:
                 set_external_data(init, external)
         onnx.save_model(proto, str(tmp / GRAPH))
         # onnx creates the weights file owner-only; give it model.onnx's mode (the umask's)
@@ -670,7 +673,35 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str,
     else:
         onnx.save_model(proto, str(tmp / GRAPH))
     table = _table_refs(tmp / GRAPH, tied, spec, external) if spec and tied else None
+    if rows is not None:
+        table = {"file": external, "layout": "graph-rows",
+                 "data": _external_ref(tmp / GRAPH, rows, external)}
     return _Graph(external, weights, spec, table)
+
+
+def _float_table(proto, module) -> str | None:
+    """The initializer the graph's embedding Gather reads, where it is the float
+    ``[vocab, hidden]`` table; else None."""
+    vocab, hidden = module.decoder.model.embed_tokens.weight.shape
+    inits = {i.name: i for i in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type == "Gather" and node.input[0] in inits:
+            init = inits[node.input[0]]
+            if list(init.dims) == [vocab, hidden] and init.data_type == 1:  # FLOAT
+                return init.name
+    return None
+
+
+def _external_ref(path: Path, name: str, external: str) -> TensorRef:
+    """Where initializer ``name`` of the saved graph lies in its external data file."""
+    import onnx
+
+    init = next(i for i in onnx.load(str(path), load_external_data=False).graph.initializer
+                if i.name == name)
+    where = {e.key: e.value for e in init.external_data}
+    assert where.get("location") == external, (name, where)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+    return TensorRef(offset=int(where.get("offset", 0)), shape=tuple(init.dims), dtype=dtype.name)
 
 
 def _table_refs(path: Path, tied, spec, external: str) -> dict:

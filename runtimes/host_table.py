@@ -24,9 +24,10 @@ class EmbeddingTable:
 
     def __init__(self, path: Path, info) -> None:
         # info: package.EmbeddingInfo, its layout and (block-quantized) array references
-        if info.layout == "npy":
+        if info.layout in ("npy", "graph-rows"):
             # a plain ndarray over the memory map: indexing a np.memmap costs a subclass wrap
-            self._table = np.asarray(np.load(path, mmap_mode="r"))
+            self._table = np.asarray(np.load(path, mmap_mode="r")) if info.layout == "npy" \
+                else _mapped(path, info.data)  # (the graph's own float table)
             self.rows = self._float_rows
             return
         self._bits, self._bs = info.bits, info.block_size

@@ -58,7 +58,7 @@ CACHE_LAYOUTS = {"seq": CACHE_LAYOUT, "head": HEAD_MAJOR}
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 # the graph's weights: float as the activations, or weight-only block-quantized (MatMulNBits)
 WEIGHT_FORMATS = ("fp32", "fp16", "int4", "int8")
-EMBEDDING_LAYOUTS = ("npy", "block-quantized")
+EMBEDDING_LAYOUTS = ("npy", "block-quantized", "graph-rows")
 HASH_LIMIT = 4 * 2**20  # files up to this size get a sha256 in the manifest, checked at load
 # files a Hugging Face tokenizer may be saved as (an older package names none of its own)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
@@ -376,7 +376,9 @@ class EmbeddingInfo:
     ``[V, d]`` table ``file`` (``embeddings.npy``); block-quantized: the graph's own tied
     table inside ``file`` (its external data), ``data [V, d*bits/8]`` uint8, ``scales
     [V, d/block_size]`` and ``zero_points`` (packed, low bits first), read row by row and
-    de-quantized as ``GatherBlockQuantized`` does."""
+    de-quantized as ``GatherBlockQuantized`` does; graph-rows: the graph's own float table
+    (an untied int4/int8 model's embedding, which its Gather reads), ``data [V, d]`` inside
+    ``file``, stored once rather than again in ``embeddings.npy``."""
 
     dtype: str
     mu: tuple[float, ...]
@@ -403,6 +405,8 @@ class EmbeddingInfo:
                    and self.data is not None and self.scales is not None,
                    "a block-quantized embedding table needs 'bits' (4 or 8), 'block_size', "
                    "'data' and 'scales'")
+        if self.layout == "graph-rows":
+            _check(self.data is not None, "a graph-rows embedding table needs 'data'")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -905,6 +909,17 @@ class Package:
             raise self._missing(e.file)
         if e.layout == "block-quantized":
             self._check_quantized_table(path)
+            return
+        if e.layout == "graph-rows":
+            ref, want = e.data, (m.vocab_size, m.hidden_size)
+            dtype = np.dtype(NP_DTYPES[e.dtype]).name
+            if tuple(ref.shape) != want or ref.dtype != dtype:
+                raise ModelLoadError(f"the manifest's embeddings.data is {list(ref.shape)} "
+                                     f"{ref.dtype}, but the table is [vocab_size {want[0]}, "
+                                     f"hidden_size {want[1]}] {dtype}; re-export")
+            if ref.offset + ref.nbytes > path.stat().st_size:
+                raise ModelLoadError(f"{str(path)!r} ends before the embedding table the "
+                                     f"manifest places in it; re-export")
             return
         try:
             table = np.load(path, mmap_mode="r")  # reads the header only

@@ -877,8 +877,23 @@ def test_an_untied_int4_package_runs_on_the_native_decoder(tmp_path):
     pkg = tmp_path / "untied-int4"
     export_package(str(folder), pkg, dtype="int4", max_context=256, bc=(10, 30),
                    mask_tokens=(1,), progress=False)
-    meta = load_package(pkg, check_plans=False).meta
-    assert meta.weights.tied_embedding is False and meta.embeddings.layout == "npy"
+    package = load_package(pkg, check_plans=False)
+    meta = package.meta
+    # the float table is stored once: the graph's own, which the host maps from its weights
+    # file (it was written again to embeddings.npy: SmolLM2 untied, 301 MB against 192)
+    assert meta.weights.tied_embedding is False and meta.embeddings.layout == "graph-rows"
+    assert meta.embeddings.file == "model.onnx.data" and not (pkg / "embeddings.npy").exists()
+    rows = package.embedding_table().rows(np.arange(meta.vocab_size, dtype=np.int64))
+    assert np.array_equal(rows, table.numpy())
+    import json
+
+    manifest = json.loads((pkg / "edgemtp.json").read_text())
+    bad = pkg.parent / "bad"
+    shutil.copytree(pkg, bad)
+    manifest["embeddings"]["data"]["offset"] = (pkg / "model.onnx.data").stat().st_size
+    (bad / "edgemtp.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelLoadError, match="ends before the embedding table"):
+        load_package(bad, check_plans=False)
     model = Model.load(str(pkg), threads=1)
     assert model.backend.name == "native" and model.native_declined is None
     assert model.backend.probe is not None  # the load check ran against the graph
