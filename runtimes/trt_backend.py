@@ -264,7 +264,7 @@ class TrtBackend:
         self.k_max = max(p.k for p in m.plans)
         self.lock = threading.Lock()
         self._scratch: DeviceArray | None = None  # the contexts' shared activation memory
-        self._table = np.asarray(np.load(pkg.root / m.embeddings.file, mmap_mode="r"))
+        self._table = pkg.embedding_table()  # (memory-mapped, whichever layout it has)
         self._stats = (np.asarray(m.embeddings.mu, dtype=np.float32),
                        np.asarray(m.embeddings.sigma, dtype=np.float32))
 
@@ -315,7 +315,7 @@ class TrtBackend:
         return context
 
     def embed(self, token_ids) -> np.ndarray:
-        return self._table[np.asarray(token_ids, dtype=np.int64)].astype(np.float32)
+        return self._table.rows(np.asarray(token_ids, dtype=np.int64))
 
     def embedding_stats(self) -> tuple[np.ndarray, np.ndarray]:
         return self._stats
