@@ -16,9 +16,11 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.edgemtp-installed" ] || [ pypro
   if [ "$(uname -sm)" = "Linux x86_64" ] && "$VENV/bin/python" -c \
       "import socket; socket.getaddrinfo('download.pytorch.org', 443)" 2>/dev/null; then
     # PyPI's Linux x86-64 torch is the CUDA build (GBs of nvidia-* wheels): the CPU build
-    # comes from PyTorch's own index
+    # comes from PyTorch's own index (the plain pin where that index resolves but cannot be
+    # reached)
     "$VENV/bin/pip" install -q "torch==2.13.0+cpu" \
-      --extra-index-url https://download.pytorch.org/whl/cpu
+      --extra-index-url https://download.pytorch.org/whl/cpu \
+      || "$VENV/bin/pip" install -q "torch==2.13.0"
   else  # (macOS and Linux aarch64, whose PyPI wheels are CPU builds; a machine without that
     #    index, whose pip finds a local CPU wheel)
     "$VENV/bin/pip" install -q "torch==2.13.0"
