@@ -706,20 +706,12 @@ def _external_ref(path: Path, name: str, external: str) -> TensorRef:
 
 def _table_refs(path: Path, tied, spec, external: str) -> dict:
     """Where the saved graph's tied quantized table lies in its external data file."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    inits = {i.name: i for i in proto.graph.initializer}
 
     def ref(name: str) -> TensorRef:
-        init = inits[name]
-        where = {e.key: e.value for e in init.external_data}
-        assert where.get("location") == external, (name, where)
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-        shape = tuple(init.dims)
+        r = _external_ref(path, name, external)
         if name == tied.data:  # the blob [V, d/bs, bs*bits/8] read as rows [V, d*bits/8]
-            shape = (shape[0], math.prod(shape[1:]))
-        return TensorRef(offset=int(where.get("offset", 0)), shape=shape, dtype=dtype.name)
+            r = dataclasses.replace(r, shape=(r.shape[0], math.prod(r.shape[1:])))
+        return r
 
     return {"file": external, "layout": "block-quantized", "bits": tied.bits or spec.bits,
             "block_size": spec.block_size, "data": ref(tied.data), "scales": ref(tied.scales),
