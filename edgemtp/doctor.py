@@ -601,6 +601,8 @@ def memory_plan(pkg, facts: Facts) -> MemoryPlan:
     parameter count; a row that cannot be estimated is left out); the largest context that
     fits, up to the package's max context (its graph's limit), and the longest one-block
     prompt."""
+    from edgemtp.runtimes.package import HOST_TABLE_BYTES
+
     m, pool = pkg.meta, device_pool(facts)
     t = max(p.T for p in m.plans)
     # a quantized package's host table is the graph's own (in the weights already counted)
@@ -620,8 +622,10 @@ def memory_plan(pkg, facts: Facts) -> MemoryPlan:
         else:
             nbytes = PLAN_DTYPES[kind]
             weights, kv_row = params * nbytes, pkg.kv_cache_bytes(1, kind)
-            # a float package's host table: embeddings.npy [V, d] in its dtype
-            emb = m.vocab_size * m.hidden_size * nbytes + NPY_HEADER if pool.host else 0
+            # a float package's host table: embeddings.npy [V, d] in its dtype, where it is
+            # small (else the graph's own, in the weights already counted)
+            table = m.vocab_size * m.hidden_size * nbytes
+            emb = table + NPY_HEADER if pool.host and table < HOST_TABLE_BYTES else 0
         fixed = weights + emb + workspace_bytes(m, t, 0, nbytes)
         per_row = kv_row + t * m.num_heads * 4     # the cache row and its attention column
         total = _with_margin(fixed + per_row * m.max_context)

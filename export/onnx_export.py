@@ -36,11 +36,12 @@ from edgemtp.models.families import attention_window, family_for, missing_weight
 from edgemtp.models.families import max_context as context_limit
 from edgemtp.plans import static_plan
 from edgemtp.runtimes.gguf_source import GGUFInfo, ModelSource, check_gguf, resolve_model
-from edgemtp.runtimes.package import (CACHE_LAYOUTS, COMMIT, EMBEDDINGS, GRAPH, MANIFEST,
-                                      TOKENIZER_FILES, CacheInfo, EmbeddingInfo, GGUFSourceInfo,
-                                      GraphInfo, Manifest, PlanInfo, SelfCheckInfo, TensorRef,
-                                      Tolerance, WeightsInfo, graph_inputs, graph_outputs,
-                                      load_package, plan_arrays, record_files)
+from edgemtp.runtimes.package import (CACHE_LAYOUTS, COMMIT, EMBEDDINGS, GRAPH, HOST_TABLE_BYTES,
+                                      MANIFEST, TOKENIZER_FILES, CacheInfo, EmbeddingInfo,
+                                      GGUFSourceInfo, GraphInfo, Manifest, PlanInfo,
+                                      SelfCheckInfo, TensorRef, Tolerance, WeightsInfo,
+                                      graph_inputs, graph_outputs, load_package, plan_arrays,
+                                      record_files)
 
 from .folders import ExportError, check_destination, partial_folder, swap_in, touch
 
@@ -654,10 +655,14 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str,
                               "fused": bool(getattr(module.decoder, "fused", False))}
                              if spec else {}))
     size = sum(p.numel() * p.element_size() for p in module.parameters())
-    external = f"{GRAPH}.data" if spec or size > EXTERNAL_DATA_BYTES else None
-    # an untied quantized model's float embedding, which its Gather reads: the host maps it
-    # from the graph's weights file rather than from a second copy in embeddings.npy
-    rows = _float_table(proto, module) if spec and tied is None else None
+    # the float embedding the graph's Gather reads (an untied quantized model's; a float
+    # model's, tied or not, where it is big): the host maps it from the graph's weights file
+    # rather than from a second copy in embeddings.npy
+    emb = module.decoder.model.embed_tokens.weight
+    big = emb.numel() * emb.element_size() >= HOST_TABLE_BYTES
+    rows = _float_table(proto, module) if (spec and tied is None) or (not spec and big) \
+        else None
+    external = f"{GRAPH}.data" if spec or size > EXTERNAL_DATA_BYTES or rows else None
     if external:
         from onnx.external_data_helper import convert_model_to_external_data, set_external_data
 
@@ -680,14 +685,14 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str,
 
 
 def _float_table(proto, module) -> str | None:
-    """The initializer the graph's embedding Gather reads, where it is the float
-    ``[vocab, hidden]`` table; else None."""
+    """The initializer the graph's embedding Gather reads, where it is the float32 or
+    float16 ``[vocab, hidden]`` table; else None."""
     vocab, hidden = module.decoder.model.embed_tokens.weight.shape
     inits = {i.name: i for i in proto.graph.initializer}
     for node in proto.graph.node:
         if node.op_type == "Gather" and node.input[0] in inits:
             init = inits[node.input[0]]
-            if list(init.dims) == [vocab, hidden] and init.data_type == 1:  # FLOAT
+            if list(init.dims) == [vocab, hidden] and init.data_type in (1, 10):  # FLOAT(16)
                 return init.name
     return None
 

@@ -59,6 +59,10 @@ NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 # the graph's weights: float as the activations, or weight-only block-quantized (MatMulNBits)
 WEIGHT_FORMATS = ("fp32", "fp16", "int4", "int8")
 EMBEDDING_LAYOUTS = ("npy", "block-quantized", "graph-rows")
+# a float package's embedding table at least this big is read by the host from the graph's
+# weights file (model.onnx.data, then written whatever the weights' size) rather than stored
+# again in embeddings.npy: SmolLM2-135M fp16, 56 MB of 325
+HOST_TABLE_BYTES = 4 << 20
 HASH_LIMIT = 4 * 2**20  # files up to this size get a sha256 in the manifest, checked at load
 # files a Hugging Face tokenizer may be saved as (an older package names none of its own)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
@@ -377,8 +381,9 @@ class EmbeddingInfo:
     table inside ``file`` (its external data), ``data [V, d*bits/8]`` uint8, ``scales
     [V, d/block_size]`` and ``zero_points`` (packed, low bits first), read row by row and
     de-quantized as ``GatherBlockQuantized`` does; graph-rows: the graph's own float table
-    (an untied int4/int8 model's embedding, which its Gather reads), ``data [V, d]`` inside
-    ``file``, stored once rather than again in ``embeddings.npy``."""
+    (an untied int4/int8 model's embedding, or a float package's, which its Gather reads),
+    ``data [V, d]`` in the package's dtype inside ``file``, stored once rather than again in
+    ``embeddings.npy``."""
 
     dtype: str
     mu: tuple[float, ...]

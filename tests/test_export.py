@@ -430,3 +430,40 @@ def test_a_checkpoint_missing_weights_is_refused_not_filled_with_random_values(t
         assert "lacks 1 weight its config needs (model.layers.1.mlp.down_proj.weight)" in \
             proc.stderr and "random values" in proc.stderr
     assert not (tmp_path / "pkg").exists()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_a_float_packages_big_embedding_is_stored_once(stories_pkg, tmp_path, monkeypatch,
+                                                        dtype):
+    """A float package's embedding table is the graph's Gather table; stored again in
+    embeddings.npy it was 113 MB of SmolLM2 fp32's 651 (56 of fp16's 325). From
+    HOST_TABLE_BYTES up (forced here on stories260K) the host maps the graph's own rows from
+    model.onnx.data: the same rows, the same tokens as the package that stores them twice."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from edgemtp import Model
+    from edgemtp.export import onnx_export
+
+    monkeypatch.setattr(onnx_export, "HOST_TABLE_BYTES", 0)
+    out = tmp_path / dtype
+    export_package(str(STORIES), out, dtype=dtype, max_context=256, progress=False)
+    pkg = load_package(out, check_plans=False)
+    e = pkg.meta.embeddings
+    assert (e.layout, e.file, e.data.dtype) == ("graph-rows", "model.onnx.data",
+                                                {"fp32": "float32", "fp16": "float16"}[dtype])
+    assert not (out / "embeddings.npy").exists()
+    assert pkg.meta.graph.external_data == "model.onnx.data"
+    table = AutoModelForCausalLM.from_pretrained(str(STORIES)).model.embed_tokens.weight
+    want = table.detach().to(getattr(torch, {"fp32": "float32", "fp16": "float16"}[dtype]))
+    rows = pkg.embedding_table().rows(np.arange(pkg.meta.vocab_size, dtype=np.int64))
+    assert rows.dtype == np.float32 and np.array_equal(rows, want.float().numpy())
+    if dtype == "fp16":
+        return
+    assert (stories_pkg / "embeddings.npy").exists()  # the default: a small table, twice
+    old, new = Model.load(str(stories_pkg), threads=1), Model.load(str(out), threads=1)
+    for drafter in ("none", "probe", "hybrid"):
+        a = old.generate("Once upon a time", drafter=drafter, bc=10, max_new_tokens=32)
+        b = new.generate("Once upon a time", drafter=drafter, bc=10, max_new_tokens=32)
+        assert (a.token_ids, a.stats.accept_lengths) == (b.token_ids,
+                                                         b.stats.accept_lengths), drafter
