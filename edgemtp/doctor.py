@@ -47,16 +47,19 @@ JETPACK_PYTHON = "3.10"  # JetPack 6 is Ubuntu 22.04; the Jetson AI Lab wheels a
 # for everything else, so --index-url resolves the dependencies too, and PyPI's wheels of
 # the same names can never be picked instead.
 JETSON_INDEX = "https://pypi.jetson-ai-lab.io/jp6/cu{cuda_tag}"
-# CUDA versions PyTorch publishes wheels for (download.pytorch.org/whl/cuXYZ); a driver runs
-# a wheel whose CUDA is not newer than the CUDA it reports
-TORCH_CUDA_WHEELS = ("12.6", "12.8", "13.0")
+# CUDA versions PyTorch 2.13 publishes stable wheels for (download.pytorch.org/whl/cuXYZ:
+# cu126 and cu130; cu128 ended with 2.11, cu132 is experimental). A driver runs a wheel of its
+# own CUDA major version whatever the minor (CUDA's minor-version compatibility: a CUDA 12.2
+# driver runs cu126), and of an older major
+TORCH_CUDA_WHEELS = ("12.6", "13.0")
+TORCH_PIN = "torch==2.13.0"  # the version the CPU install and CI pin
 
 # the one table of install steps: what -> (desktop or server with PyPI wheels, JetPack 6).
 # {torch_cuda}: the newest PyTorch CUDA wheel the driver runs; {index}: JETSON_INDEX.
 INSTALL = {
-    "torch": ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+    "torch": (f"pip install {TORCH_PIN} --index-url https://download.pytorch.org/whl/cpu",
               "pip install torch --index-url {index}"),
-    "torch-cuda": ("pip uninstall -y torch && pip install torch --index-url "
+    "torch-cuda": (f"pip uninstall -y torch && pip install {TORCH_PIN} --index-url "
                    "https://download.pytorch.org/whl/cu{torch_cuda}",
                    "pip uninstall -y torch && pip install torch --index-url {index}"),
     "onnxruntime": ("pip install onnxruntime", "pip install onnxruntime"),
@@ -384,9 +387,10 @@ def install_step(what: str, facts: Facts, then: str = "") -> str:
 
 
 def _torch_cuda_wheel(facts: Facts) -> str:
-    """The newest PyTorch CUDA wheel this driver runs (12.8 when the driver is unknown)."""
+    """The newest PyTorch CUDA wheel this driver runs: of its CUDA major version or older
+    (the oldest, which every CUDA 12 or 13 driver runs, when the driver is unknown)."""
     drv = _version(facts.cuda_driver)
-    fits = [w for w in TORCH_CUDA_WHEELS if _version(w) <= drv] if drv else ["12.8"]
+    fits = [w for w in TORCH_CUDA_WHEELS if _version(w)[:1] <= drv[:1]] if drv else []
     return fits[-1] if fits else TORCH_CUDA_WHEELS[0]
 
 
@@ -395,10 +399,25 @@ def _torch_cuda_wheel(facts: Facts) -> str:
 Gap = tuple[bool, str, str]
 
 
+def _join_steps(steps) -> str:
+    """Shell commands joined by ``&&``, a step in words (update a driver, flash JetPack) set
+    apart by ``; then``, so that every run of commands can be pasted as it is.
+
+    >>> _join_steps(["update the driver (https://x)", "pip install a", "sudo apt install b"])
+    'update the driver (https://x); then pip install a && sudo apt install b'
+    """
+    out, prev = "", False
+    for step in steps:
+        command = step.split(" ", 1)[0] in ("pip", "sudo", "apt", "python", "python3")
+        out += ("" if not out else " && " if command and prev else "; then ") + step
+        prev = command
+    return out
+
+
 def _verdict(f: Facts, backend: str, device: str, ok_text: str, gaps: list[Gap],
              needs_gpu: bool) -> Verdict:
     gaps = [(why, step) for gap, why, step in gaps if gap]
-    steps = " && ".join(dict.fromkeys(install_step(s, f) if s in INSTALL else s
+    steps = _join_steps(dict.fromkeys(install_step(s, f) if s in INSTALL else s
                                       for _, s in gaps))
     why = "; ".join(w for w, _ in gaps)
     if needs_gpu and not f.has_gpu:
@@ -419,13 +438,14 @@ def _torch_cpu(f: Facts) -> Verdict:
 
 
 def _torch_cuda(f: Facts) -> Verdict:
+    oldest = TORCH_CUDA_WHEELS[0].split(".")[0]  # (any driver of that major runs it)
     old_driver = (not f.jetson and bool(f.cuda_driver)
-                  and _version(f.cuda_driver) < _version(TORCH_CUDA_WHEELS[0]))
+                  and _version(f.cuda_driver)[:1] < _version(TORCH_CUDA_WHEELS[0])[:1])
     cpu_build = f"torch {f.torch} is a CPU-only build" if f.torch else "torch is not installed"
     return _verdict(f, "torch", "cuda", f"torch {f.torch}, CUDA {f.torch_cuda}", [
         (old_driver, f"the driver runs CUDA {f.cuda_driver}, older than PyTorch's wheels "
-                     f"({TORCH_CUDA_WHEELS[0]}+)",
-         f"update the NVIDIA driver to one for CUDA {TORCH_CUDA_WHEELS[0]} or newer "
+                     f"(CUDA {oldest}.x)",
+         f"update the NVIDIA driver to one for CUDA {oldest} or newer "
          f"(https://www.nvidia.com/drivers)"),
         (not f.torch_cuda, cpu_build, "torch-cuda"),
         (bool(f.torch_cuda) and f.has_gpu and not f.torch_cuda_ok and not old_driver,

@@ -128,7 +128,7 @@ def test_doctor_command_reports_this_machine(runs):
         assert " no " in _row(out, backend, device)
     installs = re.findall(r"^ {36}install: (.*)$", out, re.M)
     assert len(installs) == 4
-    assert any("pip install torch --index-url https://download.pytorch.org/whl/cu12" in i
+    assert any("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126" in i
                for i in installs)
     assert any("pip install onnxruntime-gpu" in i for i in installs)
 
@@ -235,12 +235,15 @@ def test_jetson_wheels_are_for_python_3_10():
     assert "Python 3.10" in v.reason and "3.12.3" in v.reason
 
 
-@pytest.mark.parametrize("driver, wheel", [("12.8", "cu128"), ("12.6", "cu126"),
-                                           ("13.1", "cu130"), (None, "cu128")])
+@pytest.mark.parametrize("driver, wheel", [("12.8", "cu126"), ("12.6", "cu126"),
+                                           ("12.2", "cu126"), ("13.1", "cu130"),
+                                           ("13.0", "cu130"), (None, "cu126")])
 def test_desktop_torch_cuda_wheel_follows_the_driver(driver, wheel):
+    """PyTorch 2.13 publishes cu126 and cu130 wheels (no cu128 since 2.12); a CUDA 12.2
+    driver (R535, a datacenter branch) runs cu126 by minor-version compatibility."""
     v = by_pair(replace(DESKTOP, cuda_driver=driver))["torch", "cuda"]
-    assert "CPU-only build" in v.reason
-    assert v.install == ("pip uninstall -y torch && pip install torch --index-url "
+    assert "CPU-only build" in v.reason and "driver" not in v.reason
+    assert v.install == ("pip uninstall -y torch && pip install torch==2.13.0 --index-url "
                          f"https://download.pytorch.org/whl/{wheel}")
 
 
@@ -273,8 +276,12 @@ def test_desktop_verdicts_and_install_steps():
                                                 "cudnn9-cuda-12")
     assert v["tensorrt", "cuda"].install == ('pip install tensorrt && pip install '
                                              '"cuda-python>=12.6,<13"')
-    old = by_pair(replace(DESKTOP, cuda_driver="12.2"))["torch", "cuda"]
-    assert old.install.startswith("update the NVIDIA driver to one for CUDA 12.6 or newer")
+    old = by_pair(replace(DESKTOP, cuda_driver="11.8"))["torch", "cuda"]
+    # (a step in words, then commands that paste as they are)
+    assert old.install == ("update the NVIDIA driver to one for CUDA 12 or newer "
+                           "(https://www.nvidia.com/drivers); then pip uninstall -y torch && "
+                           "pip install torch==2.13.0 --index-url "
+                           "https://download.pytorch.org/whl/cu126")
     ready = replace(DESKTOP, cudnn="9.1.0", nvinfer=True, tensorrt="10.9.0", cuda_python=True,
                     ort_providers=("TensorrtExecutionProvider", "CUDAExecutionProvider",
                                    "CPUExecutionProvider"))
