@@ -891,19 +891,28 @@ class Package:
                                      f"the manifest was edited or is another package's: "
                                      f"re-export")
 
-    def check_engines(self) -> None:
-        """Every listed TensorRT engine is there and whole (its sha256 checked when at most
-        ``HASH_LIMIT`` bytes, like the export's files)."""
-        for e in self.meta.engines:
-            path, rebuild = self.root / e.file, f"edgemtp build-engine {str(self.root)}"
-            if not path.is_file():
-                raise ModelLoadError(f"{self._where()} lists the TensorRT engine {e.label} but "
-                                     f"the file is missing; rebuild it: {rebuild}")
-            size = path.stat().st_size
-            if size != e.bytes or (size <= HASH_LIMIT and _sha256(path) != e.sha256):
-                what = f"{size} bytes, not {e.bytes}" if size != e.bytes else "its sha256 differs"
-                raise ModelLoadError(f"the TensorRT engine {str(path)!r} is not the one that was "
-                                     f"built ({what}); rebuild it: {rebuild}")
+    def engine_problem(self, e) -> str | None:
+        """Why the listed TensorRT engine ``e`` (an :class:`EngineInfo`) cannot be loaded: its
+        file is gone, or is not the one that was built (its size, and its sha256 when at most
+        ``HASH_LIMIT`` bytes, like the export's files); None when it is whole. Only the
+        tensorrt backend reads an engine: the others run a package whose engines are gone
+        (built on a Jetson, the package copied back without ``engines/``)."""
+        path = self.root / e.file
+        if not path.is_file():
+            return f"{self._where()} lists the TensorRT engine {e.label} but the file is missing"
+        size = path.stat().st_size
+        if size != e.bytes or (size <= HASH_LIMIT and _sha256(path) != e.sha256):
+            what = f"{size} bytes, not {e.bytes}" if size != e.bytes else "its sha256 differs"
+            return f"the TensorRT engine {str(path)!r} is not the one that was built ({what})"
+        return None
+
+    def check_engine(self, e) -> None:
+        """:meth:`engine_problem` as a one-line :class:`ModelLoadError` (the tensorrt backend,
+        for the engine it is about to load)."""
+        problem = self.engine_problem(e)
+        if problem:
+            raise ModelLoadError(f"{problem}; rebuild it on that GPU: edgemtp build-engine "
+                                 f"{str(self.root)}")
 
     def check_embeddings(self) -> None:
         """The table must be ``[vocab_size, hidden_size]`` of the recorded dtype (npy), or its
@@ -992,10 +1001,11 @@ def graph_io(values) -> dict:
     return out
 
 
-def load_package(path, check_plans: bool = True, check_engines: bool = True) -> Package:
+def load_package(path, check_plans: bool = True, check_engines: bool = False) -> Package:
     """Read and validate a package folder; one-line :class:`ModelLoadError` when it is bad.
     With ``check_plans`` (the default), the plans read from it become the runtime's plans;
-    ``check_engines=False`` lets ``build-engine`` replace an engine that is gone or broken."""
+    ``check_engines``: every listed TensorRT engine must be whole too (``build-engine``, after
+    writing one; the tensorrt backend checks the one engine it loads)."""
     root = check_folder(path)
     mpath = root / MANIFEST
     try:
@@ -1009,7 +1019,8 @@ def load_package(path, check_plans: bool = True, check_engines: bool = True) -> 
     pkg = Package(root, raw, meta)
     pkg.check_files()
     if check_engines:
-        pkg.check_engines()
+        for e in meta.engines:
+            pkg.check_engine(e)
     pkg.check_embeddings()
     if check_plans:
         for p in pkg.read_plans().values():
@@ -1104,6 +1115,11 @@ def describe(pkg: Package) -> str:
         lines.append(f"engine    {e.file}, {_size(e.bytes)}: TensorRT {e.tensorrt_version} on "
                      f"{e.gpu} (sm {e.compute_capability}), {len(e.profiles)} profiles "
                      f"({names})")
+        problem = pkg.engine_problem(e)
+        if problem:  # (the other backends run without it)
+            lines.append(f"          unusable: {problem.split(' but ')[-1]}; the tensorrt "
+                         f"backend needs it rebuilt on that GPU: edgemtp build-engine "
+                         f"{str(pkg.root)}")
     for h in m.heads:
         lines.append(f"heads     {h.file}: {h.summary()}")
     weights = pkg.weight_bytes()

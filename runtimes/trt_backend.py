@@ -249,11 +249,13 @@ class TrtBackend:
             pkg.check_graph_file()
         except ImportError:  # (onnx is not needed to run engines)
             pass
+        # what this machine lacks first (TensorRT, a GPU), then the engine: build-engine
+        # would need them too
+        trt = self.trt = import_tensorrt()
+        self.memory = device_memory(index)
         if not m.engines:
             raise ModelLoadError(f"the package {str(pkg.root)!r} has no TensorRT engine; build "
                                  f"one on this machine: edgemtp build-engine {str(pkg.root)}")
-        trt = self.trt = import_tensorrt()
-        self.memory = device_memory(index)
         self.engine, self.info = self._load_engine(trt, pkg)
         self.vocab_size, self.hidden_size, self.topk = m.vocab_size, m.hidden_size, m.topk
         self.eos_token_ids = tuple(m.eos_token_ids)
@@ -277,6 +279,7 @@ class TrtBackend:
             raise ModelLoadError(f"the package {str(pkg.root)!r} has no engine for this machine "
                                  f"({gpu}, sm {capability}, TensorRT {trt.__version__}): it has "
                                  f"{built}; build one here: edgemtp build-engine {str(pkg.root)}")
+        pkg.check_engine(info)  # (only this one: the others are other GPUs')
         runtime = trt.Runtime(_logger(trt))
         engine = runtime.deserialize_cuda_engine((pkg.root / info.file).read_bytes())
         if engine is None:

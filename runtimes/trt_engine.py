@@ -380,5 +380,5 @@ def _list_engine(root: Path, info: EngineInfo) -> None:
     tmp = root / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(raw, indent=2) + "\n")
     os.replace(tmp, path)
-    load_package(root, check_plans=False)
+    load_package(root, check_plans=False, check_engines=True)
 

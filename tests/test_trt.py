@@ -164,14 +164,33 @@ def test_an_engine_entry_round_trips_and_inspect_shows_it(stories_pkg, tmp_path)
     assert "engine " not in _cli("inspect", stories_pkg).stdout  # an older package: none
 
 
-def test_inspect_fails_in_one_line_on_a_missing_or_changed_engine(stories_pkg, tmp_path):
+def test_a_missing_or_changed_engine_stops_only_the_tensorrt_backend(stories_pkg, tmp_path):
+    """Engines are built on the device (a Jetson's sm 8.7); a package copied back without its
+    engines/ folder must still run on the other backends, and inspect says which engine is
+    unusable (it refused the whole package, and pointed an x86 box without TensorRT at
+    build-engine)."""
+    from edgemtp.errors import ModelLoadError
+
     root, name = _with_engine(stories_pkg, tmp_path / "a", keep_file=False)
-    _one_line_error(_cli("inspect", root), f"lists the TensorRT engine {name}", "missing",
-                    "edgemtp build-engine")
+    p = _cli("inspect", root)
+    assert p.returncode == 0, p.stderr
+    assert "unusable: the file is missing; the tensorrt backend needs it rebuilt on that " \
+           f"GPU: edgemtp build-engine {root}" in p.stdout
+    gen = _cli("generate", "--model", root, "--prompt", "Once upon a time",
+               "--max-new-tokens", "8", "--backend", "onnxruntime")
+    assert gen.returncode == 0 and "Traceback" not in gen.stderr, gen.stderr
+    pkg = load_package(root)
+    with pytest.raises(ModelLoadError, match=f"lists the TensorRT engine {name}.* missing; "
+                                             "rebuild it on that GPU: edgemtp build-engine"):
+        pkg.check_engine(pkg.meta.engines[0])
+    with pytest.raises(ModelLoadError, match="missing"):
+        load_package(root, check_engines=True)  # (build-engine's check after writing one)
     root, name = _with_engine(stories_pkg, tmp_path / "b")
     (root / name).write_bytes(b"another engine")
-    _one_line_error(_cli("inspect", root), "is not the one that was built",
-                    "edgemtp build-engine")
+    assert "is not the one that was built (14 bytes, not 33)" in _cli("inspect", root).stdout
+    pkg = load_package(root)
+    with pytest.raises(ModelLoadError, match="is not the one that was built"):
+        pkg.check_engine(pkg.meta.engines[0])
 
 
 def test_a_bad_engine_entry_is_a_manifest_error(stories_pkg, tmp_path):
@@ -196,8 +215,9 @@ def test_build_engine_without_tensorrt_is_one_line(stories_pkg, tmp_path):
 @no_tensorrt
 def test_generate_on_tensorrt_says_what_is_missing(stories_pkg, tmp_path):
     gen = ("generate", "--backend", "tensorrt", "--prompt", "Once upon a time", "--model")
-    _one_line_error(_cli(*gen, stories_pkg, "--device", "cuda"), "has no TensorRT engine",
-                    f"edgemtp build-engine {stories_pkg}")
+    # what the machine lacks is said first: build-engine would need TensorRT too
+    _one_line_error(_cli(*gen, stories_pkg, "--device", "cuda"),
+                    "backend 'tensorrt' needs the Python package 'tensorrt'")
     _one_line_error(_cli(*gen, stories_pkg), "runs on an NVIDIA GPU", "--device cuda")
     root, _ = _with_engine(stories_pkg, tmp_path)
     _one_line_error(_cli(*gen, root, "--device", "cuda"),
