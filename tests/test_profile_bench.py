@@ -258,6 +258,10 @@ def test_bench_resumes_after_ctrl_c_without_measuring_kept_rows_again(stories_pa
                              ("pld", 30), ("auto", 10), ("auto", 30)}
     assert data["failures"] == [] and all(r["lossless"] for r in data["rows"])
     assert "| probe | 30 |" in proc.stdout and "| auto | 10 |" in proc.stdout
+    # which run it was: the device, dtype (a folder run as it is: none) and threads
+    assert (data["device"], data["dtype"], data["threads"]) == ("cpu", None, 1)
+    assert "# edgemtp bench: stories260K on torch, cpu\n" in proc.stdout
+    assert "backend torch, 1 thread," in proc.stdout
     for png in ("bench_stories260K_torch_be.png", "bench_stories260K_torch_tps.png"):
         assert (tmp_path / png).stat().st_size > 1000
 

@@ -63,27 +63,32 @@ def _run(a, load, tasks, greedy, plan) -> int:
     tasks = chat_turns(model, tasks)
     check_fits(a.bc, model.backend.max_context)
     out, name = Path(a.out), Path(a.model).name
-    stem = f"bench_{name}_{model.backend.name}"
+    # runs of one model on other devices or dtypes get files of their own
+    device, dtype = a.device or "cpu", a.dtype or _package_dtype(model)
+    stem = bench_stem(name, model.backend.name, device, a.dtype)
     log = RowLog(out / f"{stem}.rows.jsonl", fresh=a.fresh, settings=dict(
         model=str(Path(a.model).resolve()) if Path(a.model).exists() else a.model,
         model_id=model_identity(a.model), backend=model.backend.name, device=a.device,
         dtype=a.dtype, threads=a.threads, max_new_tokens=a.max_new_tokens, repeats=a.repeats))
     check_runnable(model, plan)  # before any row is measured
     if log.kept:
-        print(f"bench: {log.path} holds {log.kept} rows measured with these settings; they "
-              f"are reused (--fresh measures them again)", file=sys.stderr)
+        print(f"bench: {log.path} holds {log.kept} rows measured with these settings; those "
+              f"this run asks for are reused (--fresh measures them again)", file=sys.stderr)
     try:
         result = run_bench(model, tasks, greedy, plan, log, hf_reference=not a.no_hf_reference,
                            repeats=a.repeats, device=a.device)
     except KeyboardInterrupt:
         print(f"edgemtp: interrupted; {log.kept} measured rows are kept in {log.path}; run the "
-              f"same command again to measure only the rest", file=sys.stderr)
+              f"same command again to measure only the rest" if log.kept else
+              "edgemtp: interrupted before any row was measured", file=sys.stderr)
         return 130
     finally:
         log.close()
     out.mkdir(parents=True, exist_ok=True)
+    result.update(device=device, dtype=dtype, threads=a.threads)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    text = markdown(result, f"edgemtp bench: {name} on {model.backend.name}")
+    text = markdown(result, f"edgemtp bench: {name} on {model.backend.name}, {device}"
+                            + (f", {dtype}" if dtype else ""))
     (out / f"{stem}.md").write_text(text)
     pngs = plots(result, out, stem)
     print(text)
@@ -93,6 +98,24 @@ def _run(a, load, tasks, greedy, plan) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def bench_stem(name: str, backend: str, device: str = "cpu", dtype: str | None = None) -> str:
+    """The files' name of a bench run: the model and backend, and the device and dtype where
+    asked for, so that runs of one model on a GPU or in another dtype keep files of their own.
+
+    >>> bench_stem("stories260K", "torch"), bench_stem("stories260K", "torch", "cuda:1", "bf16")
+    ('bench_stories260K_torch', 'bench_stories260K_torch_cuda1_bf16')
+    """
+    return "_".join(["bench", name, backend] + ([device.replace(":", "")] if device != "cpu"
+                                                 else []) + ([dtype] if dtype else []))
+
+
+def _package_dtype(model) -> str | None:
+    """The weights of the package a backend runs (``int4``, ``fp16``...), None for a Hugging
+    Face folder run as it is."""
+    pkg = getattr(model.backend, "package", None)
+    return getattr(getattr(pkg, "weights", None), "format", None)
 
 
 def check_drafters(text: str) -> list[str]:
@@ -306,9 +329,11 @@ def markdown(result: dict, title: str) -> str:
     rows = [r for r in result["rows"] if "skipped" not in r]
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     keys = list(dict.fromkeys((r["method"], r["bc"]) for r in rows))
+    n = result.get("threads")
+    threads = f", {n} thread{'s' if n != 1 else ''}" if n else ""
     out = [f"# {title}", "", f"{result['max_new_tokens']} new tokens per prompt, backend "
-           f"{result['backend']}, {result['date']}. Cells: BE (tokens per forward call, prefill "
-           f"included) / tokens per second (median of {result['repeats']} runs"
+           f"{result['backend']}{threads}, {result['date']}. Cells: BE (tokens per forward call, "
+           f"prefill included) / tokens per second (median of {result['repeats']} runs"
            f"{'; the transformers reference: one run' if result.get('reference_source') else ''})"
            ". Every output is checked against greedy decoding.",
            "", "| method | BC | " + " | ".join(tasks) + " | mean BE | lossless |",
