@@ -564,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=60, help="largest block complexity (default: 60)")
     p.add_argument("--prompts", type=int, default=8, help="prompts to run (default: 8)")
     p.add_argument("--prompts-file", default=None,
-                   help="JSONL with 'prompt' or 'turns' (default: the shared story prompts)")
+                   help="JSONL, a line each: a JSON string, or an object with 'prompt' or"
+                        " 'turns' (default: the shared story prompts)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=2,
                    help="timed runs per plan; tokens/s is the best of them (default: 2)")

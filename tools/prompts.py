@@ -21,8 +21,8 @@ def story_prompts(n: int) -> list[str]:
 
 
 def load_prompts(path: str | None, n: int) -> list[str]:
-    """The first ``n`` prompts of a JSONL file (``prompt``, or Spec-Bench ``turns``: the first
-    turn); ``None``: the shared story prompts."""
+    """The first ``n`` prompts of a JSONL file (a JSON string, ``prompt``, or Spec-Bench
+    ``turns``: the first turn, a line each); ``None``: the shared story prompts."""
     path = str(STORY_PROMPTS) if path is None else path
     rows = []
     try:
@@ -40,7 +40,8 @@ def load_prompts(path: str | None, n: int) -> list[str]:
     prompts = [_first_prompt(r) for r in rows]
     prompts = [p for p in prompts if isinstance(p, str) and p]
     if not prompts:
-        raise ConfigError(f"{path!r} has no prompts; expected JSON lines with 'prompt' or 'turns'")
+        raise ConfigError(f"{path!r} has no prompts; expected JSON lines, each a string or an "
+                          f"object with 'prompt' or 'turns'")
     return prompts[:n]
 
 
@@ -79,6 +80,13 @@ def chat_turns(model, tasks: dict[str, list]) -> dict[str, list]:
 
 
 def _first_prompt(row) -> str | None:
+    """A line's prompt: a JSON string, ``{"prompt": ...}``, or Spec-Bench's first turn.
+
+    >>> [_first_prompt(r) for r in ("Once", {"prompt": "Hi"}, {"turns": ["Q1", "Q2"]}, 3)]
+    ['Once', 'Hi', 'Q1', None]
+    """
+    if isinstance(row, str):
+        return row
     if not isinstance(row, dict):
         return None
     turns = row.get("turns")
