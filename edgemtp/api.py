@@ -261,6 +261,13 @@ class Model:
             return self.tokenizer.encode(prompt)
         return token_ids(prompt, self.backend.vocab_size)
 
+    def check_config(self, config: GenerationConfig) -> None:
+        """Refuse now, in one :class:`ConfigError` or :class:`ModelLoadError`, a config this
+        model cannot run whatever the prompt (a drafter whose learned heads or top-K the
+        package lacks): what a REPL or a server checks once at start rather than at every
+        turn or request. Builds the generation's drafter; runs nothing."""
+        self.generation([0], config.with_(max_new_tokens=1, stop=())).close()
+
     def generation(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
                    **options) -> Generation:
         """A step-by-step generation (iterate it for the tokens each forward pass commits)."""

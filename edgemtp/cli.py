@@ -223,6 +223,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     _check_tokenizer(a.model, model)
     history = _chat_messages(a.system)
     model.encode_chat(history or [{"role": "user", "content": "hi"}])  # no template: fail now
+    model.check_config(config)  # (e.g. --drafter heads on a package without heads)
     while (line := _read_turn()) is not None:
         if line == "/exit":
             break

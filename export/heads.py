@@ -84,6 +84,12 @@ class TrainOptions:
             raise ConfigError(f"--lr must be a number in (0, 1), got {self.lr!r}")
         if self.heads > 10:
             raise ConfigError(f"--heads must be at most 10 (tree depths), got {self.heads}")
+        for name, low in (("vocab", 2), ("max_prompts", 1)):  # (None: all)
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < low):
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {low}, "
+                                  f"got {value!r}")
 
 
 # -- prompts -------------------------------------------------------------------------------
@@ -282,8 +288,11 @@ def train(model_heads, cache: dict, opt: TrainOptions, vocab, checkpoint: Path,
 
     params = [p for p in model_heads.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=opt.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=opt.lr, total_steps=opt.steps,
-                                                pct_start=0.05)
+    # a one-cycle schedule warming up over 5 % of the steps; under 40 steps (a warm-up of one
+    # step, which OneCycleLR divides by zero on) the peak rate throughout
+    sched = (torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=opt.lr, total_steps=opt.steps,
+                                                 pct_start=0.05) if opt.steps >= 40 else
+             torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0))
     history, step, before = [], 0, 0.0  # before: seconds spent by earlier (resumed) runs
     if checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
@@ -502,7 +511,18 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
     ids = [p if not isinstance(p, str) else
            model.encode_chat([{"role": "user", "content": p}]) if chat else model.encode(p)
            for p in prompts]
+    if opt.new_tokens >= b.max_context:  # (each generation stops at the context's end)
+        raise ConfigError(f"--new-tokens must be below the package's context of "
+                          f"{b.max_context}, got {opt.new_tokens}")
     work = Path(work) if work is not None else work_folder(root)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        probe = work / ".writable"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--work {str(work)!r} cannot hold the training cache: "
+                          f"{e.strerror or e}") from None
     key = f"s{opt.seed}_r{opt.repeats}_b{opt.bos_samples}_n{opt.new_tokens}_p{len(ids)}"
     cache = generate_cache(model, ids, opt, work / f"cache_{key}.npz", progress)
     gen_minutes = float(cache.get("seconds", 0.0)) / 60
@@ -517,19 +537,22 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
     result = train(heads, cache, opt, vocab, work / f"{opt.kind}_{key}_h{opt.heads}.pt",
                    progress)
 
-    out = root / HEADS_DIR
-    out.mkdir(exist_ok=True)
+    # every file is written and checked in a staging folder beside the heads, then moved in
+    # with the manifest (SIGINT held off for those few renames): a run stopped or failing
+    # before then leaves the package's heads as they were
+    (root / HEADS_DIR).mkdir(exist_ok=True)
+    staged = _staging(root, opt.kind)
     topk = min(HEADS_TOPK, len(lm_head))
     chain = CHAIN if opt.kind == "residual" and vocab is not None and len(vocab) > CHAIN else None
     by_id = opt.kind == "residual" and vocab is None
-    export_heads(heads, lm_head, out / f"{opt.kind}.onnx", topk, chain, by_id=by_id)
+    export_heads(heads, lm_head, staged / f"{opt.kind}.onnx", topk, chain, by_id=by_id)
     vocab_file = None
     if vocab is not None:
         vocab_file = f"{HEADS_DIR}/{opt.kind}.vocab.npy"
-        np.save(root / vocab_file, vocab)
+        np.save(staged / Path(vocab_file).name, vocab)
     plot = f"{HEADS_DIR}/{opt.kind}_loss.png"
     hist = result["history"]
-    plot_loss(hist, root / plot, f"{opt.kind} heads, {root.name}")
+    plot_loss(hist, staged / Path(plot).name, f"{opt.kind} heads, {root.name}")
     info = HeadsInfo(
         kind=opt.kind, file=f"{HEADS_DIR}/{opt.kind}.onnx", heads=opt.heads, topk=topk,
         vocab=len(lm_head), vocab_file=vocab_file, chain=chain,
@@ -542,9 +565,43 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
             loss_last=float(np.mean(hist[-50:])), val_top1=result["val_top1"],
             minutes=round(result["minutes"], 2), gen_minutes=round(gen_minutes, 2),
             threads=opt.threads, date=time.strftime("%Y-%m-%d")))
-    _write_manifest(root, info)
-    load_package(root)  # what was written must load
+    _move_in(root, staged, info)
+    load_package(root).check_heads(info)  # what was written must load
     return info
+
+
+def _staging(root: Path, kind: str) -> Path:
+    """An empty staging folder for ``kind``'s new heads files (an interrupted run's is
+    dropped)."""
+    import shutil
+
+    staged = root / HEADS_DIR / f".{kind}.staged"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir()
+    return staged
+
+
+def _move_in(root: Path, staged: Path, info: HeadsInfo) -> None:
+    """Replace ``info.kind``'s heads files by the staged ones and record them in the
+    manifest, with SIGINT held until done; the kind's old files the new heads do not have
+    (a vocabulary file) are removed."""
+    import signal
+    import threading
+
+    hold = threading.current_thread() is threading.main_thread()
+    if hold:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        for f in info.files():
+            (staged / Path(f).name).replace(root / f)
+        for old in (root / HEADS_DIR).glob(f"{info.kind}.*"):
+            if f"{HEADS_DIR}/{old.name}" not in info.files():
+                old.unlink()
+        _write_manifest(root, info)
+        staged.rmdir()
+    finally:
+        if hold:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _write_manifest(root: Path, info: HeadsInfo) -> None:

@@ -494,6 +494,7 @@ class HeadsRunner:
         device other than the CPU (a torch backend on a GPU) also tries the heads in PyTorch
         there, and keeps them where they are the faster; ``native="torch"`` forces that."""
         info = pick(package.meta.heads, kind, f"the package {str(package.root)!r}")
+        package.check_heads(info)
         path = package.root / info.file
         st = path.stat()
         lm_head, vocab = _table(package, info.vocab_file)

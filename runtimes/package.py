@@ -812,8 +812,34 @@ class Package:
         if unrecorded:
             raise ModelLoadError(f"the manifest of {self._where()} records no size for "
                                  f"{unrecorded[0]}; re-export the package")
+        # learned heads are optional: a kind's files are checked where its heads are loaded
+        # (check_heads), so a broken kind stops only the generations that use it
+        heads = {f for h in m.heads for f in h.files()}
         for name, info in m.files.items():
-            self._check_file(name, info)
+            if name not in heads:
+                self._check_file(name, info)
+
+    def heads_problem(self, info) -> str | None:
+        """Why the learned heads ``info`` (a :class:`HeadsInfo` of the manifest) cannot run:
+        a file of theirs is missing or not what ``train-heads`` wrote; None when whole."""
+        files = self.meta.files or {}
+        for name in info.files():
+            try:
+                if name in files:
+                    self._check_file(name, files[name])
+                elif not (self.root / name).is_file():
+                    raise self._missing(name)
+            except ModelLoadError as e:
+                why = str(e).rsplit("; re-export", 1)[0]
+                return (f"{why}; train them again: edgemtp train-heads {str(self.root)} "
+                        f"--kind {info.kind}")
+        return None
+
+    def check_heads(self, info) -> None:
+        """:meth:`heads_problem` as a one-line :class:`ModelLoadError`."""
+        problem = self.heads_problem(info)
+        if problem:
+            raise ModelLoadError(problem)
 
     def _check_tokenizer(self) -> None:
         want = self.meta.tokenizer_files or TOKENIZER_FILES
@@ -1122,6 +1148,9 @@ def describe(pkg: Package) -> str:
                          f"{str(pkg.root)}")
     for h in m.heads:
         lines.append(f"heads     {h.file}: {h.summary()}")
+        problem = pkg.heads_problem(h)
+        if problem:  # (the other drafters run without them)
+            lines.append(f"          unusable: {problem}")
     weights = pkg.weight_bytes()
     lines += ["", f"memory    weights {_size(weights)} ({pkg.weights.name}, on disk)"]
     if m.cache.value_dtype:  # exact attention sums: fp32 keys, float64 values, as it runs

@@ -547,3 +547,104 @@ def test_the_hybrid_with_heads_takes_a_measured_tree_cost(trained, stories_refs)
                               max_new_tokens=128)
     for ids, ref in zip(prompts[:2], refs):
         assert Generation(backend, config, ids).run().token_ids == ref
+
+
+# -- a package's heads as files: written whole, checked per kind ----------------------------
+
+
+def _copy(trained, tmp_path):
+    pkg, _ = trained
+    out = tmp_path / "copy"
+    shutil.copytree(pkg, out)
+    return out
+
+
+def _heads_run(pkg, kind):
+    from edgemtp import Model
+
+    model = Model.load(str(pkg), backend="onnxruntime", threads=1)
+    return model.generate("Once upon a time", drafter="heads" if kind else "none",
+                          heads=kind, bc=10, max_new_tokens=16).token_ids
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_broken_heads_file_stops_only_its_own_kind(trained, tmp_path, damage):
+    """Heads are optional: a damaged heads file (a copy cut short, a file left behind) stopped
+    plain decoding, the other kind, inspect and train-heads itself, with 're-export the
+    package', which would throw away every trained head."""
+    from edgemtp.errors import ModelLoadError
+
+    pkg = _copy(trained, tmp_path)
+    want = {kind: _heads_run(pkg, kind) for kind in (None, "medusa")}
+    f = pkg / "heads" / "residual.onnx"
+    if damage == "missing":
+        f.unlink()
+    else:
+        f.write_bytes(f.read_bytes()[:1000])
+    assert {kind: _heads_run(pkg, kind) for kind in (None, "medusa")} == want
+    with pytest.raises(ModelLoadError, match=r"residual heads file .*; train them again: "
+                                             rf"edgemtp train-heads {pkg} --kind residual$"):
+        _heads_run(pkg, "residual")
+    r = _cli("inspect", str(pkg))
+    assert r.returncode == 0, r.stderr
+    assert "unusable: " in r.stdout and "--kind residual" in r.stdout
+    r = _cli("generate", "--model", str(pkg), "--prompt", "Once", "--drafter", "heads",
+             "--heads", "residual", "--max-new-tokens", "4")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_retraining_that_fails_leaves_the_heads_as_they_were(trained, tmp_path, monkeypatch):
+    """train-heads writes a kind's files in a staging folder and moves them in with the
+    manifest: a run stopped or failing before then (it wrote heads/<kind>.onnx in place, then
+    failed its check or was interrupted, and the manifest no longer matched) leaves the old
+    heads running; the next run replaces them and leaves nothing behind."""
+    from edgemtp.export import heads as export
+    from edgemtp.export.heads import TrainOptions, train_heads, work_folder
+
+    pkg = _copy(trained, tmp_path)
+    before = {p.name: p.read_bytes() for p in (pkg / "heads").iterdir()}
+    manifest = (pkg / "edgemtp.json").read_text()
+    want = _heads_run(pkg, "residual")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("stopped after the new heads graph was written")
+
+    monkeypatch.setattr(export, "plot_loss", broken)
+    work = work_folder(trained[0])  # the trained package's generations, reused
+    opt = TrainOptions(kind="residual", **{**SHORT, "steps": 20})
+    with pytest.raises(RuntimeError, match="stopped after"):
+        train_heads(pkg, opt, work=work, progress=False)
+    assert (pkg / "edgemtp.json").read_text() == manifest
+    assert {p.name: p.read_bytes() for p in (pkg / "heads").iterdir()
+            if not p.name.startswith(".")} == before
+    assert _heads_run(pkg, "residual") == want
+    monkeypatch.undo()
+    info = train_heads(pkg, opt, work=work, progress=False)
+    assert info.training.steps == 20 and not list((pkg / "heads").glob(".*"))
+    assert load_package(pkg).heads_problem(info) is None
+    assert _heads_run(pkg, "residual") == _heads_run(pkg, None)[:len(want)]
+
+
+@pytest.mark.parametrize("option, value", [("vocab", 1), ("vocab", 0), ("max_prompts", 0),
+                                           ("max_prompts", -1)])
+def test_train_options_refuse_what_would_fail_or_misread(option, value):
+    from edgemtp.errors import ConfigError
+    from edgemtp.export.heads import TrainOptions
+
+    with pytest.raises(ConfigError, match=f"--{option.replace('_', '-')} must be an integer"):
+        TrainOptions(**{option: value})
+
+
+def test_chat_with_heads_the_package_lacks_is_refused_at_start(hidden_pkg, tmp_path):
+    """It printed the error at every turn and exited 0 at the end of input."""
+    from test_chat import CHATML
+
+    pkg = tmp_path / "chat"
+    shutil.copytree(hidden_pkg, pkg)
+    (pkg / "chat_template.jinja").write_text(CHATML)
+    r = subprocess.run([sys.executable, "-m", "edgemtp.cli", "chat", str(pkg), "--drafter",
+                        "heads"], input="hi\nhello\n", capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has no learned heads" in lines[0] and r.stdout == "", r.stderr

@@ -649,7 +649,9 @@ def test_limits_and_refusals_hold_before_a_stream_begins(stories_pkg, tmp_path):
 def test_bad_flags_end_in_one_line_and_exit_2(stories_pkg):
     for flags, message in ((["--parallel", "0"], "--parallel must be >= 1"),
                            (["--timeout", "-1"], "--timeout must be > 0"),
-                           (["--api-key", "a", "--api-key-file", "k"], "not both")):
+                           (["--api-key", "a", "--api-key-file", "k"], "not both"),
+                           # defaults every request would be refused with: refused at start
+                           (["--drafter", "heads"], "has no learned heads")):
         out = subprocess.run([sys.executable, "-m", "edgemtp.cli", "serve", str(stories_pkg),
                               *flags], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
@@ -680,3 +682,31 @@ def test_only_loopback_hosts_count_as_safe():
 
     assert all(_is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
     assert not any(_is_loopback(h) for h in ("0.0.0.0", "192.168.1.5", "::", "example.com"))
+
+
+def test_a_request_picks_its_drafter_and_heads_over_the_servers_defaults():
+    """QA (heads report D4, D5): a server run with --drafter heads --heads residual refused
+    every request for another drafter ("heads only applies to ..."), and ignored a request's
+    "heads"; the server's drafter-only defaults now give way to the request's drafter."""
+    from edgemtp.serve.requests import APIError, CompletionRequest, Limits, generation_config
+
+    base = GenerationConfig(drafter="heads", heads="residual", bc=10)
+    limits = Limits(max_tokens=64, max_context=256)
+
+    def config(**body):
+        return generation_config(CompletionRequest(prompt="Once", **body), base, limits)
+
+    assert config().heads == "residual"
+    for drafter in ("none", "probe", "pld", "stand", "lade"):
+        c = config(drafter=drafter)
+        assert (c.drafter, c.heads) == (drafter, None)
+    assert (config(drafter="hybrid").heads, config(drafter="auto").heads) == ("residual",) * 2
+    assert config(heads="medusa").heads == "medusa"
+    with pytest.raises(APIError, match="medusa or residual") as e:
+        config(heads="bogus")
+    assert e.value.status == 400
+    with pytest.raises(APIError, match="heads .* only applies to"):
+        config(drafter="pld", heads="medusa")  # what the request itself asked for
+    lade = GenerationConfig(drafter="lade", lookahead=(3, 4, 1))
+    assert generation_config(CompletionRequest(prompt="a", drafter="probe"), lade,
+                             limits).lookahead is None

@@ -60,6 +60,7 @@ def command(a: argparse.Namespace, load, config_of) -> int:
     model = load(a)
     if model.tokenizer is None:
         raise ModelLoadError(f"{a.model!r} has no tokenizer; the server takes text prompts")
+    model.check_config(base)  # defaults every request would be refused with: refused now
     if base.drafter == "auto" and base.latency is None:
         # auto's latency curve, measured now on an idle model (or read from the user cache),
         # not under the first requests, which would both wait for it and distort it

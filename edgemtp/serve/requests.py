@@ -81,6 +81,7 @@ class _Common(_Strict):
     drafter: str | None = None
     mask_tokens: int | None = None
     tree_cost: str | None = None
+    heads: str | None = None  # the learned heads' kind (drafter heads, hybrid or auto)
 
 
 class CompletionRequest(_Common):
@@ -139,7 +140,11 @@ class Limits:
 # request field -> GenerationConfig field
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
            "bc": "bc", "drafter": "drafter", "mask_tokens": "mask_tokens",
-           "tree_cost": "tree_cost"}
+           "tree_cost": "tree_cost", "heads": "heads"}
+# a server's default option that only some drafters take, and its value for the others: a
+# request that picks another drafter drops it (a server run with --heads residual serves
+# "drafter": "pld" without it) rather than being refused
+DRAFTER_OPTIONS = {"heads": None, "lookahead": None, "tree_cost": "budget"}
 # a ConfigError's first word -> the request field it is about
 PARAM_OF = {v: k for k, v in OPTIONS.items()} | {"max_new_tokens": "max_tokens", "stop": "stop",
                                                   "block": "bc"}  # "block complexity 3 is ..."
@@ -149,6 +154,16 @@ def generation_config(req: _Common, base: GenerationConfig, limits: Limits) -> G
     """The server's defaults with the request's options; bad values are 400s naming them."""
     changes = {OPTIONS[k]: v for k, v in req.model_dump(include=set(OPTIONS)).items()
                if v is not None}
+    if changes.get("drafter", base.drafter) != base.drafter:
+        from .. import drafters
+
+        try:
+            takes = drafters.get(changes["drafter"]).options
+        except ConfigError:
+            takes = ()  # (an unknown drafter: refused below)
+        for name, neutral in DRAFTER_OPTIONS.items():
+            if name not in changes and name not in takes:
+                changes[name] = neutral
     # both checked where both are given; the newer name wins
     for name in ("max_tokens", "max_completion_tokens"):
         max_tokens = getattr(req, name)
