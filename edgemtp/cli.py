@@ -584,6 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tree-cost", default="budget", metavar="budget,measured",
                    help="for hybrid, stand and auto: budget (default), measured, or both "
                         "(rows 'NAME measured': trees grow only while a node pays)")
+    b.add_argument("--heads", default=None, metavar="medusa,residual",
+                   help="a package's learned heads: the heads, hybrid and auto drafters run "
+                        "once per kind listed (rows 'NAME KIND'; default: heads runs the "
+                        "package's first kind, hybrid and auto run without heads)")
     b.add_argument("--sets", default="stories,spec_bench",
                    help="prompt sets: stories, spec_bench (by category)")
     b.add_argument("--per-set", type=int, default=8,

@@ -648,3 +648,34 @@ def test_chat_with_heads_the_package_lacks_is_refused_at_start(hidden_pkg, tmp_p
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "has no learned heads" in lines[0] and r.stdout == "", r.stderr
+
+
+def test_bench_and_profile_of_heads_a_package_lacks_say_just_that(hidden_pkg, tmp_path):
+    """It read "--bc 10 is more than this package can run for heads: it the package ... has
+    no learned heads ...; re-export the package with --bc 10"."""
+    r = _cli("bench", "--model", str(hidden_pkg), "--drafters", "heads", "--bc", "10",
+             "--sets", "stories", "--per-set", "1", "--repeats", "1", "--max-new-tokens", "8",
+             "--no-hf-reference", "--threads", "1", "--out", str(tmp_path / "b"))
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("edgemtp: error: --drafters heads: the package") and \
+        "has no learned heads" in line and "--bc" not in line and "re-export" not in line, line
+
+
+def test_bench_runs_each_heads_kind_with_every_drafter_that_takes_heads(trained, tmp_path):
+    """The README's "hybrid + residual heads" and "heads medusa" rows, from edgemtp bench
+    (it had no --heads: heads ran the package's first kind, the hybrid none)."""
+    pkg, _ = trained
+    r = _cli("bench", "--model", str(pkg), "--drafters", "heads,hybrid,pld", "--heads",
+             "residual,medusa", "--bc", "10", "--sets", "stories", "--per-set", "1",
+             "--repeats", "1", "--max-new-tokens", "24", "--no-hf-reference", "--threads", "1",
+             "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / f"bench_{pkg.name}_onnxruntime.json").read_text())
+    rows = {row["method"]: row for row in data["rows"]}
+    assert set(rows) == {"greedy", "heads residual", "heads medusa", "hybrid residual",
+                         "hybrid medusa", "pld"}
+    assert all(row["lossless"] for row in rows.values()) and data["failures"] == []
+    assert rows["heads residual"]["block_efficiency"] > 1.5
+    bad = _cli("bench", "--model", str(pkg), "--heads", "eagle", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "--heads must be one or more of medusa, residual" in bad.stderr

@@ -33,6 +33,7 @@ from edgemtp.budgets import check_bc
 from edgemtp.config import GenerationConfig
 from edgemtp.drafters.tree_cost import TREE_COSTS
 from edgemtp.errors import BudgetError, ConfigError
+from edgemtp.runtimes.heads import HEAD_KINDS
 
 from . import at_least_one, check_fits, output_folder, quiet_transformers
 from .measure import WARM_TOKENS, measure, misfit, warm_prompt, warm_up
@@ -49,7 +50,8 @@ def command(a, load) -> int:
     reuse) the rows, write the results. Returns the exit code."""
     greedy = GenerationConfig(drafter="none", max_new_tokens=a.max_new_tokens)
     plan = methods(check_drafters(a.drafters), [check_bc(bc, "--bc") for bc in a.bc], greedy,
-                   check_tree_costs(getattr(a, "tree_cost", "budget")))
+                   check_tree_costs(getattr(a, "tree_cost", "budget")),
+                   check_heads(getattr(a, "heads", None)))
     at_least_one(per_set=a.per_set, repeats=a.repeats)
     tasks = prompt_sets([s for s in a.sets.split(",") if s], a.per_set)
     with output_folder(a.out):
@@ -138,25 +140,45 @@ def check_tree_costs(text: str) -> tuple[str, ...]:
     return chosen
 
 
+def check_heads(text: str | None) -> tuple[str | None, ...]:
+    """``--heads``: learned heads kinds, comma-separated (None: the ``heads`` drafter runs the
+    package's first kind, the hybrid and auto run without heads).
+
+    >>> check_heads(None), check_heads("residual,medusa")
+    ((None,), ('residual', 'medusa'))
+    """
+    if text is None:
+        return (None,)
+    chosen = tuple(dict.fromkeys(k for k in text.split(",") if k))
+    if not chosen or any(k not in HEAD_KINDS for k in chosen):
+        raise ConfigError(f"--heads must be one or more of {', '.join(HEAD_KINDS)}, "
+                          f"comma-separated, got {text!r}")
+    return chosen
+
+
 def methods(names: list[str], budgets: list[int], greedy: GenerationConfig,
-            tree_costs: tuple[str, ...] = ("budget",)
+            tree_costs: tuple[str, ...] = ("budget",), heads: tuple[str | None, ...] = (None,)
             ) -> list[tuple[str, int, GenerationConfig | str]]:
     """(method, BC, config) for every drafter and budget; the config is the reason instead
     when the drafter cannot use the budget (a skipped row). Drafters that carry mask tokens use
     k = 1 at every budget, the others their own BC accounting. A drafter that takes
     ``tree_cost`` runs once per cost in ``tree_costs`` (method ``"NAME measured"`` for the
-    measured one). Refuses a plan where no drafter can run at all, before any model is
-    loaded."""
+    measured one); one that takes learned heads once per kind in ``heads`` (``"NAME KIND"``;
+    None: as the drafter runs without ``--heads``). Refuses a plan where no drafter can run at
+    all, before any model is loaded."""
     out = []
     for name in names:
-        costs = tree_costs if "tree_cost" in drafters.get(name).options else ("budget",)
-        for cost in costs:
-            method = name if cost == "budget" else f"{name} {cost}"
+        spec = drafters.get(name)
+        costs = tree_costs if "tree_cost" in spec.options else ("budget",)
+        kinds = heads if "heads" in spec.options else (None,)
+        for cost, kind in ((c, k) for c in costs for k in kinds):
+            method = " ".join([name] + ([kind] if kind else []) + ([cost] if cost != "budget"
+                                                                     else []))
             for bc in budgets:
-                opts = dict(mask_tokens=1) if drafters.get(name).uses_masks else {}
+                opts = dict(mask_tokens=1) if spec.uses_masks else {}
                 try:
                     out.append((method, bc, greedy.with_(drafter=name, bc=bc, tree_cost=cost,
-                                                         **opts)))
+                                                         heads=kind, **opts)))
                 except ConfigError as e:
                     out.append((method, bc, str(e)))
     if all(isinstance(config, str) for _, _, config in out):
@@ -176,6 +198,8 @@ def check_runnable(model, plan: list) -> None:
         reason = misfit(model.backend, config)
         if reason is None:
             continue
+        if not reason.startswith("needs top-"):  # not a matter of the BC (no learned heads)
+            raise BudgetError(f"--drafters {method}: {reason}")
         fits = None
         for b in range(bc - 1, 0, -1):
             try:

@@ -176,6 +176,8 @@ def check_runnable(model, budget: int, heads: tuple[str, ...] = ()) -> None:
     bad = first_misfit(budget)
     if bad is None:
         return
+    if not bad[1].startswith("needs top-"):  # not a matter of the budget (no learned heads)
+        raise BudgetError(f"plan {bad[0]}: {bad[1]}")
     fits = next((b for b in range(budget - 1, MIN_BUDGET - 1, -1) if first_misfit(b) is None),
                 None)
     raise BudgetError(f"--budget {budget} is more than this package can run: plan "
@@ -240,8 +242,12 @@ def table(profile: dict) -> str:
                   "decoding, probing);",
               "  the other plans' blocks vary by step (-)",
               f"plans with BE below {MIN_BE} (next to nothing drafted) are not recommended"]
-    lines += ["", f"recommended: --drafter {rec['drafter']} --bc {rec['bc']} --mask-tokens "
-                  f"{rec['mask_tokens']}{cost}  (peak memory {profile['peak_memory_mib']} MiB)"]
+    # the flags to run it with: --heads for learned heads, --mask-tokens where it probes
+    heads = f" --heads {rec['heads']}" if rec.get("heads") else ""
+    masks = (f" --mask-tokens {rec['mask_tokens']}" if drafters.get(rec["drafter"]).uses_masks
+             else "")
+    lines += ["", f"recommended: --drafter {rec['drafter']} --bc {rec['bc']}{masks}{heads}{cost}"
+                  f"  (peak memory {profile['peak_memory_mib']} MiB)"]
     return "\n".join(lines)
 
 
