@@ -883,7 +883,10 @@ def save(summary: dict, out: Path, device: str) -> Path:
 # -- command line -----------------------------------------------------------------------------
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+        epilog="python bench/bench_gpu.py --merge PART.json ... [--out DIR] [--note TEXT] "
+               "joins the gpu_summary.json of runs on one GPU")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--models", default=None, help=f"name:dtype,... (default {DEFAULT_MODELS})")
     ap.add_argument("--stories", default=str(ROOT / ".." / "shared" / "models" / STORIES),
@@ -922,8 +925,13 @@ def parse(argv=None):
     ap.add_argument("--quick", action="store_true", help="toy shapes, 2 prompts, 16 tokens, "
                     "fp32 (a CPU end-to-end check)")
     ap.add_argument("--fresh", action="store_true", help="drop the entries of an earlier run")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=None, help="results folder (default: bench/results; "
+                    "with --quick or a CPU device: out/bench_gpu, so that a smoke run never "
+                    "replaces the checked-in GPU results)")
     a = ap.parse_args(argv)
+    if a.out is None:
+        smoke = a.quick or not str(a.device).startswith("cuda")
+        a.out = str(ROOT / ("out/bench_gpu" if smoke else "bench/results"))
     if a.quick:
         a.prompts, a.random_prompts, a.hf_prompts = min(a.prompts, 2), 2, 2
         a.new_tokens, a.prompt_len, a.repeats = 16, 8, 2

@@ -133,10 +133,18 @@ def _config(a: argparse.Namespace) -> GenerationConfig:
 def _load(a: argparse.Namespace):
     from .api import Model
 
-    return Model.load(a.model, backend=a.backend, device=a.device, dtype=a.dtype,
-                      max_context=a.max_context, trust_remote_code=a.trust_remote_code,
-                      threads=a.threads, batch_invariant=a.batch_invariant,
-                      kv_cache=getattr(a, "kv_cache", None))
+    model = Model.load(a.model, backend=a.backend, device=a.device, dtype=a.dtype,
+                       max_context=a.max_context, trust_remote_code=a.trust_remote_code,
+                       threads=a.threads, batch_invariant=a.batch_invariant,
+                       kv_cache=getattr(a, "kv_cache", None))
+    pkg = getattr(model.backend, "package", None)
+    if model.backend.name == "torch" and pkg is not None and pkg.weights.format in ("int4",
+                                                                                   "int8"):
+        # (a GPU user told to use --backend torch, with an int4 package in hand)
+        print(f"edgemtp: note: --backend torch runs the model {str(pkg.root)!r} was exported "
+              f"from ({model.backend.source}), not its {pkg.weights.format} weights: the text "
+              f"can differ from the package's own", file=sys.stderr)
+    return model
 
 
 def _chat_messages(system: str | None, *turns: dict) -> list[dict]:

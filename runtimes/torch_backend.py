@@ -177,7 +177,8 @@ class TorchBackend:
         dtype = dtype or "fp32"
         check_torch_device(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' asked, but this PyTorch build sees no CUDA device")
+            raise ConfigError(f"device {device!r} asked, but this PyTorch build sees no CUDA "
+                              f"device")
         if threads is not None:
             torch.set_num_threads(int(threads))
         # an exported package: the model it was exported from, and the package for what it
@@ -224,7 +225,8 @@ class TorchBackend:
                    batch_invariant: bool = False, block_buckets: bool | None = None):
         """Wrap an already loaded ``transformers`` causal LM (tests, notebooks, benchmarks)."""
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' asked, but this PyTorch build sees no CUDA device")
+            raise ConfigError(f"device {device!r} asked, but this PyTorch build sees no CUDA "
+                              f"device")
         self = cls.__new__(cls)
         self.family = family_for(hf_model.config)
         self.source, self.package = None, None

@@ -904,3 +904,15 @@ def test_an_untied_int4_package_runs_on_the_native_decoder(tmp_path):
         for drafter in ("probe", "pld", "hybrid", "auto"):
             got = model.generate(prompt, drafter=drafter, bc=10, max_new_tokens=24)
             assert got.token_ids == want, (prompt, drafter)
+
+
+def test_the_torch_backend_on_an_int4_package_says_it_runs_the_source(int4_pkg):
+    """QA (gpu report D8): --backend torch on a package runs the model it was exported from,
+    in float: on an int4 package the text can differ from the package's own, and it said
+    nothing."""
+    r = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model",
+                        str(int4_pkg), "--backend", "torch", "--prompt", "Once upon a time",
+                        "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (f"note: --backend torch runs the model {str(int4_pkg)!r} was exported from "
+            f"({STORIES.resolve()}), not its int4 weights") in r.stderr
