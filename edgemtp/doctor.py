@@ -778,10 +778,11 @@ def busy(f: Facts) -> bool:
             and f.load1 >= max(1.0, 0.75 * f.cpu_cores))
 
 
-BUSY_NOTE = ("; busy: the native backend's C decoder runs a thread per core and they meet "
-             "~300 times a step, each meeting waiting for a thread another process holds off "
-             "its core (on a 2-core machine running a test suite beside it: 20-29 tok/s with "
-             "2 threads, 86-120 with --threads 1): give --threads the cores left free")
+BUSY_NOTE = ("; busy: a generation runs a thread per core (the native C decoder's, "
+             "onnxruntime's and torch's thread pools), and its threads meet many times a step, "
+             "each meeting waiting for a thread another process holds off its core (the native "
+             "decoder on a 2-core machine running a test suite beside it: 20-29 tok/s with 2 "
+             "threads, 86-120 with --threads 1): give --threads the cores left free")
 
 
 def describe_verdicts(vs: list[Verdict]) -> list[str]:
