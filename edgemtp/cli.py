@@ -386,13 +386,20 @@ def _chat_template_line(model) -> str:
 
 
 def cmd_train_heads(a: argparse.Namespace) -> int:
-    from edgemtp.export.heads import TrainOptions, train_heads
+    from edgemtp.export.heads import TrainOptions, train_heads, work_folder
 
     opt = TrainOptions(kind=a.kind, heads=a.heads, steps=a.steps, seed=a.seed,
                        threads=a.threads, batch=a.batch, lr=a.lr, vocab=a.vocab,
                        max_prompts=a.max_prompts, bos_samples=a.bos_samples,
                        repeats=a.repeats, new_tokens=a.new_tokens)
-    info = train_heads(a.package, opt, work=a.work, progress=not a.quiet)
+    try:
+        info = train_heads(a.package, opt, work=a.work, progress=not a.quiet)
+    except KeyboardInterrupt:
+        work = a.work or work_folder(Path(a.package))
+        print(f"edgemtp: interrupted; the package's heads are as they were, and the "
+              f"generations and checkpoints so far are kept in {str(work)!r}: run the same "
+              f"command again to resume", file=sys.stderr)
+        return 130
     print(f"trained {info.file}: {info.summary()}")
     return 0
 

@@ -679,3 +679,32 @@ def test_bench_runs_each_heads_kind_with_every_drafter_that_takes_heads(trained,
     assert rows["heads residual"]["block_efficiency"] > 1.5
     bad = _cli("bench", "--model", str(pkg), "--heads", "eagle", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "--heads must be one or more of medusa, residual" in bad.stderr
+
+
+def test_ctrl_c_in_train_heads_keeps_the_package_and_says_how_to_resume(hidden_pkg, tmp_path):
+    import signal
+    import time
+
+    pkg, work = tmp_path / "pkg", tmp_path / "work"
+    shutil.copytree(hidden_pkg, pkg)
+    manifest = (pkg / "edgemtp.json").read_text()
+    argv = [sys.executable, "-m", "edgemtp.cli", "train-heads", str(pkg), "--kind", "residual",
+            "--max-prompts", "2", "--repeats", "1", "--bos-samples", "2", "--new-tokens", "16",
+            "--steps", "100000", "--threads", "1", "--quiet", "--work", str(work)]
+    # (a pytest-xdist worker ignores SIGINT, and its children inherit that: restore it)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline and not list(
+            work.glob("cache_*[0-9].npz")):
+        time.sleep(0.05)
+    time.sleep(1.0)  # training
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        f"edgemtp: interrupted; the package's heads are as they were, and the generations and "
+        f"checkpoints so far are kept in {str(work)!r}: run the same command again to resume")
+    assert (pkg / "edgemtp.json").read_text() == manifest
+    assert not (pkg / "heads").exists() or not [p for p in (pkg / "heads").iterdir()
+                                                if not p.name.startswith(".")]
