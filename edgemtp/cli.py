@@ -120,6 +120,14 @@ def _config(a: argparse.Namespace) -> GenerationConfig:
         from edgemtp.tools.profile import read_profile
 
         latency = read_profile(a.profile)[1]
+    if a.drafter is not None and not drafters.get(a.drafter).uses_masks:
+        # probing's own options, which this drafter would silently ignore
+        given = [flag for flag, on in (("--mask-tokens", a.mask_tokens is not None),
+                                       ("--tree static", a.tree == "static"),
+                                       ("--branching", a.branching is not None)) if on]
+        if given:
+            raise ConfigError(f"{given[0]} only applies to drafters that probe with mask "
+                              f"tokens (probe, hybrid); --drafter {a.drafter} takes none")
     return GenerationConfig(
         latency=latency,
         max_new_tokens=a.max_new_tokens, bc=a.bc, mask_tokens=a.mask_tokens, tree=a.tree,
@@ -663,8 +671,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         rec = read_profile(args.profile)[0]
         sub = parser.commands[args.command]
         own = {k: sub.get_default(k) for k in ("bc", "mask_tokens", "heads", "tree_cost")}
+        masks = drafters.get(rec["drafter"]).uses_masks  # (a profile records k = 1 for all)
         sub.set_defaults(drafter=rec["drafter"], bc=int(rec["bc"]),
-                         mask_tokens=int(rec["mask_tokens"]), heads=rec.get("heads"),
+                         mask_tokens=int(rec["mask_tokens"]) if masks else None,
+                         heads=rec.get("heads"),
                          tree_cost=rec.get("tree_cost", "budget"))
         args = parser.parse_args(argv)
         if args.drafter != rec["drafter"]:

@@ -135,3 +135,20 @@ def test_the_command_ignores_a_ctrl_c_once_its_work_is_done(monkeypatch):
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("flags, drafter", [(["-k", "2"], "pld"), (["--tree", "static"], "auto"),
+                                            (["--mask-tokens", "1"], "heads"),
+                                            (["--branching", "4"], "none")])
+def test_probing_options_with_a_drafter_that_ignores_them_are_refused(stories_pkg, flags,
+                                                                      drafter):
+    """QA (heads report D10): they were accepted and silently ignored, while --lade with
+    another drafter was refused."""
+    r = cli("generate", "--model", str(stories_pkg), "--prompt", "Once", "--drafter", drafter,
+            *flags)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    flag = " ".join(flags) if flags[0] == "--tree" else "--mask-tokens" if flags[0] == "-k" \
+        else flags[0]
+    assert r.stderr.strip() == (f"edgemtp: error: {flag} only applies to drafters that probe "
+                                f"with mask tokens (probe, hybrid); --drafter {drafter} takes "
+                                f"none")
