@@ -396,8 +396,11 @@ def _chat_template_line(model) -> str:
 def cmd_train_heads(a: argparse.Namespace) -> int:
     from edgemtp.export.heads import TrainOptions, train_heads, work_folder
 
+    from .api import env_threads
+
+    threads = a.threads if a.threads is not None else env_threads() or 2
     opt = TrainOptions(kind=a.kind, heads=a.heads, steps=a.steps, seed=a.seed,
-                       threads=a.threads, batch=a.batch, lr=a.lr, vocab=a.vocab,
+                       threads=threads, batch=a.batch, lr=a.lr, vocab=a.vocab,
                        max_prompts=a.max_prompts, bos_samples=a.bos_samples,
                        repeats=a.repeats, new_tokens=a.new_tokens)
     try:
@@ -558,7 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="peak learning rate (default: 3e-2 medusa, 1e-2 residual, times "
                          "sqrt(64 / hidden size) above 64)")
     th.add_argument("--seed", type=int, default=0)
-    th.add_argument("--threads", type=int, default=2, help="CPU threads (default: 2)")
+    th.add_argument("--threads", type=int, default=None,
+                    help="CPU threads (default: $EDGEMTP_THREADS, else 2; on a machine busy "
+                         "with other work, 1 can be many times faster)")
     th.add_argument("--vocab", type=int, default=None,
                     help="tokens the heads score, most frequent first (default: all up to "
                          "32768, else 8192)")

@@ -708,3 +708,15 @@ def test_ctrl_c_in_train_heads_keeps_the_package_and_says_how_to_resume(hidden_p
     assert (pkg / "edgemtp.json").read_text() == manifest
     assert not (pkg / "heads").exists() or not [p for p in (pkg / "heads").iterdir()
                                                 if not p.name.startswith(".")]
+
+
+def test_train_heads_threads_default_to_edgemtp_threads(hidden_pkg):
+    """Its --threads defaulted to 2 whatever $EDGEMTP_THREADS said (~20x slower than 1 thread
+    on a 2-core machine busy with other work, QA heads D11)."""
+    import os
+
+    r = subprocess.run([sys.executable, "-m", "edgemtp.cli", "train-heads", str(hidden_pkg)],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "EDGEMTP_THREADS": "zero"})
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "edgemtp: error: EDGEMTP_THREADS must be a positive integer, got 'zero'"), r.stderr
