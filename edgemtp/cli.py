@@ -407,9 +407,9 @@ def cmd_train_heads(a: argparse.Namespace) -> int:
         info = train_heads(a.package, opt, work=a.work, progress=not a.quiet)
     except KeyboardInterrupt:
         work = a.work or work_folder(Path(a.package))
-        print(f"edgemtp: interrupted; the package's heads are as they were, and the "
-              f"generations and checkpoints so far are kept in {str(work)!r}: run the same "
-              f"command again to resume", file=sys.stderr)
+        print(f"edgemtp: interrupted; the package's heads are whole (new ones are moved in "
+              f"only when complete), and the generations and checkpoints so far are kept in "
+              f"{str(work)!r}: run the same command again to resume", file=sys.stderr)
         return 130
     print(f"trained {info.file}: {info.summary()}")
     return 0

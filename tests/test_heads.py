@@ -703,8 +703,9 @@ def test_ctrl_c_in_train_heads_keeps_the_package_and_says_how_to_resume(hidden_p
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert err.strip().splitlines()[-1] == (
-        f"edgemtp: interrupted; the package's heads are as they were, and the generations and "
-        f"checkpoints so far are kept in {str(work)!r}: run the same command again to resume")
+        f"edgemtp: interrupted; the package's heads are whole (new ones are moved in only when "
+        f"complete), and the generations and checkpoints so far are kept in {str(work)!r}: run "
+        f"the same command again to resume")
     assert (pkg / "edgemtp.json").read_text() == manifest
     assert not (pkg / "heads").exists() or not [p for p in (pkg / "heads").iterdir()
                                                 if not p.name.startswith(".")]
