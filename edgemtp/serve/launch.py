@@ -60,7 +60,6 @@ def command(a: argparse.Namespace, load, config_of) -> int:
     model = load(a)
     if model.tokenizer is None:
         raise ModelLoadError(f"{a.model!r} has no tokenizer; the server takes text prompts")
-    model.check_config(base)  # defaults every request would be refused with: refused now
     if base.drafter == "auto" and base.latency is None:
         # auto's latency curve, measured now on an idle model (or read from the user cache),
         # not under the first requests, which would both wait for it and distort it
@@ -70,6 +69,7 @@ def command(a: argparse.Namespace, load, config_of) -> int:
             model.generate([0], base.with_(max_new_tokens=1, stop=()))
         except EdgeMTPError as e:  # then the first request measures it
             print(f"edgemtp: warning: could not measure it now ({e})", file=sys.stderr)
+    model.check_config(base)  # defaults every request would be refused with: refused now
     sock = _bind(a.host, a.port)
     name = a.model_name or _default_name(a.model)
     return _run(model, sock, a, api_key, base, name)
