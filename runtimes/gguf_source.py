@@ -94,6 +94,16 @@ def read_gguf(source: ModelSource, sha256: bool = False) -> GGUFInfo:
     try:
         with open(path, "rb") as f:
             header = _Header(f)
+        known = {int(t) for t in GGMLQuantizationType}
+        unknown = sorted({t for t, _, _ in header.tensors if t not in known})
+        if unknown:  # a newer llama.cpp's type, or one it removed: not damage
+            from importlib.metadata import version
+
+            raise UnsupportedModelError(
+                f"the GGUF file {str(path)!r} stores tensors in type {unknown[0]}, which the "
+                f"installed gguf package ({version('gguf')}) does not know "
+                f"(a newer or a removed llama.cpp type); pip install -U gguf, or convert the "
+                f"model with a type it knows (e.g. Q4_0, Q8_0, F16)")
         types = Counter(GGMLQuantizationType(t).name for t, _, _ in header.tensors)
         end = max((header.data_start + offset + n // GGML_QUANT_SIZES[t][0]
                    * GGML_QUANT_SIZES[t][1] for t, n, offset in header.tensors), default=0)
@@ -182,10 +192,14 @@ def check_gguf(source: ModelSource, sha256: bool = False) -> GGUFInfo:
     from edgemtp.models.families import FAMILIES
 
     info = read_gguf(source, sha256)
-    if info.architecture not in FAMILIES:
+    # the families whose GGUF architecture transformers' loader reads (llama.cpp writes
+    # Mistral models as 'llama'; transformers' loader has no gguf-py name for 'mistral')
+    readable = sorted(f for f in FAMILIES if f != "mistral")
+    if info.architecture not in readable:
         raise UnsupportedModelError(
             f"the GGUF file {source.path!r} holds a {info.architecture!r} model, not a supported "
-            f"causal LM; supported families: {', '.join(sorted(FAMILIES))}")
+            f"causal LM; supported GGUF architectures: {', '.join(readable)} (a Mistral "
+            f"model's GGUF from llama.cpp says 'llama')")
     return info
 
 

@@ -160,12 +160,14 @@ def bad_inputs(tmp_path_factory) -> dict:
     with open(SMOL / NAME, "rb") as src, open(truncated, "wb") as dst:
         dst.write(src.read(60_000_000))
     _tiny_gguf(tmp / "bert.gguf", "bert")
+    _tiny_gguf(tmp / "mistral.gguf", "mistral")  # (transformers' GGUF loader cannot read it)
     two = tmp / "two"
     two.mkdir()
     for name in ("a.gguf", "b.gguf"):
         shutil.copy(tmp / "bert.gguf", two / name)
     cases = {"truncated": str(truncated), "architecture": str(tmp / "bert.gguf"),
-             "two files": str(two), "missing": str(tmp / "nothing.gguf")}
+             "mistral": str(tmp / "mistral.gguf"), "two files": str(two),
+             "missing": str(tmp / "nothing.gguf")}
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {k: pool.submit(cli, "export", p, "-o", str(tmp / "out" / k.replace(" ", "_")))
                    for k, p in cases.items()}
@@ -174,7 +176,8 @@ def bad_inputs(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("case, words", [
     ("truncated", ("damaged", "60000000 bytes", "truncated")),
-    ("architecture", ("'bert'", "supported families")),
+    ("architecture", ("'bert'", "supported GGUF architectures: llama, qwen2, qwen3")),
+    ("mistral", ("'mistral'", "a Mistral model's GGUF from llama.cpp says 'llama'")),
     ("two files", ("2 GGUF files", "a.gguf, b.gguf")),
     ("missing", ("GGUF file", "does not exist")),
 ])
@@ -211,3 +214,21 @@ def test_a_q4_1_gguf_whose_kept_blocks_fail_says_how_to_export_it(tmp_path):
             "all", "--quiet")
     assert r.returncode == 0, r.stderr
     assert "then re-quantized" in r.stdout + r.stderr
+
+
+def test_an_unknown_tensor_type_is_said_as_such_not_as_damage(tmp_path):
+    """QA (qa5, 2): a tensor type the gguf package does not know (a newer llama.cpp's, or
+    a removed one) read as "damaged or not GGUF ...; restore it"."""
+    import struct
+
+    path = tmp_path / "newer.gguf"
+    _tiny_gguf(path, "llama")
+    data = bytearray(path.read_bytes())
+    name = b"token_embd.weight"
+    at = data.index(name) + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 99)  # the tensor's type id
+    path.write_bytes(bytes(data))
+    line = error_line(cli("export", str(path), "-o", str(tmp_path / "out")),
+                      "stores tensors in type 99", "does not know", "pip install -U gguf")
+    assert "damaged" not in line and not (tmp_path / "out").exists()
