@@ -712,6 +712,15 @@ def record_files(folder: Path) -> dict[str, FileInfo]:
     return out
 
 
+def _stat(path: Path) -> tuple[int, int] | None:
+    """A file's (size, modification time in ns), None where it is not a file."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns) if path.is_file() else None
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -821,19 +830,21 @@ class Package:
 
     def heads_problem(self, info) -> str | None:
         """Why the learned heads ``info`` (a :class:`HeadsInfo` of the manifest) cannot run:
-        a file of theirs is missing or not what ``train-heads`` wrote; None when whole."""
+        a file of theirs is missing or not what ``train-heads`` wrote; None when whole. Read
+        once per state of the files (a generation with heads asks each time it starts)."""
         files = self.meta.files or {}
-        for name in info.files():
-            try:
-                if name in files:
-                    self._check_file(name, files[name])
-                elif not (self.root / name).is_file():
-                    raise self._missing(name)
-            except ModelLoadError as e:
-                why = str(e).rsplit("; re-export", 1)[0]
-                return (f"{why}; train them again: edgemtp train-heads {str(self.root)} "
-                        f"--kind {info.kind}")
-        return None
+        state = tuple((f, _stat(self.root / f)) for f in info.files())
+        cache = self.__dict__.setdefault("_heads_checked", {})
+        if state not in cache:
+            cache[state] = None
+            for f, st in state:
+                why = (self._file_problem(f, files[f]) if f in files else None if st else
+                       f"{self._where()} is missing the {self._role(f)} {f}")
+                if why:
+                    cache[state] = (f"{why}; train them again: edgemtp train-heads "
+                                    f"{str(self.root)} --kind {info.kind}")
+                    break
+        return cache[state]
 
     def check_heads(self, info) -> None:
         """:meth:`heads_problem` as a one-line :class:`ModelLoadError`."""
@@ -852,19 +863,28 @@ class Package:
                                  f"{missing[0]} is missing (expected {expected}); re-export, or "
                                  f"copy the tokenizer files from the model folder")
 
-    def _check_file(self, name: str, info: FileInfo) -> None:
+    def _file_problem(self, name: str, info: FileInfo) -> str | None:
+        """What is wrong with file ``name`` against its record (missing, another size, another
+        sha256), without the remedy; None when it is whole."""
         path = self.root / name
         if not path.is_file():
-            raise self._missing(name, f" (the export wrote {info.bytes} bytes)")
+            return (f"{self._where()} is missing the {self._role(name)} {name} (the export "
+                    f"wrote {info.bytes} bytes)")
         size, what = path.stat().st_size, f"the {self._role(name)} {str(path)!r}"
         if size != info.bytes:
             cut = "truncated" if size < info.bytes else "grown"
-            raise ModelLoadError(f"{what} is {size} bytes but the export wrote {info.bytes}: "
-                                 f"it was {cut} or replaced after export; re-export the package")
+            return (f"{what} is {size} bytes but the export wrote {info.bytes}: it was {cut} "
+                    f"or replaced after export")
         if info.sha256 is not None and _sha256(path) != info.sha256:
-            raise ModelLoadError(f"{what} differs from what the export wrote (same size, "
-                                 f"different sha256): it is corrupt or was edited; re-export "
-                                 f"the package")
+            return (f"{what} differs from what the export wrote (same size, different "
+                    f"sha256): it is corrupt or was edited")
+        return None
+
+    def _check_file(self, name: str, info: FileInfo) -> None:
+        problem = self._file_problem(name, info)
+        if problem:
+            raise ModelLoadError(f"{problem}; re-export "
+                                 f"{'it' if problem.startswith(self._where()) else 'the package'}")
 
     def check_graph_file(self) -> None:
         """:meth:`check_graph_io` on the graph file's declared inputs and outputs, read
@@ -918,18 +938,18 @@ class Package:
                                      f"re-export")
 
     def engine_problem(self, e) -> str | None:
-        """Why the listed TensorRT engine ``e`` (an :class:`EngineInfo`) cannot be loaded: its
-        file is gone, or is not the one that was built (its size, and its sha256 when at most
-        ``HASH_LIMIT`` bytes, like the export's files); None when it is whole. Only the
-        tensorrt backend reads an engine: the others run a package whose engines are gone
-        (built on a Jetson, the package copied back without ``engines/``)."""
+        """Why the listed TensorRT engine ``e`` (an :class:`EngineInfo`) cannot be loaded:
+        "the file is missing", or it is not the one that was built (its size, and its sha256
+        when at most ``HASH_LIMIT`` bytes, like the export's files); None when it is whole.
+        Only the tensorrt backend reads an engine: the others run a package whose engines are
+        gone (built on a Jetson, the package copied back without ``engines/``)."""
         path = self.root / e.file
         if not path.is_file():
-            return f"{self._where()} lists the TensorRT engine {e.label} but the file is missing"
+            return "the file is missing"
         size = path.stat().st_size
         if size != e.bytes or (size <= HASH_LIMIT and _sha256(path) != e.sha256):
             what = f"{size} bytes, not {e.bytes}" if size != e.bytes else "its sha256 differs"
-            return f"the TensorRT engine {str(path)!r} is not the one that was built ({what})"
+            return f"it is not the one that was built ({what})"
         return None
 
     def check_engine(self, e) -> None:
@@ -937,7 +957,8 @@ class Package:
         for the engine it is about to load)."""
         problem = self.engine_problem(e)
         if problem:
-            raise ModelLoadError(f"{problem}; rebuild it on that GPU: edgemtp build-engine "
+            raise ModelLoadError(f"{self._where()} lists the TensorRT engine {e.label}, but "
+                                 f"{problem}; rebuild it on that GPU: edgemtp build-engine "
                                  f"{str(self.root)}")
 
     def check_embeddings(self) -> None:
@@ -1143,9 +1164,8 @@ def describe(pkg: Package) -> str:
                      f"({names})")
         problem = pkg.engine_problem(e)
         if problem:  # (the other backends run without it)
-            lines.append(f"          unusable: {problem.split(' but ')[-1]}; the tensorrt "
-                         f"backend needs it rebuilt on that GPU: edgemtp build-engine "
-                         f"{str(pkg.root)}")
+            lines.append(f"          unusable: {problem}; the tensorrt backend needs it "
+                         f"rebuilt on that GPU: edgemtp build-engine {str(pkg.root)}")
     for h in m.heads:
         lines.append(f"heads     {h.file}: {h.summary()}")
         problem = pkg.heads_problem(h)

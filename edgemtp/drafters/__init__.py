@@ -104,6 +104,10 @@ REGISTRY: dict[str, DrafterSpec] = {spec.name: spec for spec in (
 )}
 
 
+# the config fields that apply to some drafters only (a spec's ``options``)
+OPTIONS = frozenset().union(*(spec.options for spec in REGISTRY.values()))
+
+
 def names(speculative: bool = False) -> list[str]:
     """Registered drafter names, in registry order (``speculative``: without ``none``)."""
     return [n for n, spec in REGISTRY.items() if spec.speculative or not speculative]

@@ -18,7 +18,7 @@ Every error is ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -141,10 +141,6 @@ class Limits:
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
            "bc": "bc", "drafter": "drafter", "mask_tokens": "mask_tokens",
            "tree_cost": "tree_cost", "heads": "heads"}
-# a server's default option that only some drafters take, and its value for the others: a
-# request that picks another drafter drops it (a server run with --heads residual serves
-# "drafter": "pld" without it) rather than being refused
-DRAFTER_OPTIONS = {"heads": None, "lookahead": None, "tree_cost": "budget"}
 # a ConfigError's first word -> the request field it is about
 PARAM_OF = {v: k for k, v in OPTIONS.items()} | {"max_new_tokens": "max_tokens", "stop": "stop",
                                                   "block": "bc"}  # "block complexity 3 is ..."
@@ -161,9 +157,12 @@ def generation_config(req: _Common, base: GenerationConfig, limits: Limits) -> G
             takes = drafters.get(changes["drafter"]).options
         except ConfigError:
             takes = ()  # (an unknown drafter: refused below)
-        for name, neutral in DRAFTER_OPTIONS.items():
-            if name not in changes and name not in takes:
-                changes[name] = neutral
+        # a server default that only some drafters take (their specs' options) goes back to
+        # GenerationConfig's own default for a request that picks another drafter (a server
+        # run with --heads residual serves "drafter": "pld" without it) rather than refusing it
+        for f in fields(GenerationConfig):
+            if f.name in drafters.OPTIONS and f.name not in changes and f.name not in takes:
+                changes[f.name] = f.default
     # both checked where both are given; the newer name wins
     for name in ("max_tokens", "max_completion_tokens"):
         max_tokens = getattr(req, name)
