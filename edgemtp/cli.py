@@ -53,7 +53,7 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True,
                         "native for an int4 package on the CPU, onnxruntime for another "
                         "package, torch for a Hugging Face folder")
     p.add_argument("--device", default="cpu",
-                   help="cpu or cuda; onnxruntime also tensorrt (default: cpu)")
+                   help="cpu or cuda[:N] (GPU N); onnxruntime also tensorrt[:N] (default: cpu)")
     p.add_argument("--dtype", default=None, choices=("fp32", "fp16", "bf16"),
                    help="weights dtype (default: the model's own; a package's is fixed at "
                         "export)")

@@ -573,7 +573,7 @@ def parameter_count(pkg) -> int | None:
 
     graph = onnx.load(str(pkg.graph_path), load_external_data=False).graph
     inits = {t.name: t for t in graph.initializer}
-    aux, n = {b[0] for b in offset_branches(graph).values()}, 0
+    aux, n = {t for b in offset_branches(graph).values() for t in (b.offsets, b.shift) if t}, 0
     for node in graph.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "MatMulNBits":

@@ -8,22 +8,29 @@ up to half a step (``bench/results/gguf_fidelity_cpu.md``). So a product whose w
 are all rows of the file's ``Q4_0``/``Q4_1`` tensors is written with the file's blocks as
 they are::
 
-    x --> MatMulNBits(q, d, zero_point 0 (Q4_1) or 8 (Q4_0)) -----------------------> Add --> y
-      \\-> Reshape [1, T, K/32, 32] -> ReduceSum -> MatMul(Cast(M^T), [K/32, N]) --/
+    x --> MatMulNBits(q, d, zero_point 8) ----------------------------------------------> Add --> y
+      \\-> Reshape [1, T, K/32, 32] -> ReduceSum -> MatMul(Cast(M^T) + d^T * E, [K/32, N]) --/
 
-``M [N, K/32]`` holds the blocks' offsets ``m`` (0 on Q4_0 rows), stored as the file's
-half-precision values (onnxruntime folds the Cast to float32 when it loads the graph); a
-matrix of Q4_0 rows only needs no offset branch. The LM head, which llama.cpp's 4-bit types
-store as ``Q8_0`` (``d * q``, ``q`` int8), becomes an 8-bit ``MatMulNBits`` of ``q + 128``
-with zero point 128, exact too; a tied input embedding gathers from the same bytes.
+``M [N, K/32]`` holds the blocks' offsets ``m`` (0 on Q4_0 rows), stored as the file's half-
+precision values, and ``E [1, N]`` is 8 on Q4_1 rows and 0 on Q4_0 ones (``[1, 1]`` where
+all are Q4_1), so a Q4_1 row is ``d * (q - 8) + (m + 8 d)`` (onnxruntime folds the constant
+part to float32 when it loads the graph); a matrix of Q4_0 rows only needs no offset branch.
+With int8 activations the product's rounding error is ``d * sum((q - 8) * (x8 - x))``,
+centred as a Q4_0 block's is: a zero point of 0 made it ``d * sum(q * (x8 - x))`` with ``q``
+all positive, whose terms do not cancel, and put a 64-wide trained model's mask rows 7.3
+logits off (stories260K as Q4_1, the self-check's tolerance 5.9). The LM head, which
+llama.cpp's 4-bit types store as ``Q8_0`` (``d * q``, ``q`` int8), becomes an 8-bit
+``MatMulNBits`` of ``q + 128`` with zero point 128, exact too; a tied input embedding
+gathers from the same bytes.
 
 With float32 activations (the self-check's strict copy) that is the file's de-quantized
 weights to float32 rounding, exactly what ``transformers`` loads from the file; with the
-shipped int8 activations, what llama.cpp computes (its ``Q4_1 x Q8_1`` dot product adds ``m *
-sum(x)`` the same way). The offset branch and the 8-bit product are the same bits for a row
-in any block of 2 rows or more (onnxruntime's CPU provider, T = 2..257; tested), so the
-package's ``min_rows`` 2 keeps speculation lossless. The native decoder reads the branch back
-as half-precision offsets and the 8-bit head as one plane of bytes
+shipped int8 activations close to what llama.cpp computes (its ``Q4_1 x Q8_1`` dot product
+adds ``m * sum(x8)``, the sum of the rounded activations, which a graph cannot reach; the
+native decoder does exactly that). The offset branch and the 8-bit product are the same bits
+for a row in any block of 2 rows or more (onnxruntime's CPU provider, T = 2..257; tested),
+so the package's ``min_rows`` 2 keeps speculation lossless. The native decoder reads the
+branch back as half-precision offsets and the 8-bit head as one plane of bytes
 (``runtimes.native_backend``, ``decoder.c``).
 
 Rows are matched by value, not by name: ``transformers`` de-quantizes each tensor and
@@ -269,6 +276,15 @@ def keep_file_blocks(proto, blocks: FileBlocks, accuracy_level: int,
         found = blocks.find(b.T)
         if found is None:
             continue
+        shift = None
+        if found.offsets is not None:  # Q4_1 rows: zero point 8, offset m + 8 d (docstring)
+            q41 = found.zero_points == 0
+            shift = np.where(q41[:, 0], 8, 0).astype(np.float32)[None]  # E [1, N]
+            if q41.all():
+                shift = shift[:, :1]  # [1, 1]: every row Q4_1
+            assert (q41 == q41[:, :1]).all()  # (a row's blocks come from one file tensor)
+            found = Blocks(found.q, found.d, np.full_like(found.zero_points, 8),
+                           found.offsets, found.types)
         blob, scales, zp = found.pack()
         new = [numpy_helper.from_array(blob, f"{wname}_Q4"),
                numpy_helper.from_array(scales, f"{wname}_scales"),
@@ -283,19 +299,28 @@ def keep_file_blocks(proto, blocks: FileBlocks, accuracy_level: int,
             block_size=BLOCK, accuracy_level=accuracy_level)]
         if found.offsets is not None:
             shape, axes, mt = f"{wname}_block_shape", f"{wname}_block_axis", f"{wname}_offsets"
+            et = f"{wname}_offset_shift"
             new += [numpy_helper.from_array(np.array([0, 0, nb, BLOCK], np.int64), shape),
                     numpy_helper.from_array(np.array([3], np.int64), axes),
                     numpy_helper.from_array(np.ascontiguousarray(found.offsets.T)
-                                            .astype(np.float16), mt)]
+                                            .astype(np.float16), mt),
+                    numpy_helper.from_array(shift, et)]
             xb, xs, off = f"{y}_x_blocks", f"{y}_x_block_sums", f"{y}_offsets"
+            sc = new[1].name
             nodes += [
                 helper.make_node("Cast", [mt], [f"{mt}_float"], to=TensorProto.FLOAT,
                                  name=f"{name}_Q4_offsets_float"),
+                helper.make_node("Transpose", [sc], [f"{sc}_T"], perm=[1, 0],
+                                 name=f"{name}_Q4_scales_T"),
+                helper.make_node("Mul", [f"{sc}_T", et], [f"{et}_scaled"],
+                                 name=f"{name}_Q4_shift"),
+                helper.make_node("Add", [f"{mt}_float", f"{et}_scaled"], [f"{mt}_shifted"],
+                                 name=f"{name}_Q4_offsets_shifted"),
                 helper.make_node("Reshape", [node.input[0], shape], [xb],
                                  name=f"{name}_Q4_blocks"),
                 helper.make_node("ReduceSum", [xb, axes], [xs], keepdims=0,
                                  name=f"{name}_Q4_block_sums"),
-                helper.make_node("MatMul", [xs, f"{mt}_float"], [off],
+                helper.make_node("MatMul", [xs, f"{mt}_shifted"], [off],
                                  name=f"{name}_Q4_offsets"),
                 helper.make_node("Add", [out, off], [y], name=f"{name}_Q4_add_offsets")]
             offset_nodes.append(f"{name}_Q4_offsets")

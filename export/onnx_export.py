@@ -467,8 +467,9 @@ def _check_quantized(tmp: Path, reference, job: _Job, tokenizer, strict, loose,
     a copy whose kernels keep float32 activations at the float32 tolerance (every weight and
     scale exactly right), then the graph as shipped at ``loose`` (int8 activations). ``kept``:
     the products that keep a GGUF's own blocks (a failure then says how to re-quantize them:
-    on a tiny model, stories260K's Q4_1, the file's blocks beside int8 activations have gone
-    past the loose tolerance where onnxruntime's own re-quantization stayed within it)."""
+    stories260K's Q4_1 blocks beside int8 activations went past the loose tolerance while
+    the graph gave them zero point 0, where onnxruntime's own re-quantization stayed
+    within it)."""
     import onnx
 
     from .quantize import float_activations

@@ -28,6 +28,7 @@ import json
 import sys
 from pathlib import Path
 from time import perf_counter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -170,10 +171,19 @@ def pack_scales(x: np.ndarray, g: int, dtype=np.float32) -> np.ndarray:
     return out
 
 
+class OffsetBranch(NamedTuple):
+    """A product's GGUF Q4_1 offset branch (``export.gguf_blocks``)."""
+
+    offsets: str       # the offsets' initializer (``M^T [K/32, N]``, half floats)
+    add: object        # the Add node whose output is the product's
+    shift: str | None  # ``E [1, N]`` (or ``[1, 1]``): 8 on the Q4_1 rows, whose zero
+    #                    points the graph sets to 8 for an offset of m + 8 d; None (packages
+    #                    before 2026-11-29): zero point 0, offset m
+
+
 def offset_branches(graph) -> dict:
     """The offset branches ``export.gguf_blocks.keep_file_blocks`` writes: {MatMulNBits node
-    name: (the offsets' initializer name (``M^T [K/32, N]``, half floats), the Add whose
-    output is the product's)}, read off the graph in one pass."""
+    name: :class:`OffsetBranch`}, read off the graph in one pass."""
     made = {o: n for n in graph.node for o in n.output}
     users: dict[str, list] = {}
     for n in graph.node:
@@ -184,6 +194,9 @@ def offset_branches(graph) -> dict:
         n = made.get(name)
         return n if n is not None and n.op_type == kind else None
 
+    def other(node, name: str) -> str:
+        return node.input[1] if node.input[0] == name else node.input[0]
+
     found = {}
     for node in graph.node:
         if node.op_type != "MatMulNBits":
@@ -192,12 +205,22 @@ def offset_branches(graph) -> dict:
         if len(use) != 1 or use[0].op_type != "Add":
             continue
         add = use[0]
-        mm = op(add.input[1] if add.input[0] == node.output[0] else add.input[0], "MatMul")
+        mm = op(other(add, node.output[0]), "MatMul")
         rs = mm and op(mm.input[0], "ReduceSum")
         rh = rs and op(rs.input[0], "Reshape")
-        cast = mm and op(mm.input[1], "Cast")
-        if rh and cast and rh.input[0] == node.input[0]:
-            found[node.name] = (cast.input[0], add)
+        if not (rh and rh.input[0] == node.input[0]):
+            continue
+        cast, shift = op(mm.input[1], "Cast"), None
+        added = op(mm.input[1], "Add")
+        if added is not None:  # Cast(M) + Transpose(scales) * E
+            cast = op(added.input[0], "Cast") or op(added.input[1], "Cast")
+            mul = cast and op(other(added, cast.output[0]), "Mul")
+            tr = mul and (op(mul.input[0], "Transpose") or op(mul.input[1], "Transpose"))
+            if not (tr and tr.input[0] == node.input[2]):
+                continue
+            shift = other(mul, tr.output[0])
+        if cast:
+            found[node.name] = OffsetBranch(cast.input[0], add, shift)
     return found
 
 
@@ -408,12 +431,19 @@ class NativeBackend:
             branch = branches.get(node.name)
             offsets = None
             if branch is not None:  # a GGUF file's Q4_1 blocks: d q + m
-                offsets = g.array(branch[0]).T
-                if offsets.shape != (n_out, nb):
+                offsets = g.array(branch.offsets).T
+                shift = None if branch.shift is None else g.array(branch.shift).reshape(-1)
+                if shift is not None and shift.size == 1:
+                    shift = np.full(n_out, shift[0], np.float32)
+                if offsets.shape != (n_out, nb) or (shift is not None and (
+                        shift.shape != (n_out,) or not np.isin(shift, (0, 8)).all()
+                        or (zp[shift == 8] != 8).any())):
                     raise NativeUnsupported(f"{where}: {node.name}'s block offsets are "
-                                      f"{list(offsets.shape)}, not [{n_out}, {nb}]; use "
-                                      f"--backend onnxruntime")
-                outputs[node.name] = branch[1].output[0]
+                                      f"{list(offsets.shape)}, not [{n_out}, {nb}], or its "
+                                      f"shift is not 0 or 8 a row; use --backend onnxruntime")
+                if shift is not None:  # d (q - 8) + (m + 8 d) is d q + m: sums of x8 times m
+                    zp = np.where(shift[:, None] == 8, 0, zp).astype(np.uint8)
+                outputs[node.name] = branch.add.output[0]
                 self.kept_blocks += 1
             try:
                 G, nb, w, sc, z, mn = pack_q4(q, scales, zp, offsets)

@@ -47,6 +47,24 @@ DEVICES = {
 }
 
 
+def parse_device(device: str) -> tuple[str, int]:
+    """``--device`` for onnxruntime -> (cpu, cuda or tensorrt; the GPU's index): ``cuda:N``
+    and ``tensorrt:N`` pick GPU N (the providers' ``device_id``), as the torch and tensorrt
+    backends take ``cuda:N``.
+
+    >>> parse_device("cuda:1"), parse_device("tensorrt"), parse_device("cpu")
+    (('cuda', 1), ('tensorrt', 0), ('cpu', 0))
+    >>> parse_device("cpu:1")
+    Traceback (most recent call last):
+    ...
+    edgemtp.errors.ConfigError: device must be cpu, cuda[:N] or tensorrt[:N], got 'cpu:1'
+    """
+    kind, colon, index = device.partition(":")
+    if kind not in DEVICES or (colon and (kind == "cpu" or not index.isdigit())):
+        raise ConfigError(f"device must be cpu, cuda[:N] or tensorrt[:N], got {device!r}")
+    return kind, int(index or 0)
+
+
 def _ort():
     try:
         import onnxruntime
@@ -82,11 +100,11 @@ class Binder:
     ``tests/test_onnx_backend.py`` checks both give the same outputs.
     """
 
-    def __init__(self, ort, io, device: str, public: bool = False) -> None:
+    def __init__(self, ort, io, device: str, public: bool = False, device_id: int = 0) -> None:
         raw = None if public else getattr(io, "_iobinding", None)
         if raw is not None:
             try:
-                c_dev = ort.OrtDevice.make(device, 0)._get_c_device()
+                c_dev = ort.OrtDevice.make(device, device_id)._get_c_device()
             except AttributeError:  # an onnxruntime without these internals
                 raw = None
         if raw is not None:
@@ -94,10 +112,10 @@ class Binder:
             self.input = lambda name, dtype, shape, ptr: raw_in(name, c_dev, dtype, shape, ptr)
             self.output = lambda name, dtype, shape, ptr: raw_out(name, c_dev, dtype, shape, ptr)
         else:
-            self.input = lambda name, dtype, shape, ptr: io.bind_input(name, device, 0, dtype,
-                                                                       shape, ptr)
-            self.output = lambda name, dtype, shape, ptr: io.bind_output(name, device, 0, dtype,
-                                                                         shape, ptr)
+            self.input = lambda name, dtype, shape, ptr: io.bind_input(
+                name, device, device_id, dtype, shape, ptr)
+            self.output = lambda name, dtype, shape, ptr: io.bind_output(
+                name, device, device_id, dtype, shape, ptr)
 
 
 class KVCache:
@@ -106,7 +124,7 @@ class KVCache:
     every step, P grows) and its present output is written to ``new[i, :T]`` (rebound only
     when T changes). Subclasses own the memory and the commit."""
 
-    device = "cpu"
+    device, device_id = "cpu", 0
     moves = 0  # times the cache memory moved (a binding of an older one must be redone)
 
     def __init__(self, layers: int, rows: int, heads: int, dim: int, dtype,
@@ -243,15 +261,16 @@ class DeviceKV(KVCache):
     """``OrtValue`` memory on the session's device; a commit runs the package's gather graph
     with each layer's output bound into the cache at row P, so K/V never leave the device."""
 
-    def __init__(self, ort, commit_session, device: str, *dims) -> None:
+    def __init__(self, ort, commit_session, device: str, *dims, device_id: int = 0) -> None:
         self.ort, self.session, self.device = ort, commit_session, device
+        self.device_id = device_id
         self.io = commit_session.io_binding()
-        self.bind = Binder(ort, self.io, device)
+        self.bind = Binder(ort, self.io, device, device_id=device_id)
         super().__init__(*dims)
 
     def _alloc(self, rows: int, dtype):
         return self.ort.OrtValue.ortvalue_from_shape_and_type(
-            [self.layers, rows, *self.tail], dtype, self.device, 0)
+            [self.layers, rows, *self.tail], dtype, self.device, self.device_id)
 
     def _alloc_cache(self):
         # zeroed: a format 2 graph reads rows past P (masked, but 0 x NaN is NaN, and fresh
@@ -259,7 +278,8 @@ class DeviceKV(KVCache):
         # (on CPU an OrtValue wraps the array it is made from: one array each)
         shape = [self.layers, self.rows, *self.tail]
         self.k, self.v = (self.ort.OrtValue.ortvalue_from_numpy(
-            np.zeros(shape, dtype=dtype), self.device, 0) for dtype in (self.dtype, self.v_dtype))
+            np.zeros(shape, dtype=dtype), self.device, self.device_id)
+            for dtype in (self.dtype, self.v_dtype))
         return self.k.data_ptr(), self.v.data_ptr()
 
     def _alloc_new(self, cap: int):
@@ -301,6 +321,8 @@ class OrtBackend:
                  public_binding: bool = False, cuda_graphs: bool | None = None,
                  static_past: bool = False) -> None:
         check_options(device, dtype, max_context, threads)
+        self.device_name = device
+        device, self.device_id = parse_device(device)  # (cuda:N: GPU N)
         self.public_binding = public_binding  # onnxruntime's public bind methods only
         ort = self.ort = _ort()
         self.package = pkg = load_package(package_dir)
@@ -370,7 +392,7 @@ class OrtBackend:
         """What a measured latency depends on (``latency.cached_latency``): the graph file,
         the device and its options, the threads and the cache size."""
         st = self.package.graph_path.stat()
-        return (f"onnxruntime|{self.device}|threads={self.threads}|graphs={self.cuda_graphs}|"
+        return (f"onnxruntime|{self.device_name}|threads={self.threads}|graphs={self.cuda_graphs}|"
                 f"cache={self.commit_graph is not None}|ctx={self.max_context}|"
                 f"{self.package.graph_path.resolve()}|{st.st_size}|{st.st_mtime_ns}")
 
@@ -400,20 +422,20 @@ class OrtBackend:
 
     def _session(self, ort, device: str, threads: int | None, path: Path | None = None,
                  graph: str = "model", cuda_graph: bool = False, past_rows: int | None = None):
-        if device not in DEVICES:
-            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
         provider, _, install = DEVICES[device]
         if provider not in ort.get_available_providers():
             raise BackendUnavailableError(
-                f"device {device!r} needs onnxruntime's {provider}, which this onnxruntime "
-                f"build lacks (available: {', '.join(ort.get_available_providers())}); "
-                f"{install}")
+                f"device {self.device_name!r} needs onnxruntime's {provider}, which this "
+                f"onnxruntime build lacks (available: "
+                f"{', '.join(ort.get_available_providers())}); {install}")
         providers = [provider] if provider == "CPUExecutionProvider" else [
             (provider, self._provider_options(device)), "CPUExecutionProvider"]
         if graph == "commit" and device == "tensorrt":
-            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+            providers = [("CUDAExecutionProvider", self._provider_options("cuda")),
+                         "CPUExecutionProvider"]
         if cuda_graph:
-            providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1", "use_tf32": "0"}),
+            providers = [("CUDAExecutionProvider", {**self._provider_options("cuda"),
+                                                    "enable_cuda_graph": "1"}),
                          "CPUExecutionProvider"]
         so = ort.SessionOptions()
         so.log_severity_level = 3
@@ -433,8 +455,10 @@ class OrtBackend:
             raise ModelLoadError(f"onnxruntime cannot load {str(path)!r}: {text}") from None
 
     def _provider_options(self, device: str) -> dict:
+        """The execution provider's options for ``device`` (on GPU ``device_id``)."""
+        gpu = {"device_id": str(self.device_id)}
         if device == "cuda":  # no TF32: an fp32 package's rows must not round by block shape
-            return {"use_tf32": "0"}
+            return {**gpu, "use_tf32": "0"}
         if device != "tensorrt":
             return {}
         # one optimisation profile over every shape a generation feeds (the EP's execution
@@ -442,7 +466,7 @@ class OrtBackend:
         # it the EP would build a new engine for every new cache length
         from edgemtp.runtimes.trt_engine import ort_trt_options
 
-        return ort_trt_options(self.package)
+        return {**gpu, **ort_trt_options(self.package)}
 
     def _check_graph(self) -> None:
         # the manifest describes the graph the package ships; disagreement means a mixed-up
@@ -505,7 +529,7 @@ class _Bound:
         t, run_t, with_topk, logits, hidden = self.key = key
         self.io = b.graph.io_binding()
         self.host = Binder(b.ort, self.io, "cpu", b.public_binding)
-        self.kv_bind = Binder(b.ort, self.io, s.kv.device, b.public_binding)
+        self.kv_bind = Binder(b.ort, self.io, s.kv.device, b.public_binding, s.kv.device_id)
         self.ids = np.zeros(run_t, dtype=np.int64)
         self.pos = np.zeros(run_t, dtype=np.int64)
         # rows t .. run_t - 1 are padding (``weights.min_rows``): copies of row t - 1 that
@@ -554,7 +578,8 @@ class OrtSession(_CacheCommits):
         cache = b.max_context if rows is None else max(1, min(int(rows), b.max_context))
         if b.commit_graph is not None:
             self.kv = DeviceKV(ort, b.commit_graph, DEVICES[b.device][1], layers, cache,
-                               *dims, b.package.np_dtype, b.package.np_value_dtype)
+                               *dims, b.package.np_dtype, b.package.np_value_dtype,
+                               device_id=b.device_id)
         elif b.head_major:
             self.kv = HostKVHeads(layers, cache, *dims, b.package.np_dtype)
         else:
@@ -685,7 +710,8 @@ class _ShapeIO:
         m = b.package.manifest
 
         def buf(shape, dtype):
-            return ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, s.device, 0)
+            return ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, s.device,
+                                                             b.device_id)
 
         self.t, self.graph_id = t, graph_id
         self.ids, self.pos = buf([1, t], np.int64), buf([1, t], np.int64)
@@ -706,7 +732,7 @@ class _ShapeIO:
                             ("hidden_states", self.hidden)):
             if value is not None and name in m["graph"]["outputs"]:
                 io.bind_ortvalue_output(name, value)
-        bind = Binder(ort, io, s.device)
+        bind = Binder(ort, io, s.device, device_id=b.device_id)
         s.kv.bind_past(bind, s.kv.rows)   # the whole cache: past_len masks the unused rows
         s.kv.bind_present(bind, t)        # the new K/V buffers never move (see GraphSession)
         self.run_options = ort.RunOptions()
@@ -725,7 +751,7 @@ class _GraphBuffers:
         m = b.package.manifest
         self.kv = DeviceKV(b.ort, b.commit_graph, device, m["num_layers"], b.max_context,
                            m["num_kv_heads"], m["head_dim"], b.package.np_dtype,
-                           b.package.np_value_dtype)
+                           b.package.np_value_dtype, device_id=b.device_id)
         # the block's new K/V: allocated once for the longest block (a prefill of the whole
         # context plus mask slots), so their addresses hold for every captured shape
         self.kv.cap = b.max_context + 8

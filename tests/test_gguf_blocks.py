@@ -8,6 +8,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 onnx = pytest.importorskip("onnx")
+from onnx import numpy_helper  # noqa: E402
 ort = pytest.importorskip("onnxruntime")
 
 from edgemtp.export.gguf_blocks import FileBlocks, keep_file_blocks, offset_branches  # noqa: E402
@@ -104,8 +105,14 @@ def test_rewritten_graph_computes_the_files_weights_and_is_batch_invariant(file)
     nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
     assert [a.i for n in nbits for a in n.attribute if a.name == "bits"] == [4, 8]
     branches = offset_branches(proto.graph)
-    mt, add = branches[nbits[0].name]
+    mt, add, shift = branches[nbits[0].name]
     assert add.output[0] == "h" and nbits[1].name not in branches
+    # Q4_1 rows: zero point 8 and an offset of m + 8 d (E 8), Q4_0 rows zero point 8, E 0
+    inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    e = inits[shift].reshape(-1)
+    assert e.tolist() == [8.0] * 48 + [0.0] * 16 + [8.0] * 32
+    zp = inits[nbits[0].input[3]]  # two a byte, K / 32 = 3 of them (the 4th nibble a pad)
+    assert (np.stack([zp & 15, zp >> 4], -1).reshape(len(zp), -1)[:, :3] == 8).all()
     x = np.random.default_rng(1).standard_normal((1, 300, K)).astype(np.float32)
     # float activations: the file's weights to float32 rounding
     h, logits = _session(proto, 0).run(None, {"x": x[:, :7]})

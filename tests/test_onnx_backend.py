@@ -387,7 +387,26 @@ def test_cuda_runs_fp32_without_tf32(stories_pkg):
     # onnxruntime's CUDA EP rounds fp32 matrix products to TF32 by default, which depends on
     # the block shape: on an H200 an fp32 package then matched its plain decoding on 11/12
     # prompts per drafter, 12/12 with TF32 off (bench/results/ort_gpu_h200.md)
-    assert OrtBackend(stories_pkg)._provider_options("cuda") == {"use_tf32": "0"}
+    assert OrtBackend(stories_pkg)._provider_options("cuda") == {"device_id": "0",
+                                                                 "use_tf32": "0"}
+
+
+def test_cuda_n_picks_the_gpu_as_the_other_backends_do(stories_pkg):
+    # QA (gpu D5): the torch and tensorrt backends took cuda:N, onnxruntime refused it and
+    # its error dropped the index. Checked on CPU: GPU N's device_id in the providers'
+    # options (onnxruntime cannot run CUDA here), and the grammar's errors.
+    b = OrtBackend(stories_pkg)
+    b.device_id = 3
+    assert b._provider_options("cuda") == {"device_id": "3", "use_tf32": "0"}
+    assert b._provider_options("tensorrt")["device_id"] == "3"
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        with pytest.raises(BackendUnavailableError, match="device 'cuda:1' needs"):
+            OrtBackend(stories_pkg, device="cuda:1")
+    for bad in ("cpu:1", "cuda:x", "cuda:"):
+        with pytest.raises(ConfigError, match=r"cpu, cuda\[:N\] or tensorrt\[:N\], got"):
+            OrtBackend(stories_pkg, device=bad)
 
 
 def test_missing_execution_provider_is_one_clear_line(stories_pkg):
@@ -399,7 +418,7 @@ def test_missing_execution_provider_is_one_clear_line(stories_pkg):
         OrtBackend(stories_pkg, device="cuda")
     msg = str(e.value)
     assert "CUDAExecutionProvider" in msg and "onnxruntime-gpu" in msg and "\n" not in msg
-    with pytest.raises(ConfigError, match="device must be one of cpu, cuda, tensorrt"):
+    with pytest.raises(ConfigError, match=r"device must be cpu, cuda\[:N\] or tensorrt"):
         OrtBackend(stories_pkg, device="npu")
 
 

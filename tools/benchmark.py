@@ -325,8 +325,9 @@ def _reference_model(source: str, device: str):
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    on_gpu = device in ("cuda", "tensorrt")  # the reference runs where the backend runs
-    return AutoModelForCausalLM.from_pretrained(source).to("cuda" if on_gpu else "cpu").eval()
+    kind, _, index = device.partition(":")  # the reference runs where the backend runs
+    where = f"cuda:{index or 0}" if kind in ("cuda", "tensorrt") else "cpu"
+    return AutoModelForCausalLM.from_pretrained(source).to(where).eval()
 
 
 def _hf_prompt_lookup(model, hf, prompts: list[str], config: GenerationConfig, bar):
