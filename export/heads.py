@@ -524,6 +524,7 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
         raise ConfigError(f"--work {str(work)!r} cannot hold the training cache: "
                           f"{e.strerror or e}") from None
     key = f"s{opt.seed}_r{opt.repeats}_b{opt.bos_samples}_n{opt.new_tokens}_p{len(ids)}"
+    reused = (work / f"cache_{key}.npz").is_file()  # (an earlier run's generations, whole)
     cache = generate_cache(model, ids, opt, work / f"cache_{key}.npz", progress)
     gen_minutes = float(cache.get("seconds", 0.0)) / 60
 
@@ -564,7 +565,7 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
             lr=opt.lr, seed=opt.seed, loss_first=float(np.mean(hist[:20])),
             loss_last=float(np.mean(hist[-50:])), val_top1=result["val_top1"],
             minutes=round(result["minutes"], 2), gen_minutes=round(gen_minutes, 2),
-            threads=opt.threads, date=time.strftime("%Y-%m-%d")))
+            threads=opt.threads, date=time.strftime("%Y-%m-%d"), gen_reused=reused))
     _move_in(root, staged, info)
     load_package(root).check_heads(info)  # what was written must load
     return info

@@ -60,9 +60,10 @@ class HeadsTraining:
     loss_last: float
     val_top1: tuple[float, ...]  # per head, on held-out training positions
     minutes: float              # training only (generation and caching: gen_minutes)
-    gen_minutes: float
+    gen_minutes: float          # what generating the training data took
     threads: int
     date: str
+    gen_reused: bool = False    # the generations came from an earlier run's cache (--work)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +100,9 @@ class HeadsInfo:
             line += (f"; {t.steps} steps on {t.positions} positions of {t.sequences} "
                      f"generations ({t.data}), loss {t.loss_first:.3f} -> {t.loss_last:.3f}, "
                      f"top-1 per head {acc}, {t.minutes:.1f} min training + "
-                     f"{t.gen_minutes:.1f} min generating, {t.date}")
+                     + (f"generations reused (they took {t.gen_minutes:.1f} min)"
+                        if t.gen_reused else f"{t.gen_minutes:.1f} min generating")
+                     + f", {t.date}")
         return line
 
 

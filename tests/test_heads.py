@@ -621,6 +621,9 @@ def test_a_retraining_that_fails_leaves_the_heads_as_they_were(trained, tmp_path
     monkeypatch.undo()
     info = train_heads(pkg, opt, work=work, progress=False)
     assert info.training.steps == 20 and not list((pkg / "heads").glob(".*"))
+    # the generations were an earlier run's: said so, not as this run's minutes
+    assert info.training.gen_reused and "generations reused (they took" in info.summary()
+    assert next(h for h in load_package(pkg).meta.heads if h.kind == "residual").training.gen_reused
     assert load_package(pkg).heads_problem(info) is None
     assert _heads_run(pkg, "residual") == _heads_run(pkg, None)[:len(want)]
 
