@@ -52,6 +52,9 @@ from edgemtp.runtimes.native_backend import offset_branches  # noqa: F401 (the g
 
 BLOCK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids (gguf.GGMLQuantizationType)
+# the types that store a weight in more than 4 bits (F32, F16, Q5_0, Q5_1, Q8_0, Q8_1, Q5_K,
+# Q6_K, Q8_K, BF16, F64): an LM head stored so keeps 8 bits in an int4 package
+WIDE_TYPES = {0, 1, 6, 7, 8, 9, 13, 14, 15, 30, 28}
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 
@@ -93,11 +96,29 @@ class Blocks:
 
 @dataclass
 class Blocks8:
-    """A matrix of the file's Q8_0 blocks (``d * q``, ``q`` int8), rows in the graph's order."""
+    """A matrix of the file's Q8_0 blocks (``d * q``, ``q`` int8), rows in the graph's order;
+    or (:meth:`quantize`) another wide head's weights put into such blocks."""
 
     q: np.ndarray           # [N, K] int8
     d: np.ndarray           # [N, K/32] float32 (half-precision values)
-    types: tuple[str, ...] = ("Q8_0",)
+    types: tuple[str, ...] = ("Q8_0",)  # (): not the file's blocks, quantized from its values
+
+    @classmethod
+    def quantize(cls, w: np.ndarray) -> "Blocks8":
+        """``w [N, K]`` (K a multiple of 32) in Q8_0 blocks as llama.cpp's
+        ``quantize_row_q8_0`` (and gguf-py) writes them: ``d = amax / 127``, ``q = x * (1 /
+        d)`` rounded half away from zero, ``d`` stored as a half; a weight moves by about half
+        of 1/127 of its block's largest."""
+        n, k = w.shape
+        b = w.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
+        d = np.abs(b).max(-1, keepdims=True) / np.float32(127)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        x = b * inv
+        a = np.abs(x)
+        q = np.sign(x) * (np.floor(a) + np.floor(2 * (a - np.floor(a))))  # C's roundf
+        q = q.astype(np.int8).reshape(n, k)
+        return cls(q, d[..., 0].astype(np.float16).astype(np.float32), ())
 
     def dequantize(self) -> np.ndarray:
         n, k = self.q.shape
@@ -126,6 +147,11 @@ class FileBlocks:
         self._raw: list[tuple[int, np.ndarray]] = []   # (type, [N, K/32, bytes])
         self._index: dict[tuple[int, int], tuple[int, int]] = {}
         self.types: dict[str, int] = {}
+        kinds = {name: kind for name, kind, _, _ in header.table}
+        # the LM head's type: output.weight's, or a tied model's token_embd.weight's
+        self.head_type = kinds.get("output.weight", kinds.get("token_embd.weight"))
+        self.eight_bit = eight_bit
+        self.head_at_8 = False  # keep_file_blocks wrote the LM head at 8 bits
         for name, kind, dims, offset in header.table:
             if kind not in BLOCK_BYTES or dims[0] % BLOCK or (kind == Q8_0 and not eight_bit):
                 continue
@@ -174,6 +200,29 @@ class FileBlocks:
             q[rows], d[rows] = b.q, b.d
         blocks = Blocks8(q, d)
         return blocks if np.array_equal(blocks.dequantize(), w) else None
+
+    def head8(self, w: np.ndarray) -> Blocks8 | None:
+        """The LM head ``w [N, K]`` at 8 bits: the file's Q8_0 blocks (:meth:`find8`), or,
+        where the file stores its head in more than 4 bits (Q6_K, as ``llama-quantize`` writes
+        a 4-bit model's head, Q5_x, F16 ...), its values put into Q8_0 blocks
+        (:meth:`Blocks8.quantize`) rather than down to 4 bits. None: 4 bits (a 4-bit file
+        head, ``--requantize head``, or K not a multiple of 32)."""
+        if not self.eight_bit:
+            return None
+        found = self.find8(w)
+        if found is not None or self.head_type not in WIDE_TYPES or w.shape[1] % BLOCK:
+            return found
+        return Blocks8.quantize(np.ascontiguousarray(w, dtype=np.float32))
+
+    @property
+    def head_name(self) -> str:
+        """The file's LM head type, by name."""
+        try:
+            import gguf
+
+            return gguf.GGMLQuantizationType(self.head_type).name
+        except (ImportError, ValueError):
+            return f"type {self.head_type}"
 
     def find(self, w: np.ndarray) -> Blocks | None:
         """The file's blocks for ``w [N, K]`` float32 (rows in any order, from any of the
@@ -255,7 +304,7 @@ def keep_file_blocks(proto, blocks: FileBlocks, accuracy_level: int,
         nb = k // BLOCK
         name, wname = node.name or node.output[0], node.input[1]
         if wname == head:
-            found8 = blocks.find8(b.T)
+            found8 = blocks.head8(b.T)
             if found8 is not None:
                 blob, scales, zp = found8.pack()
                 new = [numpy_helper.from_array(blob, f"{wname}_Q8"),
@@ -269,7 +318,9 @@ def keep_file_blocks(proto, blocks: FileBlocks, accuracy_level: int,
                     block_size=BLOCK, accuracy_level=accuracy_level))
                 graph.initializer.extend(new)
                 _drop_initializer(graph, wname)
-                kept.append(name)
+                if found8.types:  # the file's own blocks (else its values at 8 bits)
+                    kept.append(name)
+                blocks.head_at_8 = True
                 continue
         if wname in skip:
             continue

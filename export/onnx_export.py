@@ -223,6 +223,11 @@ class ExportReport:
     asked_context: int | None = None  # --max-context, where the model's limit capped it
     window: int | None = None  # the model's sliding attention window, where it set the limit
     tokenizer: bool = True     # the package carries tokenizer files
+    head8_from: str | None = None  # the file's wide LM head type, kept at 8 bits
+
+    def _head(self) -> str:
+        return (f" (the LM head at 8 bits: the file stores it as {self.head8_from})"
+                if self.head8_from else "")
 
     def summary(self) -> str:
         skipped = f"; skipped {', '.join(self.skipped)}" if self.skipped else ""
@@ -233,11 +238,12 @@ class ExportReport:
             dtype = (f"{self.dtype}, weights from GGUF {self.gguf.file}: "
                      f"{self.gguf.quant_summary()}; {self.kept_blocks} of {self.products} "
                      f"products keep the file's own blocks"
-                     f"{f', {rest} re-quantized' if rest else ''}")
+                     f"{f', {rest} re-quantized' if rest else ''}{self._head()}")
         else:
             dtype = (f"{self.dtype}, weights de-quantized from GGUF {self.gguf.file}: "
                      f"{self.gguf.quant_summary()}"
-                     f"{', then re-quantized' if self.dtype in ('int4', 'int8') else ''}")
+                     f"{', then re-quantized' if self.dtype in ('int4', 'int8') else ''}"
+                     f"{self._head()}")
         capped = (f" (--max-context {self.asked_context} capped to the model's limit)"
                   if self.asked_context is not None and self.asked_context > self.context else "")
         if self.window is not None and self.window == self.context:
@@ -323,7 +329,7 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
                         budgets, skipped, sum(f.stat().st_size for f in out.glob(f"{GRAPH}*")),
                         gguf, w.kept_blocks, w.products, context, options.max_context,
                         attention_window(config, family),
-                        bool(written.manifest.get("tokenizer", True)))
+                        bool(written.manifest.get("tokenizer", True)), w.head8_from)
 
 
 @dataclass(frozen=True)
@@ -450,15 +456,19 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
 
 
 def _file_blocks(job: _Job):
-    """The GGUF file's Q4_0/Q4_1 blocks an int4 export keeps (None: not int4 from a GGUF
-    file, symmetric or ``requantize`` "all" asked, or no such blocks in the file)."""
+    """The GGUF file's Q4_0/Q4_1 blocks an int4 export keeps, and its LM head's 8 bits (None:
+    not int4 from a GGUF file, symmetric or ``requantize`` "all" asked, or neither such
+    blocks nor a head wider than 4 bits in the file)."""
     o = job.options
     if job.gguf is None or o.dtype != "int4" or o.symmetric or o.requantize == "all":
         return None
     from .gguf_blocks import FileBlocks
 
+    from .gguf_blocks import WIDE_TYPES
+
     blocks = FileBlocks(job.source.path, eight_bit=o.requantize == "none")
-    return blocks if len(blocks) else None
+    wide_head = blocks.eight_bit and blocks.head_type in WIDE_TYPES  # (an 8-bit head)
+    return blocks if len(blocks) or wide_head else None
 
 
 def _check_quantized(tmp: Path, reference, job: _Job, tokenizer, strict, loose,
@@ -642,6 +652,7 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str,
     from torch.onnx import OnnxExporterError
 
     from .graph import tidy_graph, trace_to_onnx
+    from .gguf_blocks import Q8_0
     from .quantize import QUANTIZED, quantize_graph, tie_float_embedding
 
     scratch = tmp / "_trace"
@@ -664,6 +675,9 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str,
     products = sum(n.op_type == "MatMulNBits" for n in proto.graph.node) if spec else 0
     weights = WeightsInfo(format=fmt, tied_embedding=tied is not None,
                           **({"kept_blocks": len(kept), "products": products} if kept else {}),
+                          **({"head8_from": file_blocks.head_name} if file_blocks is not None
+                             and file_blocks.head_at_8 and file_blocks.head_type != Q8_0
+                             else {}),
                           **({"block_size": spec.block_size, "symmetric": spec.symmetric,
                               "accuracy_level": spec.accuracy_level,
                               "min_rows": spec.min_rows, "softmax": "exact",

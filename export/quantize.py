@@ -144,7 +144,8 @@ def fake_quantize(hf, spec: QuantSpec, file_blocks=None) -> int:
     output to the grid the quantized graph keeps its values on (``graph.exact_sums``); returns
     how many weights were replaced. Weights that are a GGUF file's own 4-bit blocks
     (``file_blocks``, as :func:`quantize_graph` keeps them) stay as loaded: they are already
-    exactly those blocks' values."""
+    exactly those blocks' values; an LM head the file stores in more than 4 bits takes the
+    8-bit blocks :meth:`export.gguf_blocks.FileBlocks.head8` puts it in."""
     import torch
     from torch import nn
 
@@ -158,8 +159,14 @@ def fake_quantize(hf, spec: QuantSpec, file_blocks=None) -> int:
         for module in hf.modules():
             if isinstance(module, nn.Linear):
                 w = module.weight.detach().float().cpu().numpy()
+                head8 = (file_blocks.head8(w) if file_blocks is not None and spec.bits == 4
+                         and module is hf.get_output_embeddings() else None)
+                if head8 is not None and not head8.types:  # the file's wide head at 8 bits
+                    module.weight.copy_(torch.from_numpy(head8.dequantize()))
+                    count += 1
+                    continue
                 if file_blocks is not None and spec.bits == 4 and (
-                        (module is hf.get_output_embeddings() and file_blocks.find8(w) is not None)
+                        head8 is not None
                         or (_tied_to(hf, module) is None and file_blocks.find(w) is not None)):
                     continue
                 deq = dequantize(*block_quantize(w, spec), spec, w.shape[1])

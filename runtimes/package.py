@@ -323,6 +323,10 @@ class WeightsInfo:
     # own Q4_0/Q4_1 blocks, a Q4_1 block's offsets as a float branch (export.gguf_blocks)
     kept_blocks: int = 0
     products: int = 0
+    # int4 from a GGUF file that stores its LM head in more than 4 bits (its type: Q6_K, F16
+    # ...; not Q8_0, whose blocks are kept): the head's values in 8-bit Q8_0 blocks
+    # (export.gguf_blocks.FileBlocks.head8), not 4-bit ones
+    head8_from: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.format in WEIGHT_FORMATS, f"'weights.format' must be one of "
@@ -1084,9 +1088,10 @@ def _first_line(e: BaseException) -> str:
 
 
 def _kept(w: WeightsInfo) -> str:
+    head = (f", the LM head at 8 bits (the file's {w.head8_from})" if w.head8_from else "")
     if not w.kept_blocks:
-        return ""
-    return f", {w.kept_blocks} of {w.products} products keep the GGUF file's own blocks"
+        return head
+    return f", {w.kept_blocks} of {w.products} products keep the GGUF file's own blocks{head}"
 
 
 def _size(n: float) -> str:

@@ -17,10 +17,12 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_llama_gguf(src: Path, out: Path, kind: str = "F32") -> None:
+def write_llama_gguf(src: Path, out: Path, kind: str = "F32", head: str | None = None) -> None:
     """``src`` (config.json, model.safetensors, tokenizer.model) as ``out``, its matrices in
     ``kind`` (F32, F16, Q8_0, Q4_0, Q4_1, ...; a row that does not fill whole blocks: F16),
-    norms in F32, the embedding tied unless the folder has an ``lm_head``."""
+    norms in F32, the embedding tied unless the folder has an ``lm_head``; ``head``: the LM
+    head's type (the tied embedding's, or output.weight's), as llama-quantize's
+    ``--output-tensor-type`` (default ``kind``)."""
     import gguf
     import sentencepiece as spm
     from gguf import GGMLQuantizationType as Q
@@ -70,7 +72,8 @@ def write_llama_gguf(src: Path, out: Path, kind: str = "F32") -> None:
             data = gguf.quants.quantize(arr, t)
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t)
 
-    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    tied = "lm_head.weight" not in sd
+    put("token_embd.weight", sd["model.embed_tokens.weight"], Q[head] if head and tied else qt)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
@@ -84,7 +87,7 @@ def write_llama_gguf(src: Path, out: Path, kind: str = "F32") -> None:
         put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
     put("output_norm.weight", sd["model.norm.weight"])
     if "lm_head.weight" in sd:
-        put("output.weight", sd["lm_head.weight"])
+        put("output.weight", sd["lm_head.weight"], Q[head] if head else qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -232,6 +232,35 @@ def test_a_trained_models_q4_1_gguf_keeps_its_blocks_and_stays_lossless(tmp_path
     assert not (tmp_path / "tight").exists()
 
 
+def test_a_wide_lm_head_stays_at_8_bits_in_an_int4_export(tmp_path):
+    """llama-quantize stores a 4-bit model's LM head wider (Q6_K; F16 here, which gguf-py
+    writes): the int4 export puts it in 8-bit Q8_0 blocks rather than 4-bit ones (on SmolLM2
+    with an F16 head: bench/results/gguf_fidelity_wide_head_2026-11-29.md), says so in the
+    export line and in inspect, and speculation stays lossless on both backends;
+    --requantize head gives the 4-bit head."""
+    from gguf_writer import write_llama_gguf
+
+    src = tmp_path / "stories260K-Q4_0-f16head.gguf"
+    write_llama_gguf(ROOT / ".." / "shared" / "models" / "stories260K", src, "Q4_0", "F16")
+    pkg = tmp_path / "pkg"
+    r = cli("export", str(src), "-o", str(pkg), "--dtype", "int4", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "(the LM head at 8 bits: the file stores it as F16)" in r.stdout + r.stderr
+    assert "the LM head at 8 bits (the file's F16)" in cli("inspect", str(pkg)).stdout
+    assert load_package(pkg).weights.head8_from == "F16"
+    for backend in ("native", "onnxruntime"):
+        ids = {d: json.loads(cli("generate", "--model", str(pkg), "--backend", backend,
+                                 "--prompt", "Once upon a time", "--drafter", d,
+                                 "--max-new-tokens", "40", "--json").stdout)["token_ids"]
+               for d in ("none", "hybrid", "pld")}
+        assert len(ids["none"]) == 40 and ids["hybrid"] == ids["none"] == ids["pld"], backend
+    four = tmp_path / "four"
+    r = cli("export", str(src), "-o", str(four), "--dtype", "int4", "--requantize", "head",
+            "--quiet")
+    assert r.returncode == 0 and "8 bits" not in r.stdout + r.stderr
+    assert load_package(four).weights.head8_from is None
+
+
 def test_an_unknown_tensor_type_is_said_as_such_not_as_damage(tmp_path):
     """QA (qa5, 2): a tensor type the gguf package does not know (a newer llama.cpp's, or
     a removed one) read as "damaged or not GGUF ...; restore it"."""

@@ -145,3 +145,42 @@ def test_native_packing_holds_offsets_as_halves_and_drops_zero_zero_points():
     assert pack_q4(q, d, np.zeros((20, 2), np.uint8))[5] is None
     with pytest.raises(ValueError, match="half-precision"):
         pack_q4(q, d, np.zeros((20, 2), np.uint8), m + np.float32(1e-6))
+
+
+def test_a_wide_head_takes_q8_0_blocks_as_llama_cpp_writes_them(tmp_path):
+    """An LM head the file stores in more than 4 bits (F16 here; Q6_K from llama-quantize)
+    goes into Q8_0 blocks bit for bit as llama.cpp (and gguf-py) quantize them, not down to
+    4 bits; a 4-bit head, --requantize head (eight_bit False) or K off the 32 grid: None."""
+    from gguf import GGMLQuantizationType as Q
+
+    from edgemtp.export.gguf_blocks import Blocks8
+
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((40, K)) * 0.05).astype(np.float32)
+    w[3, :32] = 0  # an all-zero block: d 0, q 0
+    want = gguf.quants.dequantize(gguf.quants.quantize(w, Q.Q8_0), Q.Q8_0)
+    b = Blocks8.quantize(w)
+    assert np.array_equal(b.dequantize(), want) and b.types == ()
+
+    def written(head):
+        path = tmp_path / f"head-{head.name}.gguf"
+        g = gguf.GGUFWriter(str(path), "llama")
+        if head in (Q.F16, Q.F32):
+            g.add_tensor("token_embd.weight", w.astype(np.float16 if head == Q.F16 else np.float32))
+        else:
+            data = gguf.quants.quantize(w, head)
+            g.add_tensor("token_embd.weight", data, raw_shape=data.shape, raw_dtype=head)
+        g.write_header_to_file()
+        g.write_kv_data_to_file()
+        g.write_tensors_to_file()
+        g.close()
+        return path
+
+    f16 = FileBlocks(written(Q.F16))
+    assert f16.head_name == "F16" and np.array_equal(f16.head8(w).dequantize(), want)
+    assert FileBlocks(written(Q.F16), eight_bit=False).head8(w) is None  # --requantize head
+    assert f16.head8(w[:, :48]) is None                                   # K off the grid
+    q40 = FileBlocks(written(Q.Q4_0))
+    assert q40.head8(gguf.quants.dequantize(gguf.quants.quantize(w, Q.Q4_0), Q.Q4_0)) is None
+    q80 = FileBlocks(written(Q.Q8_0))  # the file's own Q8_0 blocks: found, not re-made
+    assert q80.head8(want).types == ("Q8_0",)
