@@ -23,7 +23,7 @@ from .budgets import is_int
 from .config import GenerationConfig
 from .engine import Generation, GenerationResult
 from .errors import ConfigError, ModelLoadError
-from .tokenizer import TextStream, Tokenizer, undecodable_at
+from .tokenizer import TextStream, Tokenizer, text_after, undecodable_at
 
 Messages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."}, ...]
 
@@ -287,9 +287,10 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
                  **options) -> GenerationResult:
-        result = self.generation(prompt, config, **options).run()
-        if self.tokenizer is not None:
-            result.text = self.tokenizer.decode(result.token_ids)
+        gen = self.generation(prompt, config, **options)
+        result = gen.run()
+        if self.tokenizer is not None:  # as it reads after the prompt (the server's text)
+            result.text = text_after(self.tokenizer, int(gen.prompt[-1]), result.token_ids)
         return result
 
     def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
@@ -305,7 +306,8 @@ class Model:
         return _Stream(self._stream(gen), gen)
 
     def _stream(self, gen: Generation) -> Iterator[str]:
-        text = TextStream(self.tokenizer)
+        before = int(gen.prompt[-1])  # the text as it reads after the prompt (" was", not
+        text = TextStream(self.tokenizer, before)  # "was", from a SentencePiece tokenizer)
         try:
             for ids in gen:
                 delta = text.push(ids)
@@ -317,7 +319,7 @@ class Model:
         if rest:
             yield rest
         result = gen.result
-        result.text = self.tokenizer.decode(gen.result.token_ids)
+        result.text = text_after(self.tokenizer, before, gen.result.token_ids)
         self.last_result = result
         return result
 

@@ -32,7 +32,9 @@ class GenerationResult:
     token_ids: list[int]  # generated ids only, the stopping token included
     stop_reason: str      # eos | stop_string | max_new_tokens | max_context | closed
     stats: Stats
-    text: str = ""  # the decode of token_ids: a stop string (and the rest of its token) kept
+    text: str = ""  # the decode of token_ids as it reads after the prompt (a SentencePiece
+    #                 tokenizer's leading space kept): a stop string (and the rest of its
+    #                 token) kept
 
 
 class Stopper:
