@@ -232,6 +232,7 @@ def test_a_trained_models_q4_1_gguf_keeps_its_blocks_and_stays_lossless(tmp_path
     assert not (tmp_path / "tight").exists()
 
 
+@pytest.mark.slow  # two exports and six generations: ~25 s (the default run stays ~6 min)
 def test_a_wide_lm_head_stays_at_8_bits_in_an_int4_export(tmp_path):
     """llama-quantize stores a 4-bit model's LM head wider (Q6_K; F16 here, which gguf-py
     writes): the int4 export puts it in 8-bit Q8_0 blocks rather than 4-bit ones (on SmolLM2
