@@ -204,7 +204,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
             if a.stream:
                 print(json.dumps({"token_ids": ids}), flush=True)
         result = gen.result
-        result.text = model.tokenizer.decode(result.token_ids)
+        from .tokenizer import text_after  # (as the API and the server read it)
+
+        result.text = text_after(model.tokenizer, int(gen.prompt[-1]), result.token_ids)
         print(json.dumps({
             "text": result.text, "token_ids": result.token_ids, "drafter": config.drafter,
             "stop_reason": result.stop_reason, "forward_calls": result.stats.forward_calls,
