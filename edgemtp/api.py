@@ -23,7 +23,7 @@ from .budgets import is_int
 from .config import GenerationConfig
 from .engine import Generation, GenerationResult
 from .errors import ConfigError, ModelLoadError
-from .tokenizer import TextStream, Tokenizer, text_after, undecodable_at
+from .tokenizer import TextStream, Tokenizer, undecodable_at
 
 Messages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."}, ...]
 
@@ -287,11 +287,8 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
                  **options) -> GenerationResult:
-        gen = self.generation(prompt, config, **options)
-        result = gen.run()
-        if self.tokenizer is not None:  # as it reads after the prompt (the server's text)
-            result.text = text_after(self.tokenizer, int(gen.prompt[-1]), result.token_ids)
-        return result
+        return self.generation(prompt, config, **options).run()  # (its text: as it reads
+        #                                                            after the prompt)
 
     def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
                **options) -> Iterator[str]:
@@ -319,7 +316,6 @@ class Model:
         if rest:
             yield rest
         result = gen.result
-        result.text = text_after(self.tokenizer, before, gen.result.token_ids)
         self.last_result = result
         return result
 

@@ -129,6 +129,24 @@ def max_threads() -> int:
     return max(64, 4 * (os.cpu_count() or 1))
 
 
+def parse_device(device: str) -> tuple[str, int]:
+    """``--device`` -> (cpu, cuda or tensorrt; the GPU's index): ``cuda:N`` and
+    ``tensorrt:N`` pick GPU N. Which kinds a backend runs on is the backend's to say.
+
+    >>> parse_device("cuda:1"), parse_device("tensorrt"), parse_device("cpu")
+    (('cuda', 1), ('tensorrt', 0), ('cpu', 0))
+    >>> parse_device("cpu:1")
+    Traceback (most recent call last):
+    ...
+    edgemtp.errors.ConfigError: device must be cpu, cuda[:N] or tensorrt[:N], got 'cpu:1'
+    """
+    kind, colon, index = device.partition(":")
+    if (kind not in ("cpu", "cuda", "tensorrt")
+            or (colon and (kind == "cpu" or not index.isdigit()))):
+        raise ConfigError(f"device must be cpu, cuda[:N] or tensorrt[:N], got {device!r}")
+    return kind, int(index or 0)
+
+
 def check_torch_device(device: str) -> None:
     """The devices the torch backend takes: ``cpu`` or ``cuda[:N]``.
 
@@ -136,10 +154,15 @@ def check_torch_device(device: str) -> None:
     >>> check_torch_device("tpu")
     Traceback (most recent call last):
     ...
-    edgemtp.errors.ConfigError: the torch backend runs on cpu or cuda[:N], got device 'tpu'
+    edgemtp.errors.ConfigError: device must be cpu, cuda[:N] or tensorrt[:N], got 'tpu'
+    >>> check_torch_device("tensorrt")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    edgemtp.errors.ConfigError: the torch backend runs on cpu or cuda[:N], got device ...
     """
-    if device != "cpu" and not device.split(":")[0] == "cuda":
-        raise ConfigError(f"the torch backend runs on cpu or cuda[:N], got device {device!r}")
+    if parse_device(device)[0] == "tensorrt":
+        raise ConfigError(f"the torch backend runs on cpu or cuda[:N], got device {device!r}; "
+                          f"use --backend tensorrt or onnxruntime")
 
 
 # name -> "module:Class"; imported only when asked, so the core never pulls torch in.

@@ -203,10 +203,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         for ids in gen:
             if a.stream:
                 print(json.dumps({"token_ids": ids}), flush=True)
-        result = gen.result
-        from .tokenizer import text_after  # (as the API and the server read it)
-
-        result.text = text_after(model.tokenizer, int(gen.prompt[-1]), result.token_ids)
+        result = gen.result  # (its text as it reads after the prompt, as the server's)
         print(json.dumps({
             "text": result.text, "token_ids": result.token_ids, "drafter": config.drafter,
             "stop_reason": result.stop_reason, "forward_calls": result.stats.forward_calls,
@@ -511,9 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--requantize", nargs="?", const="all", default="none",
                    choices=("none", "head", "all"),
                    help="int4 from a GGUF file: by default the file's own Q4_0/Q4_1 blocks and "
-                        "Q8_0 LM head are kept exactly; 'head' re-quantizes the LM head to 4 "
-                        "bits (faster steps, further from the file's model), 'all' (or the bare "
-                        "flag) every weight")
+                        "Q8_0 LM head are kept exactly, and a head stored in more than 4 bits "
+                        "goes to 8; 'head' puts such a head into 4-bit blocks (faster steps, "
+                        "further from the file's model; a 4-bit file head stays as it is), "
+                        "'all' (or the bare flag) re-quantizes every weight")
     e.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
     e.add_argument("--cache-layout", default="seq", choices=("seq", "head"),

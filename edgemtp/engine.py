@@ -118,6 +118,7 @@ class Generation:
                  session: Session | None = None,
                  on_done: Callable[[Session], None] | None = None) -> None:
         self.backend, self.config = backend, config
+        self._decode = decode  # result.text: the output as it reads after the prompt
         self.prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if self.prompt.size == 0:
             raise ConfigError("the prompt is empty; give at least one token")
@@ -200,8 +201,13 @@ class Generation:
 
     @property
     def result(self) -> GenerationResult:
-        return GenerationResult(list(self.stopper.tokens), self.stopper.reason or "running",
-                                self.stats)
+        tokens = list(self.stopper.tokens)
+        text = ""
+        if self._decode is not None and tokens:
+            from .tokenizer import text_after
+
+            text = text_after(_Decoder(self._decode), int(self.prompt[-1]), tokens)
+        return GenerationResult(tokens, self.stopper.reason or "running", self.stats, text)
 
     # -- stages -----------------------------------------------------------------------------
 

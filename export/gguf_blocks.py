@@ -65,7 +65,8 @@ class Blocks:
 
     q: np.ndarray           # [N, K] uint8, 0..15
     d: np.ndarray           # [N, K/32] float32 (half-precision values)
-    zero_points: np.ndarray  # [N, K/32] uint8: 0 (Q4_1 rows) or 8 (Q4_0 rows)
+    zero_points: np.ndarray  # [N, K/32] uint8: 0 (Q4_1 rows: d q + m) or 8 (Q4_0 rows); the
+    #                          graph writes 8 for both (keep_file_blocks)
     offsets: np.ndarray | None  # [N, K/32] float32 (half values), None: Q4_0 rows only
     types: tuple[str, ...]  # the file's block types these rows came from
 
@@ -282,9 +283,10 @@ def keep_file_blocks(proto, blocks: FileBlocks, accuracy_level: int,
                      head: str | None = None) -> tuple[list[str], list[str]]:
     """Every ``MatMul`` of ``proto`` whose constant weight ``B [K, N]`` :meth:`FileBlocks.find`
     finds, rewritten in place as the module docstring's ``MatMulNBits`` (+ offset branch).
-    ``skip``: weight names not kept at 4 bits (a tied LM head, whose embedding gather has no
-    offset input). ``head``: the LM head's weight, kept as an 8-bit ``MatMulNBits`` where it
-    is the file's Q8_0 blocks (as llama.cpp's 4-bit types store it). Returns (the rewritten
+    ``skip``: weight names not kept where they hold Q4_1 blocks (a tied LM head, whose
+    embedding gather has no offset input; Q4_0 blocks it keeps). ``head``: the LM head's
+    weight, kept as an 8-bit ``MatMulNBits`` where :meth:`FileBlocks.head8` gives it 8 bits
+    (the file's Q8_0 blocks, or a wider head's values in such blocks). Returns (the rewritten
     nodes' names, the offset MatMuls' names: onnxruntime's quantizer must leave those
     float)."""
     from onnx import TensorProto, helper, numpy_helper
@@ -322,11 +324,9 @@ def keep_file_blocks(proto, blocks: FileBlocks, accuracy_level: int,
                     kept.append(name)
                 blocks.head_at_8 = True
                 continue
-        if wname in skip:
-            continue
         found = blocks.find(b.T)
-        if found is None:
-            continue
+        if found is None or (wname in skip and found.offsets is not None):
+            continue  # (a tied head of Q4_0 blocks is kept: its gather needs no offset)
         shift = None
         if found.offsets is not None:  # Q4_1 rows: zero point 8, offset m + 8 d (docstring)
             q41 = found.zero_points == 0

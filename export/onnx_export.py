@@ -284,9 +284,10 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
     P, D]``, which onnxruntime's CPU provider reads faster on long contexts; such a package
     runs on onnxruntime's CPU provider only. ``requantize`` (int4 from a GGUF file): by
     default ("none") the products whose weights are the file's own Q4_0/Q4_1 blocks keep them
-    exactly, and a Q8_0 LM head stays 8-bit (:mod:`export.gguf_blocks`); "head" re-quantizes
-    the LM head to 4 bits (one-row steps ~15 % faster on SmolLM2, further from the file's
-    model); "all" quantizes every weight again with onnxruntime's quantizer.
+    exactly, and a Q8_0 LM head stays 8-bit, as does a head stored wider (its values in Q8_0
+    blocks; :mod:`export.gguf_blocks`); "head" puts such a head into 4-bit blocks (one-row
+    steps ~15 % faster on SmolLM2, further from the file's model); "all" quantizes every
+    weight again with onnxruntime's quantizer.
     """
     t0 = time.perf_counter()
     options = ExportOptions(dtype, max_context, tuple(bc), tuple(mask_tokens), opset,
@@ -295,7 +296,8 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
     out = check_destination(model, out, force)  # before the heavy imports: fail fast
     source, gguf = _check_source(model)
     if options.requantize != "none" and (gguf is None or options.dtype != "int4"):
-        what = "a Hugging Face folder" if gguf is None else f"a {options.dtype} export"
+        what = "a Hugging Face folder" if gguf is None else (
+            f"{'an' if options.dtype[0] in 'aeiou' else 'a'} {options.dtype} export")
         raise ConfigError(f"--requantize {options.requantize} picks which of a GGUF file's "
                           f"4-bit blocks an int4 export re-quantizes; this is {what}: drop "
                           f"--requantize")

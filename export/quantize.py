@@ -165,10 +165,11 @@ def fake_quantize(hf, spec: QuantSpec, file_blocks=None) -> int:
                     module.weight.copy_(torch.from_numpy(head8.dequantize()))
                     count += 1
                     continue
-                if file_blocks is not None and spec.bits == 4 and (
-                        head8 is not None
-                        or (_tied_to(hf, module) is None and file_blocks.find(w) is not None)):
-                    continue
+                found = (file_blocks.find(w) if file_blocks is not None and spec.bits == 4
+                         and head8 is None else None)
+                if head8 is not None or (found is not None and (
+                        _tied_to(hf, module) is None or found.offsets is None)):
+                    continue  # (a tied head keeps Q4_0 blocks only, as quantize_graph)
                 deq = dequantize(*block_quantize(w, spec), spec, w.shape[1])
                 if _tied_to(hf, module) is not None and w.shape[1] % spec.block_size:
                     # the graph's embedding keeps its float table there (quantize_graph):

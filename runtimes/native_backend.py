@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from edgemtp import native
-from edgemtp.backend import StepOut, check_options
+from edgemtp.backend import StepOut, check_options, parse_device
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
 from edgemtp.runtimes.host_table import _unpack
 from edgemtp.runtimes.package import check_step, graph_io, load_package
@@ -338,9 +338,12 @@ class NativeBackend:
             raise ConfigError(f"kv cache must be one of {', '.join(KV_CACHES)}, got "
                               f"{kv_cache!r}")
         self.kv_cache = kv_cache
-        if device != "cpu":
+        kind, _ = parse_device(device)  # (a malformed device: the grammar's one line)
+        if kind != "cpu":
+            other = "--backend onnxruntime or torch" if kind == "cuda" else \
+                "--backend onnxruntime (its TensorRT provider), or --backend tensorrt --device cuda"
             raise ConfigError(f"the native backend runs on the CPU; for --device {device} use "
-                              f"--backend onnxruntime or torch")
+                              f"{other}")
         lib = native.decoder_lib()
         if lib is None:
             raise BackendUnavailableError(f"the native backend needs its C decoder, which "

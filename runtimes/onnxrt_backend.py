@@ -27,7 +27,7 @@ from time import perf_counter
 
 import numpy as np
 
-from edgemtp.backend import StepOut, check_options
+from edgemtp.backend import StepOut, check_options, parse_device
 from edgemtp.errors import BackendUnavailableError, ConfigError, ModelLoadError
 from edgemtp.runtimes.package import (COMMIT, PAST_LEN, check_step, cuda_graph_readiness,
                                       kv_names, load_package, run_rows)
@@ -45,24 +45,6 @@ DEVICES = {
     "tensorrt": ("TensorrtExecutionProvider", "cuda",
                  "pip install onnxruntime-gpu and TensorRT (on Jetson: the JetPack wheel)"),
 }
-
-
-def parse_device(device: str) -> tuple[str, int]:
-    """``--device`` for onnxruntime -> (cpu, cuda or tensorrt; the GPU's index): ``cuda:N``
-    and ``tensorrt:N`` pick GPU N (the providers' ``device_id``), as the torch and tensorrt
-    backends take ``cuda:N``.
-
-    >>> parse_device("cuda:1"), parse_device("tensorrt"), parse_device("cpu")
-    (('cuda', 1), ('tensorrt', 0), ('cpu', 0))
-    >>> parse_device("cpu:1")
-    Traceback (most recent call last):
-    ...
-    edgemtp.errors.ConfigError: device must be cpu, cuda[:N] or tensorrt[:N], got 'cpu:1'
-    """
-    kind, colon, index = device.partition(":")
-    if kind not in DEVICES or (colon and (kind == "cpu" or not index.isdigit())):
-        raise ConfigError(f"device must be cpu, cuda[:N] or tensorrt[:N], got {device!r}")
-    return kind, int(index or 0)
 
 
 def _ort():

@@ -1148,10 +1148,14 @@ def describe(pkg: Package) -> str:
     ]
     if m.gguf:
         types = ", ".join(f"{t} x{n}" for t, n in m.gguf.tensor_types.items())
-        how = ("its blocks kept as they are where MatMulNBits holds them, the rest "
-               "de-quantized" if pkg.weights.kept_blocks else "de-quantized")
-        lines.append(f"gguf      {m.gguf.file} ({m.gguf.architecture}: {types}), "
-                     f"{how} to {m.dtype}")
+        fmt = pkg.weights.format
+        if fmt in ("int4", "int8"):
+            how = (f"its blocks kept as they are where MatMulNBits holds them, the rest "
+                   f"de-quantized and quantized again to {fmt}" if pkg.weights.kept_blocks
+                   else f"de-quantized, then quantized again to {fmt}")
+        else:
+            how = f"de-quantized to {m.dtype}"
+        lines.append(f"gguf      {m.gguf.file} ({m.gguf.architecture}: {types}), {how}")
     lines.append(f"cuda      {cuda_graph_readiness(g, m.cache)}")
     if check:
         lines.append(f"checked   max |logit diff| {check.token_rows_max_logit_diff:.1e} "

@@ -137,3 +137,17 @@ def test_a_generation_is_a_context_manager(stories_pkg):
         next(gen)
         assert not m._idle
     assert gen.result.stop_reason == "closed" and m._idle == [first]
+
+
+def test_every_path_gives_the_text_as_it_reads_after_the_prompt(model):
+    """QA (qa6 gguf, 2): a step-by-step generation's result had no text; generate's, a
+    stream's and the CLI's had the decode of the new ids alone ("was": SentencePiece drops
+    the first token's leading space), where the server gave " was"."""
+    prompt = "Once upon a time, there"
+    gen = model.generation(prompt, max_new_tokens=6, drafter="none")
+    gen.run()
+    want = gen.result.text
+    assert want.startswith(" ") and want[1:] == model.tokenizer.decode(gen.result.token_ids)
+    assert model.generate(prompt, max_new_tokens=6, drafter="none").text == want
+    assert "".join(model.stream(prompt, max_new_tokens=6, drafter="none")) == want
+    assert model.last_result.text == want

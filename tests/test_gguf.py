@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -260,6 +261,31 @@ def test_a_wide_lm_head_stays_at_8_bits_in_an_int4_export(tmp_path):
             "--quiet")
     assert r.returncode == 0 and "8 bits" not in r.stdout + r.stderr
     assert load_package(four).weights.head8_from is None
+
+
+@pytest.mark.slow  # an export and four generations: ~15 s
+def test_a_tied_q4_0_head_keeps_the_files_blocks(tmp_path):
+    """QA (qa6 gguf, 1): a tied Q4_0 embedding/LM head (llama-quantize --pure) was
+    re-quantized like a Q4_1 one, whose offsets the embedding gather cannot add; Q4_0 blocks
+    need none, so the head keeps them and the input embedding gathers the file's values."""
+    import gguf as gg
+    from gguf_writer import write_llama_gguf
+
+    src = tmp_path / "stories260K-Q4_0.gguf"
+    write_llama_gguf(ROOT / ".." / "shared" / "models" / "stories260K", src, "Q4_0")
+    pkg = tmp_path / "pkg"
+    r = cli("export", str(src), "-o", str(pkg), "--dtype", "int4", "--quiet")
+    assert r.returncode == 0 and "16 of 21 products keep" in r.stdout + r.stderr, r.stderr
+    p = load_package(pkg)
+    table = p.embedding_table().rows(np.arange(p.meta.vocab_size, dtype=np.int64))
+    t = next(t for t in gg.GGUFReader(str(src)).tensors if t.name == "token_embd.weight")
+    assert np.array_equal(table, gg.quants.dequantize(t.data, t.tensor_type))
+    for backend in ("native", "onnxruntime"):
+        ids = [json.loads(cli("generate", "--model", str(pkg), "--backend", backend,
+                              "--prompt", "Once upon a time", "--drafter", d,
+                              "--max-new-tokens", "40", "--json").stdout)["token_ids"]
+               for d in ("none", "hybrid")]
+        assert len(ids[0]) == 40 and ids[0] == ids[1], backend
 
 
 def test_an_unknown_tensor_type_is_said_as_such_not_as_damage(tmp_path):

@@ -916,3 +916,19 @@ def test_the_torch_backend_on_an_int4_package_says_it_runs_the_source(int4_pkg):
     assert r.returncode == 0, r.stderr
     assert (f"note: --backend torch runs the model {str(int4_pkg)!r} was exported from "
             f"({STORIES.resolve()}), not its int4 weights") in r.stderr
+
+
+def test_a_device_is_checked_for_its_form_before_the_backend_says_where_it_runs(int4_pkg):
+    """QA (qa6 gguf, 4): the native backend answered a malformed device (cpu:1, cuda:x) with
+    "use --backend onnxruntime or torch", which then refused it too, and sent tensorrt to
+    torch."""
+    from edgemtp.errors import ConfigError
+
+    for bad in ("cpu:1", "cuda:x", "gpu"):
+        with pytest.raises(ConfigError, match=r"^device must be cpu, cuda\[:N\] or "):
+            NativeBackend(str(int4_pkg), device=bad)
+    with pytest.raises(ConfigError, match=r"for --device cuda:1 use --backend onnxruntime or "
+                                          r"torch$"):
+        NativeBackend(str(int4_pkg), device="cuda:1")
+    with pytest.raises(ConfigError, match=r"its TensorRT provider\), or --backend tensorrt "):
+        NativeBackend(str(int4_pkg), device="tensorrt")
