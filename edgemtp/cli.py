@@ -249,13 +249,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
         if not line:
             continue
         turn = {"role": "user", "content": line}
-        try:
-            history = _fit_history(model, history, turn, config.max_new_tokens, bool(a.system))
-            answer = _print_stream(model, model.chat_stream(history + [turn], config))
+        try:  # (the history changes only once the turn has its answer)
+            fitted = _fit_history(model, history, turn, config.max_new_tokens, bool(a.system))
+            answer = _print_stream(model, model.chat_stream(fitted + [turn], config))
         except EdgeMTPError as e:  # e.g. one turn longer than the context: keep the REPL
             print(f"edgemtp: error: {e} (/reset starts a new conversation)", file=sys.stderr)
             continue
-        history += [turn, {"role": "assistant", "content": answer}]
+        history = fitted + [turn, {"role": "assistant", "content": answer}]
     return 0
 
 
@@ -266,10 +266,17 @@ def _fit_history(model, history: list[dict], turn: dict, max_new: int, system: b
     long chat going). Says on stderr how many it dropped."""
     context = model.backend.max_context
     room, first, dropped = min(max_new, context // 4), 1 if system else 0, 0
+    kept = history
     while (len(history) > first
            and len(model.encode_chat(history + [turn])) + room > context):
         history = history[:first] + history[first + 2:]
         dropped += 1
+    alone = len(model.encode_chat(history + [turn]))
+    if alone >= context:  # the turn cannot run whatever is dropped: the history stays whole
+        with_system = " with the system message" if first else ""
+        raise EdgeMTPError(f"this turn takes {alone} tokens{with_system}; the context is "
+                           f"{context} tokens, which leaves no room to answer; "
+                           f"the conversation so far ({len(kept) - first} messages) is kept")
     if dropped:
         print(f"[dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''} to fit the "
               f"context of {context} tokens]", file=sys.stderr)

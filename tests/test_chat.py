@@ -212,6 +212,30 @@ def test_a_chat_longer_than_the_context_drops_its_oldest_exchanges(chat_model):
     assert sum(map(int, said)) == drops, out.stderr
 
 
+def test_cli_chat_keeps_the_history_when_a_turn_cannot_run(chat_model):
+    """QA (qa6 context, 1): a turn longer than the context made the REPL drop every earlier
+    exchange (and say so) before the error, so the next answer lost them. Now the error
+    says the turn cannot run, and the next turn sees the whole conversation."""
+    from edgemtp import Model
+
+    ctx, new = 320, 8
+    small = Model.load(str(chat_model), threads=1, max_context=ctx)
+    first = {"role": "user", "content": "Tell me a story about a dog."}
+    answer = small.chat([first], max_new_tokens=new).text
+    then = {"role": "user", "content": "And the cat?"}
+    want = small.chat([first, {"role": "assistant", "content": answer}, then],
+                      max_new_tokens=new).text
+    long = "dog " * 400
+    out = _cli("chat", str(chat_model), "--max-context", str(ctx), "--max-new-tokens", str(new),
+               stdin="\n".join([first["content"], long, then["content"]]) + "\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"{answer}\n{want}\n"
+    assert "dropped" not in out.stderr
+    assert re.search(r"edgemtp: error: this turn takes \d+ tokens; the context is 320 tokens, "
+                     r"which leaves no room to answer; the conversation so far \(2 messages\) "
+                     r"is kept", out.stderr), out.stderr
+
+
 @pytest.mark.parametrize("args,expected", [
     (("generate", "--model", str(STORIES), "--chat", "--prompt", "hi"), "has no chat template"),
     (("chat", str(STORIES)), "has no chat template"),
