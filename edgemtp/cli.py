@@ -152,6 +152,10 @@ def _load(a: argparse.Namespace):
         print(f"edgemtp: note: --backend torch runs the model {str(pkg.root)!r} was exported "
               f"from ({model.backend.source}), not its {pkg.weights.format} weights: the text "
               f"can differ from the package's own", file=sys.stderr)
+    have = model.backend.max_context
+    if a.max_context is not None and a.max_context > have:  # (QA qa6 context, 2)
+        print(f"edgemtp: note: --max-context {a.max_context} is above what {a.model!r} holds; "
+              f"using its {have} tokens", file=sys.stderr)
     return model
 
 

@@ -152,3 +152,19 @@ def test_probing_options_with_a_drafter_that_ignores_them_are_refused(stories_pk
     assert r.stderr.strip() == (f"edgemtp: error: {flag} only applies to drafters that probe "
                                 f"with mask tokens (probe, hybrid); --drafter {drafter} takes "
                                 f"none")
+
+
+def test_a_max_context_above_the_package_is_said_not_silently_clamped(tmp_path):
+    """QA (qa6 context, 2): --max-context 1024 on a 512-token package ran at 512 without a
+    word, and a later error named the 512 the user never asked for."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "stories260K"
+    r = subprocess.run([sys.executable, "-m", "edgemtp.cli", "generate", "--model", str(pkg),
+                        "--max-context", "4096", "--prompt", "Once", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "edgemtp: note: --max-context 4096 is above what" in r.stderr
+    assert "using its 512 tokens" in r.stderr
