@@ -154,6 +154,7 @@ def test_probing_options_with_a_drafter_that_ignores_them_are_refused(stories_pk
                                 f"none")
 
 
+@pytest.mark.slow  # loads the torch backend in a subprocess: ~15 s
 def test_a_max_context_above_the_package_is_said_not_silently_clamped(tmp_path):
     """QA (qa6 context, 2): --max-context 1024 on a 512-token package ran at 512 without a
     word, and a later error named the 512 the user never asked for."""

@@ -194,6 +194,7 @@ def test_truncated_gguf_is_refused_by_generate_too(bad_inputs):
     error_line(proc, "damaged")
 
 
+@pytest.mark.slow  # two exports and six generations: ~15 s (the default run stays under 6 min)
 def test_a_trained_models_q4_1_gguf_keeps_its_blocks_and_stays_lossless(tmp_path, monkeypatch):
     """QA (qa5, 1): stories260K as a Q4_1 GGUF (transformers reads it as the folder's model)
     exported with --dtype int4 failed the shipped graph's self-check: with zero point 0 the
