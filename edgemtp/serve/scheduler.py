@@ -30,7 +30,7 @@ from typing import Callable
 from ..api import Model
 from ..config import GenerationConfig
 from ..engine import GenerationResult
-from ..tokenizer import TextStream, text_after
+from ..tokenizer import TextStream
 from .requests import APIError
 
 Emit = Callable[[str], None]  # called in the worker thread with each text delta
@@ -196,10 +196,8 @@ class Scheduler:
                 emit(rest)  # (a generation that ended inside a multi-byte character)
         finally:
             gen.close()  # the session goes back to the pool now, even on an error
-        result = gen.result
-        # as OpenAI's API and vLLM give it: the text as it reads after the prompt (a
-        # SentencePiece model's first token keeps its leading space)
-        result.text = text_after(model.tokenizer, before, result.token_ids)
+        result = gen.result  # its text reads as after the prompt, as OpenAI's API and vLLM
+        #                      give it (a SentencePiece model's first token keeps its space)
         self._mean_s += 0.2 * (time.monotonic() - job.started - self._mean_s)
         return result
 
