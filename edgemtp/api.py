@@ -253,6 +253,19 @@ class Model:
         model.native_declined = declined
         return model
 
+    def kv_cache_bytes(self) -> int | None:
+        """Bytes one generation's K/V cache takes at most, at the backend's max context (None
+        where the backend cannot say). Each concurrent generation has its own cache (a server
+        holds one per ``--parallel`` slot and keeps it for the next request); onnxruntime's
+        and torch's are allocated whole, the native decoder's pages as they are written."""
+        b = self.backend
+        if hasattr(b, "cache_bytes"):  # native (float16, or int8 codes and their scales), torch
+            return int(b.cache_bytes())
+        pkg = getattr(b, "package", None)
+        if pkg is not None and hasattr(pkg, "kv_cache_bytes"):
+            return int(pkg.kv_cache_bytes(rows=b.max_context))
+        return None
+
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             check_prompt(prompt)

@@ -311,11 +311,15 @@ def cmd_export(a: argparse.Namespace) -> int:
                               "head for TensorRT")
         import_tensorrt("edgemtp export --trt")
         cuda_device()
+    if a.symmetric and a.requantize in ("none", "head"):
+        raise ConfigError(f"--symmetric puts every weight into new symmetric blocks, so it "
+                          f"cannot keep a GGUF's own (--requantize {a.requantize}); drop one "
+                          f"of the two")
     report = export_package(a.model, a.output, dtype=a.dtype, max_context=a.max_context,
                             bc=a.bc, mask_tokens=a.mask_tokens, opset=a.opset, force=a.force,
                             trust_remote_code=a.trust_remote_code, progress=not a.quiet,
                             hidden_states=a.hidden_states, symmetric=a.symmetric,
-                            cache_layout=a.cache_layout, requantize=a.requantize)
+                            cache_layout=a.cache_layout, requantize=a.requantize or "none")
     print(report.summary())
     if a.trt:
         _build_engine(a.output, a.workspace, None, not a.quiet, a.max_block)
@@ -429,6 +433,11 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     from . import doctor
 
     plan = None
+    if a.parallel < 1:
+        raise ConfigError(f"--parallel must be >= 1, got {a.parallel}")
+    if a.package is None and a.parallel != 1:
+        raise ConfigError("--parallel plans a package's memory: give the package too "
+                          "(edgemtp doctor PACKAGE --parallel N)")
     if a.package is not None:  # a bad package fails in one line before the machine is probed
         from edgemtp.runtimes.package import load_package
 
@@ -441,7 +450,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
             pass
     facts = doctor.probe()
     if a.package is not None:
-        plan = doctor.memory_plan(pkg, facts)
+        plan = doctor.memory_plan(pkg, facts, a.parallel)
     print(json.dumps(doctor.to_dict(facts, plan)) if a.json else doctor.report(facts, plan))
     return 0
 
@@ -516,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--symmetric", action="store_true",
                    help="int4/int8: symmetric blocks (a scale, no zero point; faster kernels, "
                         "coarser grid; onnxruntime-genai's default)")
-    e.add_argument("--requantize", nargs="?", const="all", default="none",
+    e.add_argument("--requantize", nargs="?", const="all", default=None,
                    choices=("none", "head", "all"),
                    help="int4 from a GGUF file: by default the file's own Q4_0/Q4_1 blocks and "
                         "Q8_0 LM head are kept exactly, and a head stored in more than 4 bits "
@@ -597,6 +606,9 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("package", nargs="?", default=None,
                     help="package folder written by 'edgemtp export' (optional)")
     dr.add_argument("--json", action="store_true", help="print one JSON object")
+    dr.add_argument("--parallel", type=int, default=1,
+                    help="with a package: plan for this many generations at once, each with "
+                         "its own KV cache (edgemtp serve --parallel; default 1)")
     dr.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("profile", help="measure latency, BE and tokens/s per plan on this device "

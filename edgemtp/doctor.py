@@ -612,15 +612,17 @@ class MemoryPlan:
     rows: tuple[PlanRow, ...]
     cuda_graphs: str = ""      # whether onnxruntime can capture the graph (inspect's line)
     native: str = ""           # an int4 package on the CPU: the C decoder's memory (line)
+    parallel: int = 1          # generations at once (serve --parallel): each its own cache
 
 
-def memory_plan(pkg, facts: Facts) -> MemoryPlan:
+def memory_plan(pkg, facts: Facts, parallel: int = 1) -> MemoryPlan:
     """Weights + KV cache at the package's max context + workspace against the device's
     memory, for the package's own weights (as they are on disk, the cache as it runs) and for
     the float formats a re-export with ``--dtype fp32|fp16`` would give (weights from the
     parameter count; a row that cannot be estimated is left out); the largest context that
     fits, up to the package's max context (its graph's limit), and the longest one-block
-    prompt."""
+    prompt. ``parallel``: generations running at once (``edgemtp serve --parallel``), each
+    with its own KV cache and workspace."""
     from edgemtp.runtimes.package import HOST_TABLE_BYTES
 
     m, pool = pkg.meta, device_pool(facts)
@@ -646,26 +648,28 @@ def memory_plan(pkg, facts: Facts) -> MemoryPlan:
             # small (else the graph's own, in the weights already counted)
             table = m.vocab_size * m.hidden_size * nbytes
             emb = table + NPY_HEADER if pool.host and table < HOST_TABLE_BYTES else 0
-        fixed = weights + emb + workspace_bytes(m, t, 0, nbytes)
-        per_row = kv_row + t * m.num_heads * 4     # the cache row and its attention column
+        fixed = weights + emb + parallel * workspace_bytes(m, t, 0, nbytes)
+        # each generation's cache row and its attention column
+        per_row = parallel * (kv_row + t * m.num_heads * 4)
         total = _with_margin(fixed + per_row * m.max_context)
         budget = pool.available / (1 + MARGIN) if pool.available else None
         ctx = max(0, math.floor((budget - fixed) / per_row)) if budget else None
         ctx = None if ctx is None else (ctx if ctx > t else 0)  # a plan needs T < context
         ctx = None if ctx is None else min(ctx, m.max_context)  # the graph's own limit
         rows.append(PlanRow(
-            kind, kind == own, weights, kv_row * m.max_context,
-            workspace_bytes(m, t, m.max_context, nbytes), emb, total,
+            kind, kind == own, weights, parallel * kv_row * m.max_context,
+            parallel * workspace_bytes(m, t, m.max_context, nbytes), emb, total,
             None if budget is None else total <= pool.available, ctx,
             None if ctx is None else _longest_prompt(
-                m, nbytes, budget - weights - emb - kv_row * ctx, ctx)))
+                m, nbytes, budget - weights - emb - parallel * kv_row * ctx, ctx)))
     from edgemtp.runtimes.package import cuda_graph_readiness
 
     return MemoryPlan(str(pkg.root), m.max_context, t, pool, tuple(rows),
-                      cuda_graph_readiness(m.graph, m.cache), _native_line(pkg, pool))
+                      cuda_graph_readiness(m.graph, m.cache), _native_line(pkg, pool, parallel),
+                      parallel)
 
 
-def _native_line(pkg, pool: Pool) -> str:
+def _native_line(pkg, pool: Pool, parallel: int = 1) -> str:
     """Where ``generate`` runs this package on the CPU's C decoder (an int4 Llama-style
     package, no GPU): its weights, its KV cache at the max context (float16, or int8 with
     ``--kv-cache int8``) and the largest context each fits, as the rows above do for the
@@ -681,15 +685,16 @@ def _native_line(pkg, pool: Pool) -> str:
     for kv, name in (("fp16", "float16"), ("int8", "int8")):
         def b(rows: int) -> int:
             return cache_bytes(m.num_layers, m.num_kv_heads, m.head_dim, rows, kv)
-        parts.append(f"{size(b(m.max_context))} {name}")
+        parts.append(f"{size(parallel * b(m.max_context))} {name}")
         if pool.available:  # the cache grows 16 rows at a time, past a fixed margin (b(0))
-            room = pool.available / (1 + MARGIN) - weights - b(0)
-            rows = max(0, math.floor(room / ((b(16) - b(0)) / 16)))
+            room = pool.available / (1 + MARGIN) - weights - parallel * b(0)
+            rows = max(0, math.floor(room / (parallel * (b(16) - b(0)) / 16)))
             fits.append(f"{min(rows, m.max_context)} ({name})")
     # (the files' size: the decoder packs them into somewhat less, which inspect gives,
     #  having loaded them; doctor reads no weights)
+    caches = f"{parallel} KV caches" if parallel > 1 else "KV cache"
     return (f"weights {size(weights)} (on disk; packed a little smaller: edgemtp inspect), "
-            f"KV cache at {m.max_context} tokens {' or '.join(parts)}"
+            f"{caches} at {m.max_context} tokens {' or '.join(parts)}"
             + (f"; largest context that fits: {', '.join(fits)} (at most the package's max "
                f"context)" if fits else ""))
 
@@ -803,6 +808,8 @@ def describe_plan(p: MemoryPlan) -> list[str]:
     lines = [f"package   {p.package}: max context {p.max_context}, largest plan block "
              f"T = {p.block}",
              f"against   {p.pool.what}: {size(p.pool.available)}",
+             *([f"parallel  {p.parallel} generations at once (edgemtp serve --parallel "
+                f"{p.parallel}): a KV cache and a workspace each"] if p.parallel > 1 else []),
              *([f"cuda      {p.cuda_graphs}"] if p.cuda_graphs else []),
              *([f"native    generate runs it on the C decoder here: {p.native}"]
                if p.native else []),
@@ -817,8 +824,9 @@ def describe_plan(p: MemoryPlan) -> list[str]:
         "",
         "formula   total = (weights + KV cache + workspace + embedding table) x "
         f"{1 + MARGIN:.2f} (allocator and runtime margin)",
-        "          KV cache = 2 x layers x max context x KV heads x head dim x bytes (an "
-        "int4/int8 package keeps its values in float64: 4 B keys + 8 B values)",
+        f"          KV cache = {f'{p.parallel} x ' if p.parallel > 1 else ''}2 x layers x max "
+        "context x KV heads x head dim x bytes (an int4/int8 package keeps its values in "
+        "float64: 4 B keys + 8 B values)",
         "          workspace = T x (12 x hidden x bytes + (heads x (max context + T) + vocab) "
         "x 4 B): one block's activations, fp32 scores and logits",
         "          embedding table: host-side (mask initialisation), counted in host or "

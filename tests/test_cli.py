@@ -321,3 +321,19 @@ def test_bad_environment_variable_is_one_line_error(stories_pkg, name, value, me
                        timeout=300)
     assert p.returncode == EXIT_USAGE and "Traceback" not in p.stderr, p.stderr
     assert message_lines(p.stderr) == [f"edgemtp: error: {message}"]
+
+
+@pytest.mark.parametrize("requantize", ["none", "head"])
+def test_symmetric_with_an_explicit_requantize_that_keeps_blocks_is_one_line(requantize,
+                                                                             tmp_path, capsys):
+    # --symmetric re-quantizes every weight: asking it to keep a GGUF's blocks too is a
+    # contradiction, refused before anything is read or written (the bare defaults are fine)
+    from edgemtp.cli import main
+
+    out = tmp_path / "pkg"
+    rc = main(["export", str(tmp_path / "absent.gguf"), "-o", str(out), "--dtype", "int4",
+               "--symmetric", "--requantize", requantize])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == EXIT_USAGE and len(err) == 1, err
+    assert err[0].startswith("edgemtp: error: --symmetric puts every weight into new")
+    assert f"(--requantize {requantize})" in err[0] and not out.exists()

@@ -292,7 +292,7 @@ def test_desktop_verdicts_and_install_steps():
 STORIES_PARAMS = 260032
 
 
-def _total(pkg, dtype: str, rows: int, host: bool) -> float:
+def _total(pkg, dtype: str, rows: int, host: bool, parallel: int = 1) -> float:
     """The plan's formula as the report states it, written out independently (a float
     package: its own row as on disk, the other's weights its parameters x bytes and its
     host table [V, d] in that dtype)."""
@@ -306,7 +306,7 @@ def _total(pkg, dtype: str, rows: int, host: bool) -> float:
     table = (pkg.root / "embeddings.npy").stat().st_size if own else \
         m.vocab_size * m.hidden_size * b + 128
     emb = table if host else 0
-    return (weights + kv + work + emb) * 1.10
+    return (weights + parallel * (kv + work) + emb) * 1.10
 
 
 @pytest.mark.parametrize("facts", [ORIN, DESKTOP], ids=["jetson", "desktop"])
@@ -331,6 +331,32 @@ def test_memory_plan_max_context_is_the_largest_that_fits(stories_pkg, facts, av
     text = "\n".join(doctor.describe_plan(plan))
     assert ("shared CPU/GPU memory" in text) == facts.jetson
     assert ("GPU 0 (NVIDIA GeForce RTX 4090) free memory" in text) == (not facts.jetson)
+
+
+@pytest.mark.parametrize("parallel", [2, 5])
+def test_memory_plan_for_parallel_generations(stories_pkg, parallel):
+    # edgemtp serve --parallel N: N caches and workspaces beside one copy of the weights
+    avail = 6 * 2**20
+    facts = replace(DESKTOP, host_available=avail,
+                    gpus=tuple(replace(g, free_bytes=avail) for g in DESKTOP.gpus))
+    pkg = load_package(stories_pkg, check_plans=False)
+    one = {r.dtype: r for r in doctor.memory_plan(pkg, facts).rows}
+    plan = doctor.memory_plan(pkg, facts, parallel)
+    assert plan.parallel == parallel
+    for r in plan.rows:
+        assert r.kv_cache == parallel * one[r.dtype].kv_cache
+        assert r.weights == one[r.dtype].weights
+        assert r.total == math.ceil(_total(pkg, r.dtype, pkg.meta.max_context, False, parallel))
+        assert r.max_context <= one[r.dtype].max_context
+        assert (r.max_context == pkg.meta.max_context
+                or _total(pkg, r.dtype, r.max_context + 1, False, parallel) > avail)
+        assert _total(pkg, r.dtype, r.max_context, False, parallel) <= avail
+    # 5 fp32 caches of the package's 256 rows do not fit 6 MiB; of 60-255 rows they do
+    assert (plan.rows[0].max_context < pkg.meta.max_context) == (parallel == 5)
+    assert plan.rows[0].max_context > plan.block
+    text = "\n".join(doctor.describe_plan(plan))
+    assert f"parallel  {parallel} generations at once (edgemtp serve --parallel {parallel})" in text
+    assert f"KV cache = {parallel} x 2 x layers" in text
 
 
 def test_memory_plan_figures_match_the_real_model_and_session(stories_pkg):
@@ -482,3 +508,16 @@ def test_doctor_judges_a_package_without_loading_its_weights(stories_pkg, monkey
     monkeypatch.setattr(api.Model, "load", refuse)
     assert cli.main(["doctor", str(stories_pkg)]) == 0
     assert "fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--parallel", "0"], "--parallel must be >= 1, got 0"),
+    (["--parallel", "3"], "--parallel plans a package's memory: give the package too (edgemtp "
+                          "doctor PACKAGE --parallel N)"),
+])
+def test_doctor_parallel_bad_input_is_one_line(args, line, capsys):
+    from edgemtp.cli import main
+
+    assert main(["doctor", *args]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.strip() == f"edgemtp: error: {line}"

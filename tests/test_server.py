@@ -105,6 +105,8 @@ def server(chat_pkg, tmp_path_factory):
     assert "Traceback" not in s.stderr()
     # the default drafter is auto: its latency curve is measured before the first request
     assert "measuring this device's latency curve for the auto drafter" in s.stderr()
+    # what its two sessions' caches take (test_kv_memory checks the number)
+    assert re.search(r"KV cache: 2 x [\d.]+ KiB = [\d.]+ KiB at 256 tokens", s.stderr())
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,9 @@ def command(a: argparse.Namespace, load, config_of) -> int:
         except EdgeMTPError as e:  # then the first request measures it
             print(f"edgemtp: warning: could not measure it now ({e})", file=sys.stderr)
     model.check_config(base)  # defaults every request would be refused with: refused now
+    for line in memory_lines(model, a.parallel, getattr(a, "device", "cpu") or "cpu",
+                             _available()):
+        print(line, file=sys.stderr, flush=True)
     sock = _bind(a.host, a.port)
     name = a.model_name or _default_name(a.model)
     return _run(model, sock, a, api_key, base, name)
@@ -113,6 +116,46 @@ def _run(model, sock: socket.socket, a, api_key, base, name: str) -> int:
     Server(config).run(sockets=[sock])
     print("edgemtp: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _available() -> int | None:
+    """This host's MemAvailable (bytes), or None where /proc/meminfo is not there."""
+    from edgemtp.doctor import _host
+
+    return _host(None)["host_available"]
+
+
+def memory_lines(model, parallel: int, device: str, available: int | None) -> list[str]:
+    """What the K/V caches of ``parallel`` concurrent generations take at the model's max
+    context (each slot keeps its own for the next request), and a warning where they would
+    not fit this host's available memory (a CPU device; ``available``: bytes after the model
+    loaded), naming what fits."""
+    one = model.kv_cache_bytes()
+    if not one:
+        return []
+    from edgemtp.doctor import size
+
+    context = model.backend.max_context
+    native = model.backend.name == "native"
+    lines = [f"edgemtp: KV cache: {parallel} x {size(one)} = {size(parallel * one)} at "
+             f"{context} tokens (one per --parallel generation"
+             + ("; its pages are taken as a generation writes them)" if native else ")")]
+    if available is None or not device.startswith("cpu") or parallel * one <= available:
+        return lines
+    fit_parallel = available // one
+    fit_context = int(context * available / (parallel * one))
+    fixes = []
+    if fit_parallel >= 1:
+        fixes.append(f"--parallel {fit_parallel}")
+    if fit_context >= 2:
+        fixes.append(f"--max-context {fit_context}")
+    if native and getattr(model.backend, "kv_cache", None) == "fp16":
+        fixes.append("--kv-cache int8 (half the bytes)")
+    lines.append(f"edgemtp: warning: {parallel} full KV caches ({size(parallel * one)}) are "
+                 f"more than this machine's available memory ({size(available)}): long "
+                 f"generations running at once may run out of memory"
+                 + (f"; fits: {' or '.join(fixes)}" if fixes else ""))
+    return lines
 
 
 def _check(a) -> None:
