@@ -375,6 +375,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
     model, picked, auto = _load_package_as_generate(a.package)
     print(describe(model.backend.package))
+    older = _other_exporter(model.backend.package.meta)
+    if older:
+        print(older)
     print(_chat_template_line(model))
     declined = auto.native_declined if auto is not None else None
     print(f"generate on this machine (--backend auto, CPU): {picked}"
@@ -389,6 +392,20 @@ def cmd_inspect(a: argparse.Namespace) -> int:
               f"KV cache at {native.max_context} tokens {fp16 / mib:.1f} MiB (float16) or "
               f"{q8 / mib:.1f} MiB (--kv-cache int8)")
     return 0
+
+
+def _other_exporter(meta) -> str:
+    """A note where other export code wrote the package (its manifest's digest is not this
+    edgemtp's): it runs as it is, but its graph lacks what the export has gained since."""
+    from edgemtp.export.onnx_export import exporter_digest
+
+    ours = exporter_digest()
+    if meta.exporter == ours:
+        return ""
+    return (f"note      written by other export code (exporter {meta.exporter or 'unknown'}, "
+            f"edgemtp {meta.edgemtp_version or '?'}; this edgemtp's is {ours}): it runs as it "
+            f"is, lossless against its own plain decoding; 'edgemtp export' again for this "
+            f"version's graph")
 
 
 def _chat_template_line(model) -> str:

@@ -205,6 +205,22 @@ def test_inspect_says_when_a_graph_would_refuse_cuda_graphs(pkg, tmp_path, capsy
         assert says in capsys.readouterr().out
 
 
+def test_inspect_notes_a_package_from_other_export_code(pkg, tmp_path, capsys):
+    from edgemtp.export.onnx_export import exporter_digest
+
+    assert main(["inspect", str(pkg)]) == 0
+    assert "written by other export code" not in capsys.readouterr().out  # (this one's)
+    copy = tmp_path / "older"
+    shutil.copytree(pkg, copy)
+    manifest = json.loads((copy / "edgemtp.json").read_text())
+    manifest["exporter"] = "0123456789abcdef"
+    (copy / "edgemtp.json").write_text(json.dumps(manifest))
+    assert main(["inspect", str(copy)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("note"))
+    assert f"(exporter 0123456789abcdef, edgemtp 0.1.0; this edgemtp's is {exporter_digest()})" \
+        in line and "'edgemtp export' again" in line
+
+
 def test_generate_from_package_matches_torch_backend_json(pkg):
     args = ["generate", "--prompt", "Once upon a time", "--bc", "30", "--json",
             "--max-new-tokens", "48"]

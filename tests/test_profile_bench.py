@@ -393,3 +393,35 @@ def test_demo_chat_on_a_model_without_a_template_is_one_line(stories_pkg):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert "chat template" in lines[-1] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_be_plot_legend_covers_no_bar(tmp_path, monkeypatch):
+    # the tallest bars used to sit under the legend (upper right, in the bars' own range)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from edgemtp.tools.benchmark import plots
+
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    tasks = ["stories", "writing", "roleplay", "reasoning", "math", "coding", "stem",
+             "humanities", "translation", "qa", "math_reasoning"]
+    methods_ = ["probe", "pld", "stand", "lade", "hybrid", "auto"]
+    rows = [{"task": t, "method": "greedy", "bc": 1, "block_efficiency": 1.0,
+             "tokens_per_second": 10.0} for t in tasks]
+    for i, t in enumerate(tasks):
+        for j, m in enumerate(methods_):
+            for bc in (10, 30, 60):  # every task's hybrid at 60 near the tallest
+                rows.append({"task": t, "method": m, "bc": bc, "tokens_per_second": 12.0,
+                             "block_efficiency": (1.1 + 0.2 * j + 0.3 * bc / 60
+                                                  + 0.05 * (i % 3))})
+    plots({"rows": rows, "backend": "onnxruntime"}, tmp_path, "t")
+    fig = figs[0]
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    bars = [p for p in ax.patches if p.get_height() > 0]
+    assert len(bars) == len(tasks) * len(methods_) * 3
+    assert not [b for b in bars if legend.overlaps(b.get_window_extent())]
