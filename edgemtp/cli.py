@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -311,10 +312,14 @@ def cmd_export(a: argparse.Namespace) -> int:
                               "head for TensorRT")
         import_tensorrt("edgemtp export --trt")
         cuda_device()
+    if a.requantize is not None and a.dtype != "int4":
+        raise ConfigError(f"--requantize {a.requantize} picks which weights an int4 export "
+                          f"puts into new 4-bit blocks; this is an {a.dtype} export: drop "
+                          f"--requantize")
     if a.symmetric and a.requantize in ("none", "head"):
-        raise ConfigError(f"--symmetric puts every weight into new symmetric blocks, so it "
-                          f"cannot keep a GGUF's own (--requantize {a.requantize}); drop one "
-                          f"of the two")
+        raise ConfigError(f"--symmetric puts every weight into new symmetric 4-bit blocks, "
+                          f"so it cannot keep an 8-bit LM head or a GGUF's own blocks "
+                          f"(--requantize {a.requantize}); drop one of the two")
     report = export_package(a.model, a.output, dtype=a.dtype, max_context=a.max_context,
                             bc=a.bc, mask_tokens=a.mask_tokens, opset=a.opset, force=a.force,
                             trust_remote_code=a.trust_remote_code, progress=not a.quiet,
@@ -395,17 +400,25 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _other_exporter(meta) -> str:
-    """A note where other export code wrote the package (its manifest's digest is not this
-    edgemtp's): it runs as it is, but its graph lacks what the export has gained since."""
+    """A note where other export code wrote the package (its manifest's digest of the export
+    code is not this edgemtp's): it runs as it is, but its graph lacks what the export has
+    gained since."""
+    from edgemtp import __version__
     from edgemtp.export.onnx_export import exporter_digest
 
-    ours = exporter_digest()
-    if meta.exporter == ours:
+    ours, theirs = exporter_digest(), meta.exporter or ""
+    if theirs == ours:
         return ""
-    return (f"note      written by other export code (exporter {meta.exporter or 'unknown'}, "
-            f"edgemtp {meta.edgemtp_version or '?'}; this edgemtp's is {ours}): it runs as it "
-            f"is, lossless against its own plain decoding; 'edgemtp export' again for this "
-            f"version's graph")
+    if not re.fullmatch(r"[0-9a-f]{16}", theirs):
+        which = "an export that recorded no digest of its code (an older edgemtp)" \
+            if not theirs else "an export whose code digest is unreadable"
+    else:
+        version = meta.edgemtp_version or "?"
+        which = (f"export code other than this edgemtp's (digest {theirs}, this one's {ours}; "
+                 + (f"both edgemtp {version}: the code changed since)" if version == __version__
+                    else f"edgemtp {version}, this is {__version__})"))
+    return (f"note      written by {which}: it runs as it is, and speculation stays identical "
+            f"to its own plain decoding; export it again for this edgemtp's graph")
 
 
 def _chat_template_line(model) -> str:
@@ -446,12 +459,15 @@ def cmd_train_heads(a: argparse.Namespace) -> int:
     return 0
 
 
+MAX_PARALLEL = 4096  # doctor --parallel: generations a plan takes at once
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     from . import doctor
 
     plan = None
-    if a.parallel < 1:
-        raise ConfigError(f"--parallel must be >= 1, got {a.parallel}")
+    if not 1 <= a.parallel <= MAX_PARALLEL:
+        raise ConfigError(f"--parallel must be 1..{MAX_PARALLEL}, got {a.parallel}")
     if a.package is None and a.parallel != 1:
         raise ConfigError("--parallel plans a package's memory: give the package too "
                           "(edgemtp doctor PACKAGE --parallel N)")
@@ -544,11 +560,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "coarser grid; onnxruntime-genai's default)")
     e.add_argument("--requantize", nargs="?", const="all", default=None,
                    choices=("none", "head", "all"),
-                   help="int4 from a GGUF file: by default the file's own Q4_0/Q4_1 blocks and "
-                        "Q8_0 LM head are kept exactly, and a head stored in more than 4 bits "
-                        "goes to 8; 'head' puts such a head into 4-bit blocks (faster steps, "
-                        "further from the file's model; a 4-bit file head stays as it is), "
-                        "'all' (or the bare flag) re-quantizes every weight")
+                   help="int4: by default the LM head is 8-bit, as llama.cpp keeps a 4-bit "
+                        "model's (a GGUF file's Q8_0 head as it is, a wider or float head in "
+                        "Q8_0 blocks) and a GGUF file's own Q4_0/Q4_1 blocks are kept "
+                        "exactly; 'head' puts the head into 4-bit blocks (faster steps, "
+                        "further from the source model), 'all' (or the bare flag) "
+                        "re-quantizes every weight")
     e.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
     e.add_argument("--cache-layout", default="seq", choices=("seq", "head"),
@@ -759,6 +776,12 @@ def entry() -> None:
     the process by the signal, though the package was whole)."""
     import signal
 
+    def terminated(sig, frame):  # SIGTERM: unwind, so a partial export is removed as on Ctrl-C
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a second one ends it at once)
+        print("edgemtp: terminated", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, terminated)  # (serve puts uvicorn's own in place)
     rc = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(rc)

@@ -686,10 +686,10 @@ def _native_line(pkg, pool: Pool, parallel: int = 1) -> str:
         def b(rows: int) -> int:
             return cache_bytes(m.num_layers, m.num_kv_heads, m.head_dim, rows, kv)
         parts.append(f"{size(parallel * b(m.max_context))} {name}")
-        if pool.available:  # the cache grows 16 rows at a time, past a fixed margin (b(0))
-            room = pool.available / (1 + MARGIN) - weights - parallel * b(0)
-            rows = max(0, math.floor(room / (parallel * (b(16) - b(0)) / 16)))
-            fits.append(f"{min(rows, m.max_context)} ({name})")
+        if pool.available:  # (the cache has a margin of rows and grows 16 at a time)
+            room = pool.available / (1 + MARGIN) - weights
+            rows = largest_rows(lambda r: parallel * b(r) <= room, m.max_context)
+            fits.append(f"{rows} ({name})")
     # (the files' size: the decoder packs them into somewhat less, which inspect gives,
     #  having loaded them; doctor reads no weights)
     caches = f"{parallel} KV caches" if parallel > 1 else "KV cache"
@@ -697,6 +697,22 @@ def _native_line(pkg, pool: Pool, parallel: int = 1) -> str:
             f"{caches} at {m.max_context} tokens {' or '.join(parts)}"
             + (f"; largest context that fits: {', '.join(fits)} (at most the package's max "
                f"context)" if fits else ""))
+
+
+def largest_rows(fits, most: int) -> int:
+    """The largest rows in 2..``most`` for which ``fits(rows)`` holds (``fits`` monotone),
+    or 0.
+
+    >>> largest_rows(lambda r: r * 10 <= 1000, 4096), largest_rows(lambda r: False, 64)
+    (100, 0)
+    """
+    if most < 2 or not fits(2):
+        return 0
+    lo, hi = 2, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def _with_margin(n: float) -> int:

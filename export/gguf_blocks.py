@@ -134,6 +134,38 @@ class Blocks8:
         return (blob, self.d.astype(np.float32), np.full((n, k // BLOCK), 128, np.uint8))
 
 
+class FloatHead:
+    """A float model's LM head in an int4 export: put into Q8_0 blocks
+    (:meth:`Blocks8.quantize`) rather than 4-bit ones, as llama.cpp keeps a 4-bit model's head
+    at 6-8 bits and as an int4 export of a GGUF file whose head is wider than 4 bits does. The
+    part of :class:`FileBlocks`' interface that :func:`keep_file_blocks` and
+    ``quantize.fake_quantize`` read: no other product has blocks of its own."""
+
+    eight_bit = True
+    head_type = None
+    types: dict = {}
+
+    def __init__(self, head_name: str) -> None:
+        self.head_name = head_name  # the source weights' type (F32, BF16, F16), for messages
+        self.head_at_8 = False
+
+    def __len__(self) -> int:
+        return 0
+
+    def find(self, w: np.ndarray) -> None:
+        return None
+
+    def find8(self, w: np.ndarray) -> None:
+        return None
+
+    def head8(self, w: np.ndarray) -> Blocks8 | None:
+        """``w [N, K]`` in 8-bit blocks (None where K is not a multiple of 32: 4 bits, as
+        every other product)."""
+        if w.shape[1] % BLOCK:
+            return None
+        return Blocks8.quantize(np.ascontiguousarray(w, dtype=np.float32))
+
+
 class FileBlocks:
     """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file (memory-mapped), every row indexed by
     the bytes of its de-quantized values; ``eight_bit`` False: the 4-bit ones only."""

@@ -232,7 +232,8 @@ class ExportReport:
     def summary(self) -> str:
         skipped = f"; skipped {', '.join(self.skipped)}" if self.skipped else ""
         if self.gguf is None:
-            dtype = self.dtype
+            dtype = self.dtype + (", the LM head at 8 bits as llama.cpp keeps a 4-bit "
+                                  "model's (--requantize head: 4 bits)" if self.head8_from else "")
         elif self.kept_blocks:
             rest = self.products - self.kept_blocks
             dtype = (f"{self.dtype}, weights from GGUF {self.gguf.file}: "
@@ -282,12 +283,13 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
     MatMul on a few rows, and a coarser grid than asymmetric blocks (a Q4_1 GGUF's own weights
     are asymmetric). ``cache_layout`` "head" (fp32/fp16): the past K/V head-major, ``[1, H_kv,
     P, D]``, which onnxruntime's CPU provider reads faster on long contexts; such a package
-    runs on onnxruntime's CPU provider only. ``requantize`` (int4 from a GGUF file): by
-    default ("none") the products whose weights are the file's own Q4_0/Q4_1 blocks keep them
-    exactly, and a Q8_0 LM head stays 8-bit, as does a head stored wider (its values in Q8_0
-    blocks; :mod:`export.gguf_blocks`); "head" puts such a head into 4-bit blocks (one-row
-    steps ~15 % faster on SmolLM2, further from the file's model); "all" quantizes every
-    weight again with onnxruntime's quantizer.
+    runs on onnxruntime's CPU provider only. ``requantize`` (int4): by default ("none") the
+    LM head is 8-bit, as llama.cpp keeps a 4-bit model's (a float model's head in Q8_0 blocks;
+    from a GGUF file its Q8_0 head as it is, a wider one's values in Q8_0 blocks), and the
+    products whose weights are a GGUF file's own Q4_0/Q4_1 blocks keep them exactly
+    (:mod:`export.gguf_blocks`); "head" puts the head into 4-bit blocks (one-row steps ~15 %
+    faster on SmolLM2, further from the source model); "all" quantizes every weight again
+    with onnxruntime's quantizer.
     """
     t0 = time.perf_counter()
     options = ExportOptions(dtype, max_context, tuple(bc), tuple(mask_tokens), opset,
@@ -295,12 +297,10 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
                             symmetric, cache_layout, requantize)
     out = check_destination(model, out, force)  # before the heavy imports: fail fast
     source, gguf = _check_source(model)
-    if options.requantize != "none" and (gguf is None or options.dtype != "int4"):
-        what = "a Hugging Face folder" if gguf is None else (
-            f"{'an' if options.dtype[0] in 'aeiou' else 'a'} {options.dtype} export")
-        raise ConfigError(f"--requantize {options.requantize} picks which of a GGUF file's "
-                          f"4-bit blocks an int4 export re-quantizes; this is {what}: drop "
-                          f"--requantize")
+    if options.requantize != "none" and options.dtype != "int4":
+        raise ConfigError(f"--requantize {options.requantize} picks which weights an int4 "
+                          f"export puts into new 4-bit blocks; this is an {options.dtype} "
+                          f"export: drop --requantize")  # ("an": eff-, int-)
     with partial_folder(out) as tmp:  # an unwritable place fails here, before any loading
         from tqdm import tqdm
 
@@ -384,7 +384,7 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
         reference = ExportDecoder(TreeDecoder(hf, job.family), topk, hidden).eval()
 
     with _stage(bar, "tracing the graph", tmp):
-        blocks = _file_blocks(job)
+        blocks = _file_blocks(job, hf.config)
         graph = _write_graph(module, tmp, hf.dtype, opset, job.options.dtype,
                              job.options.symmetric, blocks)
         if graph.spec is not None:  # the reference gets the same de-quantized weights
@@ -457,16 +457,27 @@ def _export_into(tmp: Path, job: _Job, bar) -> CheckResult:
     return check
 
 
-def _file_blocks(job: _Job):
-    """The GGUF file's Q4_0/Q4_1 blocks an int4 export keeps, and its LM head's 8 bits (None:
-    not int4 from a GGUF file, symmetric or ``requantize`` "all" asked, or neither such
-    blocks nor a head wider than 4 bits in the file)."""
-    o = job.options
-    if job.gguf is None or o.dtype != "int4" or o.symmetric or o.requantize == "all":
-        return None
-    from .gguf_blocks import FileBlocks
+SOURCE_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
-    from .gguf_blocks import WIDE_TYPES
+
+def _file_blocks(job: _Job, config=None):
+    """The GGUF file's Q4_0/Q4_1 blocks an int4 export keeps, and its LM head's 8 bits; from
+    a float model (a folder), its LM head's 8 bits (:class:`FloatHead`). None: not int4,
+    symmetric or ``requantize`` "all" asked (or "head" from a folder), or neither such blocks
+    nor a head wider than 4 bits in the GGUF file."""
+    o = job.options
+    if o.dtype != "int4" or o.symmetric or o.requantize == "all":
+        return None
+    from .gguf_blocks import WIDE_TYPES, FileBlocks, FloatHead
+
+    if job.gguf is None:  # a float model: its head at 8 bits unless --requantize head
+        if o.requantize == "head":
+            return None
+        dtype = getattr(config, "dtype", None)  # (transformers 5; torch_dtype before)
+        if dtype is None:
+            dtype = getattr(config, "torch_dtype", None)
+        dtype = str(dtype or "float32").replace("torch.", "")
+        return FloatHead(SOURCE_TYPES.get(dtype, dtype))
 
     blocks = FileBlocks(job.source.path, eight_bit=o.requantize == "none")
     wide_head = blocks.eight_bit and blocks.head_type in WIDE_TYPES  # (an 8-bit head)

@@ -1087,8 +1087,9 @@ def _first_line(e: BaseException) -> str:
 # -- inspect ----------------------------------------------------------------------------------
 
 
-def _kept(w: WeightsInfo) -> str:
-    head = (f", the LM head at 8 bits (the file's {w.head8_from})" if w.head8_from else "")
+def _kept(w: WeightsInfo, gguf: bool = True) -> str:
+    head = (f", the LM head at 8 bits (the {'file' if gguf else 'source'}'s {w.head8_from})"
+            if w.head8_from else "")
     if not w.kept_blocks:
         return head
     return f", {w.kept_blocks} of {w.products} products keep the GGUF file's own blocks{head}"
@@ -1123,14 +1124,19 @@ def cuda_graph_readiness(graph: GraphInfo, cache: CacheInfo | None = None) -> st
             f"(onnxruntime keeps them on the CPU and refuses the capture)")
 
 
+def _shown(text) -> str:
+    """A manifest's free text as one printable line ('?' where empty)."""
+    return "".join(c if c.isprintable() else "?" for c in str(text)) if text else "?"
+
+
 def describe(pkg: Package) -> str:
     """What ``edgemtp inspect`` prints: manifest summary, plans, memory estimate."""
     m = pkg.meta
     g, check = m.graph, m.self_check
     lines = [
         f"package   {pkg.root}",
-        f"format    {m.format_version} (edgemtp {m.edgemtp_version or '?'}, exporter "
-        f"{m.exporter or '?'}), from {m.source or '?'}",
+        f"format    {m.format_version} (edgemtp {_shown(m.edgemtp_version)}, exporter "
+        f"{_shown(m.exporter)}), from {_shown(m.source)}",
         f"model     {m.family} ({', '.join(m.architectures) or m.family}): "
         f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
         f"{m.num_kv_heads} KV heads x {m.head_dim}, vocab {m.vocab_size}",
@@ -1144,7 +1150,7 @@ def describe(pkg: Package) -> str:
         f"{', tied embedding stored once' if pkg.weights.tied_embedding else ''}"
         f"{INVARIANCE.get(pkg.weights.softmax, '')}"
         f"{', fused rotary and RMSNorm kernels' if pkg.weights.fused else ''}"
-        f"{_kept(pkg.weights)}",
+        f"{_kept(pkg.weights, m.gguf is not None)}",
     ]
     if m.gguf:
         types = ", ".join(f"{t} x{n}" for t, n in m.gguf.tensor_types.items())

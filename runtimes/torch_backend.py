@@ -331,10 +331,11 @@ class TorchBackend:
                                                               device=self.device))
         return hit[1]
 
-    def cache_bytes(self) -> int:
-        """Bytes of K/V one full-context session allocates: the static cache holds SLACK rows
-        past the max context, where a block's rows wait for their commit."""
-        rows = self.max_context + (SLACK if self.static_cache else 0)
+    def cache_bytes(self, rows: int | None = None) -> int:
+        """Bytes of K/V one session of ``rows`` positions (default: the max context)
+        allocates: the static cache holds SLACK rows past them, where a block's rows wait for
+        their commit."""
+        rows = (rows or self.max_context) + (SLACK if self.static_cache else 0)
         layers, _, kv_heads, head_dim = self.cache_shape
         return 2 * layers * kv_heads * rows * head_dim * self.dtype.itemsize
 

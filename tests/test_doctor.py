@@ -511,7 +511,8 @@ def test_doctor_judges_a_package_without_loading_its_weights(stories_pkg, monkey
 
 
 @pytest.mark.parametrize("args, line", [
-    (["--parallel", "0"], "--parallel must be >= 1, got 0"),
+    (["--parallel", "0"], "--parallel must be 1..4096, got 0"),
+    (["--parallel", "100000", "x"], "--parallel must be 1..4096, got 100000"),
     (["--parallel", "3"], "--parallel plans a package's memory: give the package too (edgemtp "
                           "doctor PACKAGE --parallel N)"),
 ])

@@ -217,8 +217,17 @@ def test_inspect_notes_a_package_from_other_export_code(pkg, tmp_path, capsys):
     (copy / "edgemtp.json").write_text(json.dumps(manifest))
     assert main(["inspect", str(copy)]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("note"))
-    assert f"(exporter 0123456789abcdef, edgemtp 0.1.0; this edgemtp's is {exporter_digest()})" \
-        in line and "'edgemtp export' again" in line
+    assert f"(digest 0123456789abcdef, this one's {exporter_digest()}; both edgemtp 0.1.0: " \
+        "the code changed since)" in line and line.endswith("export it again for this " \
+                                                            "edgemtp's graph")
+    # no digest (an older exporter), or one that is no digest (nothing of it is printed)
+    for bad, says in (("", "recorded no digest"), ("x\nnote      fake", "is unreadable")):
+        manifest["exporter"] = bad
+        (copy / "edgemtp.json").write_text(json.dumps(manifest))
+        assert main(["inspect", str(copy)]) == 0
+        out = capsys.readouterr().out
+        notes = [ln for ln in out.splitlines() if ln.startswith("note")]
+        assert len(notes) == 1 and says in notes[0] and "fake" not in notes[0], notes
 
 
 def test_generate_from_package_matches_torch_backend_json(pkg):

@@ -4,6 +4,8 @@ exceed the host's available memory."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from edgemtp import Model
@@ -50,10 +52,18 @@ def test_native_cache_bytes_are_the_sessions_arrays(tmp_path_factory):
         s = m.backend.session()
         arrays = [a for a in (s.k, s.v, s.ks, s.vs) if a is not None]
         assert m.kv_cache_bytes() == sum(a.nbytes for a in arrays)
-        lines = memory_lines(m, 3, "cpu", available=2 * m.kv_cache_bytes())
-        assert "pages are taken as a generation writes them" in lines[0]
+        avail = 2 * m.kv_cache_bytes()
+        lines = memory_lines(m, 3, "cpu", available=avail)
+        assert lines[0].endswith("(one per --parallel generation)")
         assert "--parallel 2" in lines[1]
-        assert ("--kv-cache int8" in lines[1]) == (kv == "fp16")
+        # the context suggested really fits: the native cache has a margin and 16-row blocks
+        ctx = int(re.search(r"--max-context (\d+)", lines[1]).group(1))
+        assert 3 * m.kv_cache_bytes(ctx) <= avail < 3 * m.kv_cache_bytes(ctx + 1)
+        # int8 is suggested only where it fits (3 x int8 here: ~1.7 fp16 caches)
+        q8 = m.backend.cache_bytes("int8")
+        assert ("--kv-cache int8" in lines[1]) == (kv == "fp16" and 3 * q8 <= avail)
+        tight = memory_lines(m, 3, "cpu", available=int(1.2 * m.kv_cache_bytes()))
+        assert "--kv-cache int8" not in tight[1]
 
 
 def test_serve_memory_lines(stories_pkg):
@@ -66,10 +76,10 @@ def test_serve_memory_lines(stories_pkg):
     assert memory_lines(m, 4, "cpu", available=None) == roomy  # (no /proc/meminfo)
     tight = memory_lines(m, 4, "cpu", available=int(2.5 * one))
     assert len(tight) == 2 and tight[1].startswith("edgemtp: warning: 4 full KV caches")
-    # 2 caches fit, or 4 at 2.5 / 4 of the context
-    assert "fits: --parallel 2 or --max-context 160" in tight[1]
+    # 2 caches fit, or 4 at 2.5 / 4 of the context (onnxruntime's cache: linear in its rows)
+    assert "fits: --parallel 2 or --max-context 160 (the caches alone" in tight[1]
     assert "--kv-cache" not in tight[1]  # (the native backend's option)
     # a GPU's cache is on the device: the host's memory says nothing about it
     assert memory_lines(m, 4, "cuda", available=int(2.5 * one)) == roomy
     none_fit = memory_lines(m, 4, "cpu", available=one // 1000)
-    assert "fits" not in none_fit[1]  # not one cache, nor 2 rows of each
+    assert "fits:" not in none_fit[1]  # not one cache, nor 2 rows of each

@@ -23,7 +23,6 @@ onnx = pytest.importorskip("onnx")
 from edgemtp import Model  # noqa: E402
 from edgemtp.errors import ModelLoadError  # noqa: E402
 from edgemtp.export.onnx_export import export_package  # noqa: E402
-from edgemtp.export.quantize import QUANTIZED, block_quantize, dequantize  # noqa: E402
 from edgemtp.export.selfcheck import TOLERANCE, SelfCheckError  # noqa: E402
 from edgemtp.runtimes.package import MANIFEST, load_package  # noqa: E402
 
@@ -118,10 +117,14 @@ def test_fp32_graph_has_no_onnxruntime_contrib_ops(tmp_path):
 def test_host_table_is_the_graphs_dequantized_embedding(int4_pkg):
     from transformers import AutoModelForCausalLM
 
+    from edgemtp.export.gguf_blocks import Blocks8
+
     hf = AutoModelForCausalLM.from_pretrained(str(STORIES)).eval()
     w = hf.get_input_embeddings().weight.detach().numpy()
-    want = dequantize(*block_quantize(w, QUANTIZED["int4"]), QUANTIZED["int4"], w.shape[1])
+    # the tied LM head, and so the table, is 8-bit: llama.cpp's Q8_0 blocks
+    want = Blocks8.quantize(w).dequantize()
     pkg = load_package(int4_pkg)
+    assert pkg.weights.head8_from == "F32"
     ids = np.array([0, 7, 511, 7])
     got = pkg.embedding_table().rows(ids)
     assert got.dtype == np.float32 and np.array_equal(got, want[ids])

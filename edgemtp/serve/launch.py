@@ -129,32 +129,39 @@ def memory_lines(model, parallel: int, device: str, available: int | None) -> li
     """What the K/V caches of ``parallel`` concurrent generations take at the model's max
     context (each slot keeps its own for the next request), and a warning where they would
     not fit this host's available memory (a CPU device; ``available``: bytes after the model
-    loaded), naming what fits."""
+    loaded), naming what fits: the caches alone (``edgemtp doctor PACKAGE --parallel N``
+    plans weights, caches and workspace together)."""
     one = model.kv_cache_bytes()
     if not one:
         return []
-    from edgemtp.doctor import size
+    from edgemtp.doctor import largest_rows, size
 
     context = model.backend.max_context
     native = model.backend.name == "native"
     lines = [f"edgemtp: KV cache: {parallel} x {size(one)} = {size(parallel * one)} at "
-             f"{context} tokens (one per --parallel generation"
-             + ("; its pages are taken as a generation writes them)" if native else ")")]
+             f"{context} tokens (one per --parallel generation)"]
     if available is None or not device.startswith("cpu") or parallel * one <= available:
         return lines
-    fit_parallel = available // one
-    fit_context = int(context * available / (parallel * one))
     fixes = []
+    fit_parallel = available // one
     if fit_parallel >= 1:
         fixes.append(f"--parallel {fit_parallel}")
-    if fit_context >= 2:
+    # the cache's bytes are not linear in its rows (the native one has a margin and blocks
+    # of 16): the largest context whose caches really fit
+    fit_context = largest_rows(lambda r: parallel * model.kv_cache_bytes(r) <= available,
+                               context)
+    if fit_context:
         fixes.append(f"--max-context {fit_context}")
     if native and getattr(model.backend, "kv_cache", None) == "fp16":
-        fixes.append("--kv-cache int8 (half the bytes)")
+        q8 = model.backend.cache_bytes("int8")
+        if parallel * q8 <= available:
+            fixes.append(f"--kv-cache int8 ({size(q8)} each)")
     lines.append(f"edgemtp: warning: {parallel} full KV caches ({size(parallel * one)}) are "
                  f"more than this machine's available memory ({size(available)}): long "
                  f"generations running at once may run out of memory"
-                 + (f"; fits: {' or '.join(fixes)}" if fixes else ""))
+                 + (f"; fits: {' or '.join(fixes)}" if fixes else "")
+                 + " (the caches alone; edgemtp doctor PACKAGE --parallel N plans the "
+                   "weights and workspace too)")
     return lines
 
 
