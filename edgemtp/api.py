@@ -225,8 +225,8 @@ class Model:
             extra["batch_invariant"] = True
         if kv_cache is not None:
             if backend != "native":
-                raise ConfigError(f"kv_cache is an option of the native backend, not of "
-                                  f"{backend!r} (an int4 package on the CPU)")
+                raise ConfigError(f"kv_cache (--kv-cache) is an option of the native backend, "
+                                  f"not of {backend!r} (an int4 package on the CPU)")
             extra["kv_cache"] = kv_cache
         declined = None
         try:

@@ -113,7 +113,8 @@ def check_options(device, dtype, max_context, threads) -> None:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_context is not None and (isinstance(max_context, bool)
                                     or not isinstance(max_context, int) or max_context < 2):
-        raise ConfigError(f"max context must be an integer >= 2 tokens, got {max_context!r}")
+        raise ConfigError(f"max context (--max-context) must be an integer >= 2 tokens, got "
+                          f"{max_context!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
         raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")

@@ -99,7 +99,7 @@ class ExportOptions:
                               f"{OPSETS[-1]}, got {self.opset!r}")
         if self.max_context is not None and (not _is_int(self.max_context)
                                              or self.max_context < 2):
-            raise ConfigError(f"max context must be an integer >= 2 tokens, got "
+            raise ConfigError(f"max context (--max-context) must be an integer >= 2 tokens, got "
                               f"{self.max_context!r}")
         if self.requantize not in REQUANTIZE:
             raise ConfigError(f"requantize must be one of {', '.join(REQUANTIZE)}, got "

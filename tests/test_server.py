@@ -361,7 +361,7 @@ BAD = [  # name, path, body (dict -> JSON, str/bytes -> raw), status, message fr
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404,
      "'gpt-4' does not exist"),
     ("max_tokens 0", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400,
-     "max_tokens must be between 1 and 256"),
+     "max_tokens must be between 1 and 256 (the model's context of 256 tokens), got 0"),
     ("max_tokens 10^9", "/v1/completions", {"prompt": "a", "max_tokens": 10**9}, 400,
      "max_tokens must be between 1 and 256"),
     ("prompt over the context", "/v1/completions", {"prompt": LONG}, 400,
@@ -713,3 +713,19 @@ def test_a_request_picks_its_drafter_and_heads_over_the_servers_defaults():
     lade = GenerationConfig(drafter="lade", lookahead=(3, 4, 1))
     assert generation_config(CompletionRequest(prompt="a", drafter="probe"), lade,
                              limits).lookahead is None
+
+
+def test_a_max_tokens_refusal_names_where_its_limit_comes_from():
+    # QA qa7 D10: the limit was always put down to --max-tokens-limit, also where the
+    # model's context set it
+    from edgemtp.serve.requests import APIError, CompletionRequest, Limits, generation_config
+
+    for limits, why in ((Limits(max_tokens=64, max_context=256), "the server's "
+                         "--max-tokens-limit"),
+                        (Limits(max_tokens=256, max_context=256), "the model's context of "
+                         "256 tokens")):
+        with pytest.raises(APIError) as e:
+            generation_config(CompletionRequest(prompt="Once", max_tokens=1000),
+                              GenerationConfig(), limits)
+        assert e.value.status == 400 and e.value.message == (
+            f"max_tokens must be between 1 and {limits.max_tokens} ({why}), got 1000")

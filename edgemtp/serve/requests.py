@@ -169,8 +169,10 @@ def generation_config(req: _Common, base: GenerationConfig, limits: Limits) -> G
         if max_tokens is None:
             continue
         if not 1 <= max_tokens <= limits.max_tokens:
-            raise APIError(400, f"{name} must be between 1 and {limits.max_tokens} (the "
-                                f"server's --max-tokens-limit), got {max_tokens}",
+            why = ("the server's --max-tokens-limit" if limits.max_tokens < limits.max_context
+                   else f"the model's context of {limits.max_context} tokens")
+            raise APIError(400, f"{name} must be between 1 and {limits.max_tokens} ({why}), "
+                                f"got {max_tokens}",
                            param=name, code="invalid_value")
         changes["max_new_tokens"] = max_tokens
     if req.stop is not None:
