@@ -156,10 +156,14 @@ def test_a_run_on_a_flat_curve_gives_be_as_its_speed_up(tmp_path, stories_path):
     (["--curve", "{curve}:flat", "--auto-param", "nosuch=1"], "neither AutoDrafter"),
     (["--curve", "{curve}:flat", "--span", "100"], "--span must be a multiple of 64 cached rows"),
 ])
-def test_bad_arguments_are_one_line(tmp_path, stories_path, args, says):
+def test_bad_arguments_are_one_line(emu, tmp_path, stories_path, args, says, capsys):
+    # in this process (argparse's exit 2 and its usage lines; a subprocess each cost ~8 s of
+    # imports on CI's 2 cores): every refusal comes before the model loads
     curve = tmp_path / "curve.json"
     curve.write_text(json.dumps({"entries": {"flat": {"t_ms": FLAT}}}))
-    r = _run(stories_path, "--backend", "torch",
-             *[a.replace("{curve}", str(curve)) for a in args], timeout=120)
-    assert r.returncode == 2 and says in r.stderr, r.stderr[-1500:]
-    assert "Traceback" not in r.stderr
+    with pytest.raises(SystemExit) as e:
+        emu.main([str(stories_path), "--backend", "torch",
+                  *[a.replace("{curve}", str(curve)) for a in args]])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err, err[-1500:]
+    assert "Traceback" not in err and "error: " in err.strip().splitlines()[-1]
