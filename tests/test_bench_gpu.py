@@ -348,6 +348,7 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.mark.slow  # a subprocess bench on the GGUF (~9 s of the default run): CI only
 def test_step_host_bench_reads_the_chat_prompts_for_a_gguf(tmp_path):
     """A .gguf model reads SmolLM2's Spec-Bench chat prompts (the real weights' token ids);
     a --prompts-file that is not there is one line and exit 2, before any model loads."""

@@ -271,6 +271,7 @@ def test_an_exported_package_carries_the_template(chat_model, model, tmp_path):
             "Jinja (line 1: ") in out.stdout
 
 
+@pytest.mark.slow  # a REPL in a subprocess (~10 s of the default run): CI only
 def test_the_chat_repl_answers_a_line_of_bad_bytes_with_an_error_and_goes_on(model, chat_model):
     # (undecodable bytes reached the tokenizer as lone surrogates: a TypeError ended the REPL)
     want = model.chat([{"role": "user", "content": "Tell me a story."}], max_new_tokens=8).text

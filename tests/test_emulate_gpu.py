@@ -130,6 +130,7 @@ def test_step_shapes_are_keyed_on_the_torch_backends_attention_span(emu, span, w
     assert x.events["shapes"] == widths
 
 
+@pytest.mark.slow  # a subprocess emulation run (~9 s of the default run): CI only
 def test_a_run_on_a_flat_curve_gives_be_as_its_speed_up(tmp_path, stories_path):
     """On a flat curve with the host's time scaled away, a drafter's virtual tok/s over plain
     decoding's is its tokens per forward call over theirs; and its tokens are plain's."""
