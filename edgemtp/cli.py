@@ -312,19 +312,11 @@ def cmd_export(a: argparse.Namespace) -> int:
                               "head for TensorRT")
         import_tensorrt("edgemtp export --trt")
         cuda_device()
-    if a.requantize is not None and a.dtype != "int4":
-        raise ConfigError(f"--requantize {a.requantize} picks which weights an int4 export "
-                          f"puts into new 4-bit blocks; this is an {a.dtype} export: drop "
-                          f"--requantize")
-    if a.symmetric and a.requantize in ("none", "head"):
-        raise ConfigError(f"--symmetric puts every weight into new symmetric 4-bit blocks, "
-                          f"so it cannot keep an 8-bit LM head or a GGUF's own blocks "
-                          f"(--requantize {a.requantize}); drop one of the two")
     report = export_package(a.model, a.output, dtype=a.dtype, max_context=a.max_context,
                             bc=a.bc, mask_tokens=a.mask_tokens, opset=a.opset, force=a.force,
                             trust_remote_code=a.trust_remote_code, progress=not a.quiet,
                             hidden_states=a.hidden_states, symmetric=a.symmetric,
-                            cache_layout=a.cache_layout, requantize=a.requantize or "none")
+                            cache_layout=a.cache_layout, requantize=a.requantize)
     print(report.summary())
     if a.trt:
         _build_engine(a.output, a.workspace, None, not a.quiet, a.max_block)

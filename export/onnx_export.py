@@ -271,7 +271,7 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
                    tolerance: tuple[float, float] | None = None,
                    progress: bool = True, hidden_states: bool = False,
                    symmetric: bool = False, cache_layout: str = "seq",
-                   requantize: str = "none") -> ExportReport:
+                   requantize: str | None = None) -> ExportReport:
     """Export ``model`` (a local Hugging Face folder, a llama.cpp GGUF file or a folder
     holding one, or a hub id when online) to ``out``.
 
@@ -283,7 +283,8 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
     MatMul on a few rows, and a coarser grid than asymmetric blocks (a Q4_1 GGUF's own weights
     are asymmetric). ``cache_layout`` "head" (fp32/fp16): the past K/V head-major, ``[1, H_kv,
     P, D]``, which onnxruntime's CPU provider reads faster on long contexts; such a package
-    runs on onnxruntime's CPU provider only. ``requantize`` (int4): by default ("none") the
+    runs on onnxruntime's CPU provider only. ``requantize`` (int4; None: not asked, as
+    "none", which ``symmetric`` contradicts only when asked): by default ("none") the
     LM head is 8-bit, as llama.cpp keeps a 4-bit model's (a float model's head in Q8_0 blocks;
     from a GGUF file its Q8_0 head as it is, a wider one's values in Q8_0 blocks), and the
     products whose weights are a GGUF file's own Q4_0/Q4_1 blocks keep them exactly
@@ -294,13 +295,18 @@ def export_package(model: str, out, dtype: str = "fp32", max_context: int | None
     t0 = time.perf_counter()
     options = ExportOptions(dtype, max_context, tuple(bc), tuple(mask_tokens), opset,
                             None if tolerance is None else tuple(tolerance), hidden_states,
-                            symmetric, cache_layout, requantize)
+                            symmetric, cache_layout, requantize or "none")
+    # (None: not asked; "none" asked is a choice too, which --symmetric contradicts)
+    if requantize is not None and options.dtype != "int4":
+        raise ConfigError(f"--requantize {requantize} picks which weights an int4 export puts "
+                          f"into new 4-bit blocks; this is an {options.dtype} export: drop "
+                          f"--requantize")  # ("an": eff-, int-)
+    if options.symmetric and requantize in ("none", "head"):
+        raise ConfigError(f"--symmetric puts every weight into new symmetric 4-bit blocks, so "
+                          f"it cannot keep an 8-bit LM head or a GGUF's own blocks "
+                          f"(--requantize {requantize}); drop one of the two")
     out = check_destination(model, out, force)  # before the heavy imports: fail fast
     source, gguf = _check_source(model)
-    if options.requantize != "none" and options.dtype != "int4":
-        raise ConfigError(f"--requantize {options.requantize} picks which weights an int4 "
-                          f"export puts into new 4-bit blocks; this is an {options.dtype} "
-                          f"export: drop --requantize")  # ("an": eff-, int-)
     with partial_folder(out) as tmp:  # an unwritable place fails here, before any loading
         from tqdm import tqdm
 

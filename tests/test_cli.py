@@ -339,13 +339,14 @@ def test_symmetric_with_an_explicit_requantize_that_keeps_blocks_is_one_line(req
     assert f"(--requantize {requantize})" in err[0] and not out.exists()
 
 
-@pytest.mark.parametrize("dtype, requantize", [("int8", "none"), ("fp16", "all")])
-def test_requantize_on_other_than_int4_is_one_line(dtype, requantize, tmp_path, capsys):
+@pytest.mark.parametrize("dtype, extra, requantize", [("int8", ["--symmetric"], "none"),
+                                                      ("fp16", [], "all")])
+def test_requantize_on_other_than_int4_is_one_line(dtype, extra, requantize, tmp_path, capsys):
     from edgemtp.cli import main
 
     out = tmp_path / "pkg"
-    rc = main(["export", str(tmp_path / "absent"), "-o", str(out), "--dtype", dtype,
-               "--symmetric", "--requantize", requantize])
+    rc = main(["export", str(tmp_path / "absent"), "-o", str(out), "--dtype", dtype, *extra,
+               "--requantize", requantize])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == EXIT_USAGE and err == [
         f"edgemtp: error: --requantize {requantize} picks which weights an int4 export puts "
