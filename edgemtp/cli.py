@@ -776,6 +776,12 @@ def entry() -> None:
     signal.signal(signal.SIGTERM, terminated)  # (serve puts uvicorn's own in place)
     rc = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A Ctrl-C that lands inside exec() of a string (dataclasses builds its methods so, as
+    # torch's lazy imports run: train-heads' optimizer) sets CPython's "unhandled
+    # KeyboardInterrupt" flag though main() caught it, and under `python -m edgemtp.cli` the
+    # interpreter then ended itself by SIGINT at exit (rc -2 in ~1 run of 3) instead of rc.
+    # Each exec() of a string clears that flag first: one that completes leaves it clear.
+    exec("")
     sys.exit(rc)
 
 
