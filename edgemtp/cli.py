@@ -515,7 +515,10 @@ def _engine_args(p: argparse.ArgumentParser, when: str = "") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from edgemtp import __version__
+
     parser = _Parser(prog="edgemtp", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"edgemtp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     parser.commands = {}

@@ -137,6 +137,18 @@ def test_the_command_ignores_a_ctrl_c_once_its_work_is_done(monkeypatch):
         signal.signal(signal.SIGINT, before)
 
 
+def test_python_dash_m_edgemtp_is_the_command_and_says_its_version():
+    from edgemtp import __version__
+
+    r = subprocess.run([sys.executable, "-m", "edgemtp", "--version"], capture_output=True,
+                       text=True, timeout=120)
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"edgemtp {__version__}\n", "")
+    r = subprocess.run([sys.executable, "-m", "edgemtp", "inspect", "/nonexistent/pkg"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr == (
+        "edgemtp: error: package folder '/nonexistent/pkg' does not exist\n"), r.stderr
+
+
 def test_a_handled_ctrl_c_inside_exec_still_exits_with_the_command_s_code(tmp_path):
     """A Ctrl-C landing in exec() of a string (dataclasses' generated methods, while torch's
     lazy imports run) left CPython's unhandled-KeyboardInterrupt flag set though the command
