@@ -162,6 +162,13 @@ def auto_backend(path, device: str = "cpu") -> str:
     return "onnxruntime"
 
 
+def check_keep_sessions(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"keep_sessions must be an integer >= 0 (idle KV caches kept for "
+                          f"reuse), got {n!r}")
+    return n
+
+
 class Model:
     """A loaded model (a backend: the weights, once) and its tokenizer.
 
@@ -171,8 +178,11 @@ class Model:
     produce exactly the tokens they would alone.
     """
 
-    def __init__(self, backend: Backend, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None = None,
+                 keep_sessions: int = 1) -> None:
         self.backend, self.tokenizer = backend, tokenizer
+        self.keep_sessions = check_keep_sessions(keep_sessions)
+        self.closed = False
         self.memory: dict = {}  # drafter state learned across generations (calibration)
         self.last_result: GenerationResult | None = None  # the last finished stream's
         # why backend="auto" did not take an int4 package to the native decoder (None: it did,
@@ -183,19 +193,45 @@ class Model:
 
     def _take_session(self) -> Session:
         with self._lock:
+            if self.closed:
+                raise ConfigError("this Model is closed (Model.close(), or its `with` block "
+                                  "ended): load it again to generate")
             if self._idle:
                 return self._idle.pop()
         return self.backend.session()
 
     def _give_back(self, session: Session) -> None:
+        # at most keep_sessions idle caches are kept for the next generations; one more (a
+        # generation that ran beside others) is dropped here, and its memory with it
         with self._lock:
-            self._idle.append(session)
+            if not self.closed and len(self._idle) < self.keep_sessions:
+                self._idle.append(session)
+
+    def release_sessions(self) -> int:
+        """Drop the idle sessions (their KV caches' memory); returns how many. Generations in
+        progress keep theirs; the next generation allocates a cache again."""
+        with self._lock:
+            n, self._idle = len(self._idle), []
+        return n
+
+    def close(self) -> None:
+        """Free the idle KV caches and refuse new generations (:class:`ConfigError`); those in
+        progress finish and drop their caches. The weights go with the last reference to the
+        model. ``with Model.load(...) as model:`` closes it at the block's end."""
+        with self._lock:
+            self.closed, self._idle = True, []
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @classmethod
     def load(cls, path: str, backend: str = "auto", device: str = "cpu", dtype: str | None = None,
              max_context: int | None = None, trust_remote_code: bool = False,
              threads: int | None = None, batch_invariant: bool = False,
-             kv_cache: str | None = None) -> "Model":
+             kv_cache: str | None = None, keep_sessions: int = 1) -> "Model":
         """``backend="auto"``: for a package written by ``edgemtp export`` (a folder with
         ``edgemtp.json``) native on the CPU where it is int4 and the C decoder builds, else
         onnxruntime; torch for a Hugging Face folder (see :func:`auto_backend`). A package
@@ -205,13 +241,17 @@ class Model:
         ``batch_invariant`` (torch backend): every step padded to one block shape and attention
         summed in float64, so fp16/bf16 GPU kernels give a row the same logits in a block as
         alone (see README). ``kv_cache`` (native backend): ``"fp16"`` (default) or ``"int8"``
-        (half the cache memory; lossless against its own plain decoding)."""
+        (half the cache memory; lossless against its own plain decoding). ``keep_sessions``:
+        how many finished generations' KV caches the model keeps for the next ones (default
+        1: one after another reuse one; generations run at the same time on N threads
+        allocate N, and all but this many are freed as they end; 0 frees each at its end)."""
         if not isinstance(path, (str, os.PathLike)):
             raise ConfigError(f"the model path must be a string or a path, got "
                               f"{type(path).__name__}")
         check_model_path(path)
         threads = threads if threads is not None else env_threads()
         check_options(device, dtype, max_context, threads)  # before any heavy import
+        check_keep_sessions(keep_sessions)
         auto = backend == "auto"
         if auto:
             backend = auto_backend(path, device)
@@ -249,7 +289,7 @@ class Model:
                                           max_context=max_context,
                                           trust_remote_code=trust_remote_code, threads=threads)
         model = cls(impl, Tokenizer(path, trust_remote_code=trust_remote_code)
-                    if impl.has_tokenizer else None)
+                    if impl.has_tokenizer else None, keep_sessions=keep_sessions)
         model.native_declined = declined
         return model
 

@@ -65,6 +65,39 @@ def test_sessions_are_reused_and_a_closed_generation_frees_its_own():
     assert list(gen) == []  # a closed generation yields nothing more
 
 
+def test_the_pool_keeps_at_most_keep_sessions_and_close_frees_them(stories_pkg):
+    """QA (qa8a D2): a Model kept one full KV cache for every thread that ever used it (8
+    threads: 189 -> 1656 MiB on SmolLM2 int4, never given back) and had no close()."""
+    import gc
+    import weakref
+
+    m = Model.load(str(stories_pkg), threads=1)
+    gens = [m.generation(p, max_new_tokens=4) for p in PROMPTS[:4]]  # four at once
+    caches = [weakref.ref(g.session) for g in gens]
+    for g in gens:
+        g.run()
+    del gens
+    gc.collect()
+    assert len(m._idle) == 1 and sum(r() is not None for r in caches) == 1  # three freed
+    m.keep_sessions = 3
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda p: m.generate(p, max_new_tokens=4), PROMPTS[:4]))
+    n = len(m._idle)
+    assert 1 <= n <= 3 and m.release_sessions() == n and not m._idle
+    with Model.load(str(stories_pkg), threads=1, keep_sessions=0) as m0:
+        want = m0.generate(PROMPTS[0], max_new_tokens=8).token_ids
+        assert not m0._idle  # 0: each cache freed at its generation's end
+        gen = m0.generation(PROMPTS[0], max_new_tokens=8)
+    assert m0.closed and not m0._idle
+    assert gen.run().token_ids == want  # one in progress finishes, then drops its cache
+    assert not m0._idle
+    with pytest.raises(ConfigError, match="this Model is closed"):
+        m0.generate(PROMPTS[0], max_new_tokens=2)
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ConfigError, match="keep_sessions must be an integer >= 0"):
+            Model.load(str(stories_pkg), keep_sessions=bad)
+
+
 def test_hidden_states_feed_the_lm_head():
     torch = pytest.importorskip("torch")
     m = Model.load(str(STORIES), threads=1)

@@ -58,6 +58,7 @@ def command(a: argparse.Namespace, load, config_of) -> int:
     if a.threads is None:
         a.threads = 1  # one intra-op thread per generation: --parallel of them share the cores
     model = load(a)
+    model.keep_sessions = a.parallel  # its caches stay allocated, one per slot (as announced)
     if model.tokenizer is None:
         raise ModelLoadError(f"{a.model!r} has no tokenizer; the server takes text prompts")
     if base.drafter == "auto" and base.latency is None:
