@@ -42,12 +42,15 @@ START_S = 120  # a loaded CI machine can take a while to import and load
 class Server:
     """``edgemtp serve PACKAGE --port 0 ARGS`` in a subprocess; its URL from its first line."""
 
-    def __init__(self, package, *args: str, log_path) -> None:
+    def __init__(self, package, *args: str, log_path, sigint: bool = False) -> None:
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edgemtp.cli", "serve", str(package), "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=self.log, text=True)
+            stdout=subprocess.PIPE, stderr=self.log, text=True,
+            # (a pytest-xdist worker ignores SIGINT, and its children inherit that)
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if sigint
+            else None)
         ready, _, _ = select.select([self.proc.stdout], [], [], START_S)
         line = self.proc.stdout.readline() if ready else ""
         found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
@@ -172,6 +175,24 @@ def test_streamed_completion_equals_the_python_api(server, ref):
     text, finish, usage = streamed(chunks, chat=False)
     assert text == expected(ref, PROMPTS[1], max_new_tokens=40)
     assert finish == "length" and usage["completion_tokens"] == 40 and usage["forward_calls"]
+
+
+@pytest.mark.parametrize("include", [True, False])
+def test_with_include_usage_every_chunk_carries_usage(server, include):
+    """QA (qa8a D4): OpenAI documents that with stream_options.include_usage "all other
+    chunks will also include a usage field, but with a null value"; they had none."""
+    body = {"model": "stories", "messages": [{"role": "user", "content": PROMPTS[1]}],
+            "max_tokens": 8, "stream": True, "stream_options": {"include_usage": include}}
+    with server.http() as h, h.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    if include:
+        assert all("usage" in c for c in chunks)
+        assert [c["usage"] is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    else:
+        assert not any("usage" in c for c in chunks)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -605,6 +626,63 @@ def test_sigterm_under_load_finishes_what_was_accepted_and_exits_0(chat_pkg, ref
     assert "Traceback" not in s.stderr() and "edgemtp: stopped" in s.stderr()
     with pytest.raises(httpx.ConnectError):
         httpx.get(s.url + "/health")
+    s.stop()
+
+
+def test_past_the_shutdown_timeout_the_running_answer_and_the_queued_get_503(ref):
+    """QA (qa8a D1): at --shutdown-timeout uvicorn cancelled what was still open: a bare
+    text 500 and a CancelledError traceback in the log per request. Now the scheduler's own
+    deadline comes first: the running generation stops after its current forward pass with
+    what it has (the app answers finish_reason "length", usage.stop_reason "shutdown") and a
+    queued request gets a 503 JSON error; uvicorn's cancel is a backstop a minute later.
+    (The tiny model's 400 tokens take 0.2 s through a server: too quick to catch running
+    there, so the real scheduler runs here with a reader that takes 5 ms a delta.)"""
+    import asyncio
+
+    from edgemtp.serve.requests import APIError
+    from edgemtp.serve.scheduler import Job, Scheduler
+
+    ids, config = ref.encode(PROMPTS[0]), GenerationConfig(max_new_tokens=400, drafter="none")
+    whole = ref.generate(ids, config).token_ids
+
+    async def scenario():
+        sch = Scheduler(ref, parallel=1, queue=4)
+        far = time.monotonic() + 600
+        a, b = Job(ids, config, deadline=far), Job(ids, config, deadline=far)
+        await sch.acquire(a)
+        running = asyncio.ensure_future(sch.run(a, emit=lambda delta: time.sleep(0.005)))
+        queued = asyncio.ensure_future(sch.acquire(b))
+        await asyncio.sleep(0.3)
+        assert sch.running == 1 and sch.waiting == 1 and not running.done()
+        sch.begin_shutdown(0.1)
+        with pytest.raises(APIError) as refused:
+            sch.admit()  # new requests: 503 at once
+        assert refused.value.status == 503
+        result = await running
+        with pytest.raises(APIError) as late:
+            await queued
+        sch.close()
+        return a, result, late.value, sch
+
+    a, result, late, sch = asyncio.run(scenario())
+    assert a.timed_out and a.limit == "shutdown"
+    assert 0 < len(result.token_ids) < len(whole) and whole[:len(result.token_ids)] == \
+        result.token_ids
+    assert late.status == 503 and late.code == "shutting_down", late
+    assert sch.running == sch.waiting == 0
+
+
+def test_ctrl_c_stops_the_server_as_sigterm_does_and_exits_130(chat_pkg, tmp_path):
+    """QA (qa8a D3): README said Ctrl-C exits 0; it printed "edgemtp: interrupted" and exited
+    130. Now both signals drain the same way and say "edgemtp: stopped"; Ctrl-C exits 130,
+    as a shell expects of an interrupted command."""
+    s = Server(chat_pkg, "--parallel", "1", log_path=tmp_path / "int.log", sigint=True)
+    with httpx.Client(base_url=s.url) as h:
+        assert h.get("/health").status_code == 200
+    s.proc.send_signal(signal.SIGINT)
+    assert s.proc.wait(60) == 130
+    log = s.stderr()
+    assert "Traceback" not in log and log.rstrip().splitlines()[-1] == "edgemtp: stopped", log
     s.stop()
 
 

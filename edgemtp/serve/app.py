@@ -235,13 +235,17 @@ class _Server:
     async def _events(self, reply: "_Reply", task: asyncio.Future, deltas: asyncio.Queue,
                       include_usage: bool, arrived: float) -> AsyncIterator[str]:
         stop = StopText(reply.job.config.stop)
-        yield _sse(reply.chunk(None, first=True))
+
+        def chunk(*args, **kw) -> str:  # with include_usage every chunk says "usage": null
+            return _sse({**reply.chunk(*args, **kw), **({"usage": None} if include_usage
+                                                        else {})})  # (as OpenAI documents)
+        yield chunk(None, first=True)
         while not task.done() or not deltas.empty():
             delta = stop.push(await deltas.get())
             if delta:
                 if stop.sent == len(delta):
                     self.metrics.first_token.observe(time.monotonic() - arrived)
-                yield _sse(reply.chunk(delta))
+                yield chunk(delta)
         try:
             result = task.result()
         except Exception as e:  # noqa: BLE001 (after the headers: an error event)
@@ -252,7 +256,7 @@ class _Server:
             yield "data: [DONE]\n\n"
             return
         self._finished(result, reply, arrived)
-        yield _sse(reply.chunk(stop.finish(result.text), finish=result))
+        yield chunk(stop.finish(result.text), finish=result)
         if include_usage:
             yield _sse(reply.usage_chunk(result))
         yield "data: [DONE]\n\n"
@@ -327,7 +331,7 @@ class _Reply:
                 "total_tokens": self.prompt_tokens + n,
                 "block_efficiency": round(st.block_efficiency, 4),
                 "forward_calls": st.forward_calls,
-                "stop_reason": "time_limit" if self.job.timed_out else result.stop_reason}
+                "stop_reason": self.job.limit if self.job.timed_out else result.stop_reason}
 
     def whole(self, text: str, result: GenerationResult) -> dict:
         choice = {"index": 0, "logprobs": None, "finish_reason": self.finish_reason(result)}

@@ -38,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a request may take, queue included; a generation still running "
                         "then ends with finish_reason 'length' (default: 300)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to finish in-flight requests before cancelling "
-                        "them (default: 30)")
+                   help="on SIGTERM or Ctrl-C, seconds in-flight requests get to finish; "
+                        "then running ones answer with what they have (finish_reason length) "
+                        "and queued ones get 503 (default: 30)")
 
 
 def command(a: argparse.Namespace, load, config_of) -> int:
@@ -100,23 +101,32 @@ def _run(model, sock: socket.socket, a, api_key, base, name: str) -> int:
     print(f"edgemtp: serving {name!r} at {url}/v1 (--parallel {a.parallel}, --queue {a.queue}, "
           f"context {context}); Ctrl-C or SIGTERM stops", flush=True)
 
+    caught: list[int] = []
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             if not scheduler.draining:
                 print(f"edgemtp: stopping: finishing {scheduler.running} running and "
                       f"{scheduler.waiting} queued requests (up to {a.shutdown_timeout:g} s)",
                       file=sys.stderr, flush=True)
-            scheduler.draining = True  # new requests: 503
+                scheduler.begin_shutdown(a.shutdown_timeout)  # new requests: 503
+                caught.append(sig)
             super().handle_exit(sig, frame)
 
+    # At --shutdown-timeout the generations still running stop after their current forward
+    # pass and answer with what they have, and queued requests get a 503 (the scheduler's
+    # deadline); uvicorn's own cancel, which answers a bare 500 and logs a traceback a request
+    # (QA8a D1), is only a backstop for a forward pass that outlasts it by a minute.
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=a.shutdown_timeout)
-    # uvicorn raises the signal it caught again once it has shut down; with this handler in
-    # place a SIGTERM ends in a clean exit 0 instead of the default kill
+                            timeout_graceful_shutdown=a.shutdown_timeout + 60)
+    # uvicorn raises the signal it caught again once it has shut down; with these handlers in
+    # place that ends in the exit below (0 after SIGTERM, 130 after Ctrl-C, as a shell expects)
+    # instead of the default kill or a KeyboardInterrupt
     signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    signal.signal(signal.SIGINT, lambda sig, frame: None)
     Server(config).run(sockets=[sock])
     print("edgemtp: stopped", file=sys.stderr, flush=True)
-    return 0
+    return 130 if caught and caught[0] == signal.SIGINT else 0
 
 
 def _available() -> int | None:

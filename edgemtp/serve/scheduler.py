@@ -45,6 +45,7 @@ class Job:
     deadline: float  # time.monotonic() by which it must be done (the per-request time limit)
     cancelled: threading.Event = field(default_factory=threading.Event)
     timed_out: bool = False
+    limit: str = "time_limit"  # what set the deadline: --timeout, or "shutdown"
     started: float | None = None  # monotonic time its worker took it
 
     def cancel(self) -> None:
@@ -114,7 +115,10 @@ class Scheduler:
         self.slots = asyncio.Semaphore(parallel)
         self.running = self.waiting = 0
         self.draining = False  # set on SIGTERM: new requests get 503
-        self.jobs: set[Job] = set()
+        self.jobs: set[Job] = set()  # running
+        self.queued: set[Job] = set()
+        self._stopping: asyncio.Event | None = None  # set at the shutdown deadline
+        self.shutdown_at: float | None = None
         self._mean_s = 1.0  # running mean of a generation's seconds, for Retry-After
 
     # -- admission -------------------------------------------------------------------------
@@ -136,18 +140,56 @@ class Scheduler:
         return max(1, math.ceil(self._mean_s * (self.waiting + 1) / self.parallel))
 
     async def acquire(self, job: Job) -> None:
-        """Wait for a slot (after :meth:`admit`); 503 when the time limit passes first."""
+        """Wait for a slot (after :meth:`admit`); 503 when the time limit (or the shutdown's
+        deadline, :meth:`begin_shutdown`) passes first."""
         self.admit()
+        if self._stopping is None:
+            self._stopping = asyncio.Event()
         self.waiting += 1
+        self.queued.add(job)
+        slot = asyncio.ensure_future(self.slots.acquire())
+        stop = asyncio.ensure_future(self._stopping.wait())
         try:
-            await asyncio.wait_for(self.slots.acquire(), max(job.deadline - time.monotonic(), 0))
-        except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11
+            await asyncio.wait({slot, stop}, timeout=max(job.deadline - time.monotonic(), 0),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:  # (also when this coroutine is cancelled: the client went away)
+            self.waiting -= 1
+            self.queued.discard(job)
+            stop.cancel()
+            if not slot.done():
+                slot.cancel()
+                await asyncio.wait({slot})
+            took = slot.done() and not slot.cancelled() and slot.exception() is None
+        if not took or job.deadline <= time.monotonic() and job.limit == "shutdown":
+            if took:
+                self.slots.release()
+            if job.limit == "shutdown" or self.draining and self._stopping.is_set():
+                raise APIError(503, "the server shut down before this queued request got a "
+                                    "slot (--shutdown-timeout)", type="server_error",
+                               code="shutting_down", headers={"Retry-After": "5"})
             raise APIError(503, "the request waited in the queue past the server's time limit "
                                 "(--timeout)", type="server_error", code="queue_timeout",
-                           headers={"Retry-After": str(self.retry_after())}) from None
-        finally:
-            self.waiting -= 1
+                           headers={"Retry-After": str(self.retry_after())})
         self.running += 1
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """SIGTERM / Ctrl-C: new requests get 503; running generations get ``timeout_s`` more
+        seconds, then stop after their current forward pass and answer with what they have
+        (``finish_reason`` "length", ``usage.stop_reason`` "shutdown"); requests still queued
+        then get 503. Called on the event loop's thread (uvicorn's signal handler)."""
+        self.draining = True
+        at = self.shutdown_at = time.monotonic() + timeout_s
+        for job in list(self.jobs) + list(self.queued):
+            if at < job.deadline:
+                job.deadline, job.limit = at, "shutdown"
+
+        def stop() -> None:
+            if self._stopping is not None:
+                self._stopping.set()
+        try:
+            asyncio.get_running_loop().call_later(timeout_s, stop)
+        except RuntimeError:  # (no loop running: nothing is queued either)
+            pass
 
     def release(self) -> None:
         self.running -= 1
@@ -164,6 +206,8 @@ class Scheduler:
         plans: what refuses options the package cannot run), before its first forward pass."""
         loop = asyncio.get_running_loop()
         self.jobs.add(job)
+        if self.shutdown_at is not None and self.shutdown_at < job.deadline:
+            job.deadline, job.limit = self.shutdown_at, "shutdown"  # (acquired as it began)
         work = loop.run_in_executor(self.pool, self._work, job, emit, on_begin)
         try:
             return await asyncio.shield(work)
