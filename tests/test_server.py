@@ -102,7 +102,8 @@ def ref(chat_pkg):
 @pytest.fixture(scope="module")
 def server(chat_pkg, tmp_path_factory):
     s = Server(chat_pkg, "--parallel", "2", "--queue", "64", "--api-key", KEY,
-               "--model-name", "stories", log_path=tmp_path_factory.mktemp("log") / "main.log")
+               "--model-name", "stories", "--allowed-origins", "http://localhost:3000",
+               log_path=tmp_path_factory.mktemp("log") / "main.log")
     yield s
     assert s.stop() == 0
     assert "Traceback" not in s.stderr()
@@ -175,6 +176,29 @@ def test_streamed_completion_equals_the_python_api(server, ref):
     text, finish, usage = streamed(chunks, chat=False)
     assert text == expected(ref, PROMPTS[1], max_new_tokens=40)
     assert finish == "length" and usage["completion_tokens"] == 40 and usage["forward_calls"]
+
+
+def test_a_browser_origin_given_with_allowed_origins_may_call_the_api(server, chat_pkg,
+                                                                       tmp_path):
+    """QA (qa8a D5): no CORS at all (OPTIONS 405, no Access-Control headers), so a web UI on
+    localhost:3000 could not call the server; llama-server, vLLM (--allowed-origins) and
+    Ollama can be told to allow it."""
+    ui = "http://localhost:3000"
+    with server.http(None) as h:
+        pre = h.options("/v1/chat/completions", headers={
+            "Origin": ui, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ui
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        r = h.post("/v1/completions", headers={"Origin": ui, "Authorization": f"Bearer {KEY}"},
+                   json={"model": "stories", "prompt": PROMPTS[0], "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ui
+        refused = h.post("/v1/completions", headers={"Origin": ui}, json={"prompt": "x"})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ui
+        other = h.options("/v1/chat/completions", headers={
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
 @pytest.mark.parametrize("include", [True, False])
@@ -731,6 +755,8 @@ def test_bad_flags_end_in_one_line_and_exit_2(stories_pkg):
     for flags, message in ((["--parallel", "0"], "--parallel must be >= 1"),
                            (["--timeout", "-1"], "--timeout must be > 0"),
                            (["--api-key", "a", "--api-key-file", "k"], "not both"),
+                           (["--allowed-origins", "localhost:3000"],
+                            "--allowed-origins takes '*' or origins such as"),
                            # defaults every request would be refused with: refused at start
                            (["--drafter", "heads"], "has no learned heads")):
         out = subprocess.run([sys.executable, "-m", "edgemtp.cli", "serve", str(stories_pkg),

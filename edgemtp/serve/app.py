@@ -53,6 +53,7 @@ class Settings:
     max_body_bytes: int = 1 << 20
     timeout_s: float = 300.0      # per request: queue wait and generation together
     source: str | None = None     # the path the model was loaded from (never shown)
+    allowed_origins: tuple[str, ...] = ()  # CORS (--allowed-origins); none: no CORS headers
 
 
 class ClientGone(Exception):
@@ -65,6 +66,12 @@ def create_app(model: Model, settings: Settings, parallel: int, queue: int) -> F
                   openapi_url=None, lifespan=server.lifespan)
     app.state.server = server
     app.add_middleware(_CountRequests, metrics=server.metrics)
+    if settings.allowed_origins:  # (added last: the outermost, so errors carry it too)
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           expose_headers=["Retry-After"], max_age=600)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import re
 import signal
 import socket
 import sys
@@ -28,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
     s.add_argument("--api-key-file", default=None,
                    help="read the API key from this file (keeps it out of the process list)")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="browser origins that may call the API (CORS), comma-separated, e.g. "
+                        "http://localhost:3000, or '*' for any (default: none; clients that "
+                        "are not browsers need no such permission)")
     s.add_argument("--model-name", default=None,
                    help="the model's id in /v1/models and requests (default: the folder name)")
     s.add_argument("--max-tokens-limit", type=int, default=None,
@@ -90,7 +95,7 @@ def _run(model, sock: socket.socket, a, api_key, base, name: str) -> int:
     limits = Limits(max_tokens=a.max_tokens_limit or context, max_context=context)
     settings = Settings(model_name=name, base=base, limits=limits, api_key=api_key,
                         max_body_bytes=a.max_body_bytes, timeout_s=a.timeout,
-                        source=str(a.model))
+                        source=str(a.model), allowed_origins=origins(a.allowed_origins))
     app = create_app(model, settings, a.parallel, a.queue)
     scheduler = app.state.server.scheduler
     host, port = sock.getsockname()[:2]
@@ -176,7 +181,21 @@ def memory_lines(model, parallel: int, device: str, available: int | None) -> li
     return lines
 
 
+def origins(text: str | None) -> tuple[str, ...]:
+    """``--allowed-origins``: "*" or origins as a browser sends them (scheme://host[:port])."""
+    if text is None:
+        return ()
+    items = tuple(o.strip() for o in text.split(","))
+    for o in items:
+        if o != "*" and not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?", o):
+            raise ConfigError(f"--allowed-origins takes '*' or origins such as "
+                              f"http://localhost:3000 (scheme://host[:port], no path), comma-"
+                              f"separated; got {o!r}")
+    return items
+
+
 def _check(a) -> None:
+    origins(a.allowed_origins)
     checks = [(a.parallel >= 1, f"--parallel must be >= 1, got {a.parallel}"),
               (a.queue >= 0, f"--queue must be >= 0, got {a.queue}"),
               (0 <= a.port <= 65535, f"--port must be in 0..65535, got {a.port}"),
