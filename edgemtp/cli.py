@@ -108,7 +108,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (default: 0; serve: a random one per request that "
+                        "gives none)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--profile", default=None,
                    help="an 'edgemtp profile' JSON: its recommended drafter/BC/k become the "
@@ -495,6 +497,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from .serve.launch import command
 
+    a.random_seed = a.seed is None  # (no --seed: each sampled request draws its own)
+    a.seed = 0 if a.seed is None else a.seed
     return command(a, _load, _config)
 
 
@@ -691,7 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(s, positional=True)
     serve_arguments(s)
     _add_generation_args(s)
-    s.set_defaults(func=cmd_serve)
+    # (a request without seed: a random one, as OpenAI's API and llama-server draw; --seed N
+    #  makes every such request draw with N)
+    s.set_defaults(func=cmd_serve, seed=None)
 
     d = sub.add_parser("demo", help="the main job: chat with SmolLM2-135M-Instruct (int4) with "
                                     "greedy and the drafters, check they match, print the "

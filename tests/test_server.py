@@ -275,6 +275,23 @@ def test_sampling_with_a_seed_and_edgemtp_options(server, ref):
     assert r.choices[0].text == want  # sampling is exact whoever drafts
 
 
+def test_sampling_without_a_seed_draws_a_random_one_and_says_which(server, ref):
+    """QA (qa8a D6): a sampled request without seed gave the same text every time (the
+    server's --seed 0); OpenAI's API and llama-server draw. usage.seed gives it back."""
+    client, body = server.client(), dict(model="stories", prompt=PROMPTS[6], max_tokens=24,
+                                         temperature=1.0)
+    answers = [client.completions.create(**body) for _ in range(4)]
+    seeds = [a.usage.model_dump()["seed"] for a in answers]
+    assert len(set(seeds)) == 4 and all(isinstance(x, int) and x >= 0 for x in seeds)
+    for a, seed in zip(answers[:2], seeds):  # each is the one its seed gives
+        assert a.choices[0].text == expected(ref, PROMPTS[6], max_new_tokens=24,
+                                             temperature=1.0, seed=seed)
+    again = client.completions.create(**body, seed=seeds[0])
+    assert again.choices[0].text == answers[0].choices[0].text
+    greedy = client.completions.create(model="stories", prompt=PROMPTS[6], max_tokens=4)
+    assert "seed" not in greedy.usage.model_dump()
+
+
 def test_token_id_prompt_and_models_and_metrics(server, ref):
     ids = ref.encode(PROMPTS[5])
     with server.http() as h:
@@ -804,6 +821,10 @@ def test_a_request_picks_its_drafter_and_heads_over_the_servers_defaults():
         return generation_config(CompletionRequest(prompt="Once", **body), base, limits)
 
     assert config().heads == "residual"
+    # --seed given (random_seed False): a request without seed samples with the server's
+    assert config(temperature=1.0).seed == base.seed
+    assert generation_config(CompletionRequest(prompt="a", temperature=1.0, seed=5), base,
+                             limits, random_seed=True).seed == 5
     for drafter in ("none", "probe", "pld", "stand", "lade"):
         c = config(drafter=drafter)
         assert (c.drafter, c.heads) == (drafter, None)

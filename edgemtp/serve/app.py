@@ -54,6 +54,7 @@ class Settings:
     timeout_s: float = 300.0      # per request: queue wait and generation together
     source: str | None = None     # the path the model was loaded from (never shown)
     allowed_origins: tuple[str, ...] = ()  # CORS (--allowed-origins); none: no CORS headers
+    random_seed: bool = False     # no --seed: a request without seed gets a random one
 
 
 class ClientGone(Exception):
@@ -147,7 +148,7 @@ class _Server:
         req = parse(kind, await self._read_json(request))
         if req.model is not None:
             self._check_model(req.model)
-        config = generation_config(req, s.base, s.limits)
+        config = generation_config(req, s.base, s.limits, s.random_seed)
         ids = await asyncio.to_thread(self._prompt_ids, req)  # tokenizing is CPU work too
         job = Job(ids, config, deadline=arrived + s.timeout_s)
         waited = time.monotonic()
@@ -338,7 +339,9 @@ class _Reply:
                 "total_tokens": self.prompt_tokens + n,
                 "block_efficiency": round(st.block_efficiency, 4),
                 "forward_calls": st.forward_calls,
-                "stop_reason": self.job.limit if self.job.timed_out else result.stop_reason}
+                "stop_reason": self.job.limit if self.job.timed_out else result.stop_reason,
+                # (sampled: the seed it used, so an answer can be drawn again with it)
+                **({"seed": self.job.config.seed} if self.job.config.temperature > 0 else {})}
 
     def whole(self, text: str, result: GenerationResult) -> dict:
         choice = {"index": 0, "logprobs": None, "finish_reason": self.finish_reason(result)}

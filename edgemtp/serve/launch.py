@@ -95,7 +95,8 @@ def _run(model, sock: socket.socket, a, api_key, base, name: str) -> int:
     limits = Limits(max_tokens=a.max_tokens_limit or context, max_context=context)
     settings = Settings(model_name=name, base=base, limits=limits, api_key=api_key,
                         max_body_bytes=a.max_body_bytes, timeout_s=a.timeout,
-                        source=str(a.model), allowed_origins=origins(a.allowed_origins))
+                        source=str(a.model), allowed_origins=origins(a.allowed_origins),
+                        random_seed=getattr(a, "random_seed", False))
     app = create_app(model, settings, a.parallel, a.queue)
     scheduler = app.state.server.scheduler
     host, port = sock.getsockname()[:2]

@@ -146,10 +146,17 @@ PARAM_OF = {v: k for k, v in OPTIONS.items()} | {"max_new_tokens": "max_tokens",
                                                   "block": "bc"}  # "block complexity 3 is ..."
 
 
-def generation_config(req: _Common, base: GenerationConfig, limits: Limits) -> GenerationConfig:
-    """The server's defaults with the request's options; bad values are 400s naming them."""
+def generation_config(req: _Common, base: GenerationConfig, limits: Limits,
+                      random_seed: bool = False) -> GenerationConfig:
+    """The server's defaults with the request's options; bad values are 400s naming them.
+    ``random_seed`` (serve without --seed): a request without ``seed`` samples with a fresh
+    random one, as OpenAI's API and llama-server do (its answer's usage.seed says which)."""
     changes = {OPTIONS[k]: v for k, v in req.model_dump(include=set(OPTIONS)).items()
                if v is not None}
+    if random_seed and "seed" not in changes:
+        import secrets
+
+        changes["seed"] = secrets.randbelow(2 ** 31)
     if changes.get("drafter", base.drafter) != base.drafter:
         from .. import drafters
 
