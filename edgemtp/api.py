@@ -291,6 +291,14 @@ class Model:
         model = cls(impl, Tokenizer(path, trust_remote_code=trust_remote_code)
                     if impl.has_tokenizer else None, keep_sessions=keep_sessions)
         model.native_declined = declined
+        if max_context is not None and max_context > impl.max_context:
+            import warnings
+
+            from .errors import ContextClampedWarning
+
+            warnings.warn(f"max_context {max_context} is above what {str(path)!r} holds; "
+                          f"using its {impl.max_context} tokens", ContextClampedWarning,
+                          stacklevel=2)
         return model
 
     def kv_cache_bytes(self, rows: int | None = None) -> int | None:

@@ -69,6 +69,7 @@ def check_messages(messages) -> list[Message]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ConfigError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} "
                           f"dicts, got {_short(messages)}")
+    out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise ConfigError(f"message {i} must be a dict with 'role' and 'content', got "
@@ -76,15 +77,33 @@ def check_messages(messages) -> list[Message]:
         if not isinstance(m["role"], str) or not m["role"].strip():
             raise ConfigError(f"message {i}'s role must be a non-empty string such as 'user', "
                               f"got {m['role']!r}")
-        if not isinstance(m["content"], str):
-            raise ConfigError(f"message {i}'s content must be a string, got "
-                              f"{type(m['content']).__name__}")
+        content = m["content"]
+        if isinstance(content, (list, tuple)):  # OpenAI's text parts, joined as the server does
+            content = _text_parts(content, i)
+            m = {**m, "content": content}
+        elif not isinstance(content, str):
+            raise ConfigError(f"message {i}'s content must be a string or a list of "
+                              f"{{'type': 'text', 'text': ...}} parts, got "
+                              f"{type(content).__name__}")
         for field in ("role", "content"):
             at = undecodable_at(m[field])
             if at is not None:
                 raise ConfigError(f"message {i}'s {field} is not valid UTF-8 text (an "
                                   f"undecodable byte at character {at}); give UTF-8 text")
-    return list(messages)
+        out.append(m)
+    return out
+
+
+def _text_parts(parts, i: int) -> str:
+    """OpenAI's content parts ``[{"type": "text", "text": ...}, ...]`` as one string."""
+    texts = []
+    for j, part in enumerate(parts):
+        if (not isinstance(part, Mapping) or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)):
+            raise ConfigError(f"message {i}'s content part {j} must be {{'type': 'text', "
+                              f"'text': str}} (text only), got {_short(part)}")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _short(value) -> str:

@@ -142,12 +142,17 @@ def _config(a: argparse.Namespace) -> GenerationConfig:
 
 
 def _load(a: argparse.Namespace):
-    from .api import Model
+    import warnings
 
-    model = Model.load(a.model, backend=a.backend, device=a.device, dtype=a.dtype,
-                       max_context=a.max_context, trust_remote_code=a.trust_remote_code,
-                       threads=a.threads, batch_invariant=a.batch_invariant,
-                       kv_cache=getattr(a, "kv_cache", None))
+    from .api import Model
+    from .errors import ContextClampedWarning
+
+    with warnings.catch_warnings():  # (said below as a note, in the CLI's words)
+        warnings.simplefilter("ignore", ContextClampedWarning)
+        model = Model.load(a.model, backend=a.backend, device=a.device, dtype=a.dtype,
+                           max_context=a.max_context, trust_remote_code=a.trust_remote_code,
+                           threads=a.threads, batch_invariant=a.batch_invariant,
+                           kv_cache=getattr(a, "kv_cache", None))
     pkg = getattr(model.backend, "package", None)
     if model.backend.name == "torch" and pkg is not None and pkg.weights.format in ("int4",
                                                                                    "int8"):

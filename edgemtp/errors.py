@@ -27,3 +27,7 @@ class UnsupportedModelError(ModelLoadError):
 
 class BackendUnavailableError(EdgeMTPError):
     """A backend whose optional dependency is not installed."""
+
+
+class ContextClampedWarning(UserWarning):
+    """``Model.load(max_context=N)`` above what the model holds: its own context is used."""

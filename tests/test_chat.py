@@ -125,7 +125,13 @@ BAD_MESSAGES = [
     ("hello", "non-empty list"),
     ([{"role": "user"}], "message 0 must be a dict with 'role' and 'content'"),
     ([{"role": "user", "content": "a"}, {"content": "b"}], "message 1 must be a dict"),
-    ([{"role": "user", "content": ["a"]}], "message 0's content must be a string, got list"),
+    ([{"role": "user", "content": ["a"]}],
+     "message 0's content part 0 must be {'type': 'text', 'text': str} .text only., got 'a'"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "message 0's content part 0 must be"),
+    ([{"role": "user", "content": 5}], "message 0's content must be a string or a list of"),
+    ([{"role": "user", "content": [{"type": "text", "text": "\udce9"}]}],
+     "message 0's content is not valid UTF-8 text"),
     ([{"role": 7, "content": "a"}], "message 0's role must be a non-empty string"),
     ([{"role": "", "content": "a"}], "message 0's role must be a non-empty string"),
     # lone surrogates: what Python makes of bytes that were not UTF-8 (argv, stdin, JSON)
@@ -134,6 +140,20 @@ BAD_MESSAGES = [
     ([{"role": "user", "content": "a"}, {"role": "\ud800", "content": "b"}],
      "message 1's role is not valid UTF-8 text"),
 ]
+
+
+def test_openai_text_parts_are_the_joined_string(model):
+    """QA (qa8a D7): model.chat() refused the content parts the server takes, so the messages
+    an app sends to OpenAI's API could not go to the Python API as they are."""
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Tell a "},
+                                            {"type": "text", "text": "story."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Once upon a time"}]}]
+    flat = [{"role": "system", "content": "Tell a story."},
+            {"role": "user", "content": "Once upon a time"}]
+    assert check_messages(parts) == flat and parts[0]["content"][0]["text"] == "Tell a "
+    assert model.encode_chat(parts) == model.encode_chat(flat)
+    assert model.chat(parts, max_new_tokens=8).token_ids == model.chat(
+        flat, max_new_tokens=8).token_ids
 
 
 @pytest.mark.parametrize("messages,expected", BAD_MESSAGES)

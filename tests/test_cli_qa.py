@@ -200,4 +200,21 @@ def test_a_max_context_above_the_package_is_said_not_silently_clamped(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "edgemtp: note: --max-context 4096 is above what" in r.stderr
-    assert "using its 512 tokens" in r.stderr
+    assert "using its 512 tokens" in r.stderr and "Warning" not in r.stderr  # (once, a note)
+
+
+def test_the_api_warns_when_max_context_is_above_the_package(stories_pkg):
+    """QA (qa8a, minor): Model.load(max_context=10**7) on a 512-token package clamped to 512
+    without a word, where the CLI says so (the test package holds 256)."""
+    import warnings
+
+    from edgemtp import Model
+    from edgemtp.errors import ContextClampedWarning
+
+    with pytest.warns(ContextClampedWarning, match=r"max_context 10000000 is above what .* "
+                                                   r"holds; using its 256 tokens"):
+        m = Model.load(str(stories_pkg), max_context=10 ** 7, threads=1)
+    assert m.backend.max_context == 256  # (the test package's)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Model.load(str(stories_pkg), max_context=256, threads=1)  # (below: no warning)

@@ -434,6 +434,9 @@ BAD = [  # name, path, body (dict -> JSON, str/bytes -> raw), status, message fr
     ("a batch of prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400,
      "one prompt per request"),
     ("n = 2", "/v1/completions", {"prompt": "a", "n": 2}, 400, "n=2 is not supported"),
+    # (qa8a D8: it said "or use False", Python's spelling, where the JSON is false or 0)
+    ("logprobs = 2", "/v1/completions", {"prompt": "a", "logprobs": 2}, 400,
+     "logprobs=2 is not supported by this server (leave it out, or send false or 0)"),
     ("negative temperature", "/v1/completions", {"prompt": "a", "temperature": -1}, 400,
      "temperature must be >= 0"),
     ("unknown drafter", "/v1/completions", {"prompt": "a", "drafter": "magic"}, 400,
@@ -500,6 +503,10 @@ def test_wrong_method_and_path(server):
         assert r.status_code == 405 and "GET is not allowed" in r.json()["error"]["message"]
         r = h.get("/v2/nothing")
         assert r.status_code == 404 and "no route '/v2/nothing'" in r.json()["error"]["message"]
+        r = h.post("/v1/embeddings", json={"input": "a"})  # (qa8a D8: "the API is under /v1")
+        assert r.status_code == 404 and r.json()["error"]["message"] == (
+            "no route '/v1/embeddings'; this server answers /v1/completions, "
+            "/v1/chat/completions, /v1/models, /health and /metrics")
 
 
 def test_chat_on_a_model_without_a_template(limited, stories_pkg):

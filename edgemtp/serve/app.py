@@ -442,7 +442,9 @@ async def _api_error(request: Request, e: APIError) -> JSONResponse:
 
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
-    what = {404: ("not_found", f"no route {request.url.path!r}; the API is under /v1"),
+    what = {404: ("not_found", f"no route {request.url.path!r}; this server answers "
+                               f"/v1/completions, /v1/chat/completions, /v1/models, /health "
+                               f"and /metrics"),
             405: ("method_not_allowed", f"{request.method} is not allowed on "
                                         f"{request.url.path!r}")}
     code, message = what.get(e.status_code, (None, str(e.detail)))

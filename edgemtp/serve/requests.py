@@ -18,6 +18,7 @@ Every error is ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Literal, Union
 
@@ -111,8 +112,9 @@ def parse(kind: type[_Common], raw) -> _Common:
         raise APIError(400, f"the body must be a JSON object, got {type(raw).__name__}")
     for name, neutral in NEUTRAL.items():
         if raw.get(name) not in neutral:
+            ok = " or ".join(json.dumps(v) for v in neutral[1:])  # (as JSON: false, not False)
             raise APIError(400, f"{name}={_short(raw[name])} is not supported by this server "
-                                f"(leave it out, or use {neutral[1]!r})", param=name,
+                                f"(leave it out, or send {ok})", param=name,
                            code="unsupported_parameter")
     try:
         return kind.model_validate(raw)
