@@ -168,7 +168,19 @@ def _load(a: argparse.Namespace):
 
 
 def _chat_messages(system: str | None, *turns: dict) -> list[dict]:
+    _check_utf8("--system", system)
     return ([{"role": "system", "content": system}] if system else []) + list(turns)
+
+
+def _check_utf8(what: str, text: str | None) -> None:
+    """A one-line error naming the option (or line) whose text held bytes that were not UTF-8
+    (rather than the "message 0" of the conversation it became)."""
+    from .tokenizer import undecodable_at
+
+    at = undecodable_at(text) if text else None
+    if at is not None:
+        raise ConfigError(f"{what} is not valid UTF-8 text (an undecodable byte at character "
+                          f"{at}); give UTF-8 text")
 
 
 def _check_tokenizer(path: str, model=None) -> None:
@@ -202,6 +214,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from .tokenizer import check_chat_template
 
     check_prompt(a.prompt)  # before the model loads
+    _check_utf8("--system", a.system)
     _check_tokenizer(a.model)
     if a.chat:
         check_chat_template(a.model)
@@ -229,21 +242,53 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _print_stream(model, stream) -> str:
-    """Print text deltas as they come, then one stats line on stderr; the whole text."""
-    for piece in stream:
-        print(piece, end="", flush=True)
+def _print_stream(model, stream, stoppable: bool = False) -> str:
+    """Print text deltas as they come, then one stats line on stderr; the whole text.
+    ``stoppable`` (chat): a Ctrl-C stops this answer only, as llama-cli's and ollama's
+    interactive modes do; the text so far is returned."""
+    text = []
+    try:
+        for piece in stream:
+            print(piece, end="", flush=True)
+            text.append(piece)
+    except KeyboardInterrupt:
+        if not stoppable:
+            raise
+        stream.close()  # (its KV cache goes back to the model)
+        print()
+        print("[stopped: Ctrl-C; the answer so far stays in the conversation]",
+              file=sys.stderr, flush=True)
+        return "".join(text)
     print()
     r = model.last_result
     print(f"[{r.stop_reason}] {r.stats.summary()}", file=sys.stderr)
     return r.text
 
 
+CHAT_COMMANDS = (("/help", "/?", "this list"),
+                 ("/reset", "/clear", "forget the conversation (the --system message stays)"),
+                 ("/exit", "/quit, /bye", "quit (as end of input, Ctrl-D, does)"))
+
+
+def _chat_command(line: str) -> str | None:
+    """The command a REPL line names ("help", "reset", "exit"; "unknown" for another /word),
+    or None for a user turn (``//text`` sends ``/text``)."""
+    if not line.startswith("/") or line.startswith("//"):
+        return None
+    word = line.split()[0].lower() if line.split() else line
+    for name, aliases, _ in CHAT_COMMANDS:
+        if word == name or word in aliases.split(", "):
+            return name[1:]
+    return "unknown"
+
+
 def cmd_chat(a: argparse.Namespace) -> int:
-    """Read a user turn per stdin line, stream the answer, keep the history. ``/reset`` clears
-    it, ``/exit`` or end of input quits (Ctrl-C too, through main)."""
+    """Read a user turn per stdin line, stream the answer, keep the history. ``/help`` lists
+    the commands: ``/reset`` clears it, ``/exit`` or end of input quits. Ctrl-C stops an
+    answer; at the prompt it quits (through main)."""
     from .tokenizer import check_chat_template
 
+    _check_utf8("--system", a.system)
     _check_tokenizer(a.model)  # before the model loads
     check_chat_template(a.model)
     config, model = _config(a), _load(a)
@@ -251,19 +296,36 @@ def cmd_chat(a: argparse.Namespace) -> int:
     history = _chat_messages(a.system)
     model.encode_chat(history or [{"role": "user", "content": "hi"}])  # no template: fail now
     model.check_config(config)  # (e.g. --drafter heads on a package without heads)
+    if sys.stdin.isatty():
+        print("edgemtp chat: /help lists the commands; Ctrl-C stops an answer, Ctrl-D quits",
+              file=sys.stderr)
     while (line := _read_turn()) is not None:
-        if line == "/exit":
+        command = _chat_command(line)
+        if command == "exit":
             break
-        if line == "/reset":
+        if command == "reset":
             history = _chat_messages(a.system)
             print("[history cleared]", file=sys.stderr)
             continue
+        if command == "help":
+            for name, aliases, what in CHAT_COMMANDS:
+                print(f"  {name:<7} ({aliases}) {what}", file=sys.stderr)
+            print("  a line that starts with // sends it with one / (\"//etc\" -> \"/etc\")",
+                  file=sys.stderr)
+            continue
+        if command == "unknown":
+            print(f"[unknown command {line.split()[0]!r}: nothing was sent; /help lists the "
+                  f"commands, // starts a line that begins with /]", file=sys.stderr)
+            continue
         if not line:
             continue
-        turn = {"role": "user", "content": line}
+        text = line[1:] if line.startswith("//") else line
         try:  # (the history changes only once the turn has its answer)
+            _check_utf8("this line", text)
+            turn = {"role": "user", "content": text}
             fitted = _fit_history(model, history, turn, config.max_new_tokens, bool(a.system))
-            answer = _print_stream(model, model.chat_stream(fitted + [turn], config))
+            answer = _print_stream(model, model.chat_stream(fitted + [turn], config),
+                                   stoppable=True)
         except EdgeMTPError as e:  # e.g. one turn longer than the context: keep the REPL
             print(f"edgemtp: error: {e} (/reset starts a new conversation)", file=sys.stderr)
             continue
@@ -300,6 +362,9 @@ def _read_turn() -> str | None:
         return input("> " if sys.stdin.isatty() else "").strip()
     except EOFError:
         return None
+    except KeyboardInterrupt:  # at the prompt: quit, on a line of its own
+        print(file=sys.stderr)
+        raise
 
 
 def cmd_export(a: argparse.Namespace) -> int:

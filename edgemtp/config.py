@@ -127,6 +127,12 @@ class GenerationConfig:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+        from .tokenizer import undecodable_at
+
+        for j, text in enumerate(self.stop):  # (bytes that were not UTF-8: it can never match)
+            at = undecodable_at(text)
+            _check(at is None, f"stop string {j} is not valid UTF-8 text (an undecodable byte "
+                               f"at character {at}); give UTF-8 text")
         if self.branching is not None:
             _check(self.tree == "static", "a branching only applies to tree='static'")
             _check(isinstance(self.branching, tuple)

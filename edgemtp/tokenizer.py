@@ -95,8 +95,8 @@ def undecodable_at(text: str) -> int | None:
 
 def _no_chat_template(root: Path) -> ConfigError:
     return ConfigError(f"{str(root)!r} has no chat template (no chat_template in "
-                       f"tokenizer_config.json, no chat_template.jinja); give a plain "
-                       f"prompt instead")
+                       f"tokenizer_config.json, no chat_template.jinja); give it a plain "
+                       f"prompt instead (edgemtp generate --prompt TEXT, without --chat)")
 
 
 def check_chat_template(path: str) -> None:

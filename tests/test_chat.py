@@ -193,12 +193,48 @@ def test_chat_repl_keeps_history_resets_and_exits(model, chat_model):
                       {"role": "user", "content": "And then?"}]
     a2 = model.chat(second, max_new_tokens=16).text
     fresh = model.chat([{"role": "user", "content": "And then?"}], max_new_tokens=16).text
+    slash = model.chat([{"role": "user", "content": "/etc"}], max_new_tokens=16).text
+    # (qa8b D2: /help, /quit and an unknown /foo went to the model as user turns)
     out = _cli("chat", str(chat_model), "--max-new-tokens", "16",
-               stdin="Tell me a story.\nAnd then?\n/reset\nAnd then?\n/exit\nignored\n")
+               stdin="Tell me a story.\n/help\n/foo bar\nAnd then?\n/clear\nAnd then?\n"
+                     "/reset\n//etc\n/quit\nignored\n")
     assert out.returncode == 0, out.stderr
-    assert out.stdout == f"{a1}\n{a2}\n{fresh}\n"
+    assert out.stdout == f"{a1}\n{a2}\n{fresh}\n{slash}\n"
     stats = [line for line in out.stderr.splitlines() if line.startswith("[")]
-    assert len(stats) == 4 and stats[2] == "[history cleared]"
+    assert len(stats) == 7 and stats[3] == stats[5] == "[history cleared]", stats
+    assert stats[1].startswith("[unknown command '/foo': nothing was sent; /help lists")
+    assert "  /reset  (/clear) forget the conversation" in out.stderr
+    assert "/exit   (/quit, /bye) quit" in out.stderr
+
+
+def test_ctrl_c_in_a_chat_answer_stops_that_answer_only(model, capsys):
+    """qa8b D1: a Ctrl-C while chat answered ended the session (exit 130, the conversation
+    lost); llama-cli and ollama stop the answer and go back to the prompt."""
+    from edgemtp import cli
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    whole = model.chat(messages, max_new_tokens=32, drafter="none")
+    class Interrupted:  # the real stream, with a Ctrl-C after its third piece
+        def __init__(self):
+            self.stream = model.chat_stream(messages, max_new_tokens=32, drafter="none")
+
+        def __iter__(self):
+            for i, piece in enumerate(self.stream):
+                if i == 3:
+                    raise KeyboardInterrupt
+                yield piece
+
+        def close(self):
+            self.stream.close()
+
+    model.release_sessions()
+    text = cli._print_stream(model, Interrupted(), stoppable=True)
+    assert text and whole.text.startswith(text) and len(text) < len(whole.text)
+    assert len(model._idle) == 1 and model._idle[0].cache_len == 0  # the cache came back
+    err = capsys.readouterr().err
+    assert err.strip() == "[stopped: Ctrl-C; the answer so far stays in the conversation]"
+    with pytest.raises(KeyboardInterrupt):  # generate's stream is not stoppable
+        cli._print_stream(model, Interrupted())
 
 
 def test_a_chat_longer_than_the_context_drops_its_oldest_exchanges(chat_model):
@@ -300,7 +336,7 @@ def test_the_chat_repl_answers_a_line_of_bad_bytes_with_an_error_and_goes_on(mod
                          capture_output=True, timeout=300)
     assert out.returncode == 0, out.stderr.decode(errors="replace")
     assert out.stdout.decode() == f"{want}\n"
-    assert b"message 0's content is not valid UTF-8 text" in out.stderr
+    assert b"this line is not valid UTF-8 text" in out.stderr  # (qa8b D9: "message 0's")
 
 
 def test_bench_sends_spec_bench_questions_as_one_user_turn(model, stories_path):

@@ -137,6 +137,19 @@ def test_the_command_ignores_a_ctrl_c_once_its_work_is_done(monkeypatch):
         signal.signal(signal.SIGINT, before)
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--chat", "--system", "be \udcff brief"], "--system is not valid UTF-8 text (an "
+                                                 "undecodable byte at character 3)"),
+    (["--stop", "\udcff"], "stop string 0 is not valid UTF-8 text")])
+def test_text_options_that_are_not_utf8_are_named(stories_pkg, capsys, flags, said):
+    """qa8b D9, D10: a non-UTF-8 --system was "message 0's content ..."; a non-UTF-8 --stop
+    was taken (it can never match)."""
+    from edgemtp import cli
+
+    rc = cli.main(["generate", "--model", str(stories_pkg), "--prompt", "Once", *flags])
+    assert rc == 2 and said in capsys.readouterr().err
+
+
 def test_python_dash_m_edgemtp_is_the_command_and_says_its_version():
     from edgemtp import __version__
 
