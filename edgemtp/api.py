@@ -266,7 +266,8 @@ class Model:
         if kv_cache is not None:
             if backend != "native":
                 raise ConfigError(f"kv_cache (--kv-cache) is an option of the native backend, "
-                                  f"not of {backend!r} (an int4 package on the CPU)")
+                                  f"which runs int4 packages on the CPU; this model runs on "
+                                  f"{backend}: drop it")
             extra["kv_cache"] = kv_cache
         declined = None
         try:

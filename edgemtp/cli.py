@@ -32,6 +32,17 @@ class _Parser(argparse.ArgumentParser):
         # every usage error starts 'edgemtp: error:', a subcommand's too
         self.exit(EXIT_USAGE, f"edgemtp: error: {message} (see '{self.prog} --help')\n")
 
+    def parse_args(self, args=None, namespace=None):
+        # an unknown flag is the subcommand's error, pointing to its help (argparse leaves
+        # it to the top level: "see 'edgemtp --help'", qa8b D14)
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            commands = next((a.choices for a in self._actions
+                             if isinstance(a, argparse._SubParsersAction)), {})
+            sub = commands.get(getattr(parsed, "command", None), self)
+            sub.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
 
 def _int_list(text: str) -> tuple[int, ...]:
     try:
@@ -368,9 +379,16 @@ def _read_turn() -> str | None:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    # checked as build-engine checks them, with --trt or without (where they do nothing, a
-    # bad value is still a mistake worth a line rather than silence)
+    # checked as build-engine checks them, then refused without --trt, where they would do
+    # nothing (qa8b D8: taken and ignored)
+    given = [(f, v) for f, v in (("--workspace", a.workspace), ("--max-block", a.max_block))
+             if v is not None]
+    _engine_defaults(a)
     _check_engine_options(a.workspace, a.max_block)
+    if given and not a.trt:
+        flag = given[0][0]
+        raise ConfigError(f"{flag} applies only with --trt (it sizes the TensorRT engine); "
+                          f"add --trt, or drop {flag}")
     from edgemtp.export.onnx_export import export_package
 
     if a.trt:  # fail before a long export when the engine could not be built after it
@@ -396,8 +414,16 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_build_engine(a: argparse.Namespace) -> int:
+    _engine_defaults(a)
     _build_engine(a.package, a.workspace, a.timing_cache, not a.quiet, a.max_block)
     return 0
+
+
+def _engine_defaults(a: argparse.Namespace) -> None:
+    from edgemtp.runtimes.trt_engine import MAX_BLOCK  # (tensorrt itself is imported lazily)
+
+    a.workspace = 2.0 if a.workspace is None else a.workspace
+    a.max_block = MAX_BLOCK if a.max_block is None else a.max_block
 
 
 def _check_engine_options(workspace: float, max_block: int) -> None:
@@ -580,9 +606,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 def _engine_args(p: argparse.ArgumentParser, when: str = "") -> None:
     """``--workspace`` and ``--max-block``: build-engine's, and export's with --trt."""
-    p.add_argument("--workspace", type=float, default=2.0,
+    # (None: not given, then 2 and 256; export refuses them without --trt)
+    p.add_argument("--workspace", type=float, default=None,
                    help=f"{when}TensorRT builder workspace in GiB (default: 2)")
-    p.add_argument("--max-block", type=int, default=256,  # trt_engine.MAX_BLOCK
+    p.add_argument("--max-block", type=int, default=None,  # trt_engine.MAX_BLOCK
                    help=f"{when}the widest block beyond the plans' sizes (lookup chains, "
                         f"lookahead windows) the engine runs; each execution context reserves "
                         f"the activations of the widest (default: 256 rows)")

@@ -43,6 +43,13 @@ def check_destination(model: str, out, force: bool) -> Path:
     target = Path(os.path.abspath(out))
     if not str(out).strip() or not target.name:
         raise ExportError(f"the output must name a package folder, got {str(out)!r}")
+    for path in (str(out), str(target)):  # (torch's ONNX writer takes UTF-8 paths only)
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError as e:  # (bytes that were not UTF-8)
+            raise ExportError(f"the output path {path!r} is not valid UTF-8 (an undecodable "
+                              f"byte at character {e.start}); choose a UTF-8 folder name"
+                              ) from None
     if not target.exists():
         return target
     if not target.is_dir():

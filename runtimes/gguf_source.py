@@ -211,4 +211,8 @@ def check_hf_folder(path: str) -> None:
     if looks_local and not p.is_dir():
         raise ModelLoadError(f"model folder {path!r} does not exist")
     if p.is_dir() and not (p / "config.json").is_file():
+        if (p / "model.onnx").is_file() or (p / "plans").is_dir():  # (qa8b D15)
+            raise ModelLoadError(f"{path!r} holds an edgemtp package's files but no "
+                                 f"edgemtp.json (a damaged or unfinished export); export it "
+                                 f"again")
         raise ModelLoadError(f"{path!r} has no config.json; expected a Hugging Face model folder")

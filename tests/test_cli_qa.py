@@ -150,6 +150,34 @@ def test_text_options_that_are_not_utf8_are_named(stories_pkg, capsys, flags, sa
     assert rc == 2 and said in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["generate", "--model", "m", "--prompt", "x", "-n", "5"],
+     "edgemtp: error: unrecognized arguments: -n 5 (see 'edgemtp generate --help')"),
+    (["inspect", "p", "--bogus"],
+     "edgemtp: error: unrecognized arguments: --bogus (see 'edgemtp inspect --help')")])
+def test_an_unknown_flag_points_to_its_subcommand_s_help(argv, said, capsys):
+    """qa8b D14: "see 'edgemtp --help'", where the missing-argument error names the
+    subcommand's."""
+    from edgemtp import cli
+
+    with pytest.raises(SystemExit) as done:  # (argparse's exit, as for every usage error)
+        cli.main(argv)
+    assert done.value.code == 2 and capsys.readouterr().err.strip() == said
+
+
+def test_a_package_folder_without_its_manifest_is_not_called_a_hf_folder(stories_pkg,
+                                                                          tmp_path, capsys):
+    """qa8b D15: generate said "has no config.json; expected a Hugging Face model folder"."""
+    from edgemtp import cli
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(stories_pkg, pkg)
+    (pkg / "edgemtp.json").unlink()
+    assert cli.main(["generate", "--model", str(pkg), "--prompt", "x"]) == 2
+    assert "holds an edgemtp package's files but no edgemtp.json (a damaged or unfinished " \
+           "export); export it again" in capsys.readouterr().err
+
+
 def test_python_dash_m_edgemtp_is_the_command_and_says_its_version():
     from edgemtp import __version__
 

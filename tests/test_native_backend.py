@@ -372,7 +372,8 @@ def test_an_int8_cache_is_half_the_memory_and_close_to_fp16(int4_pkg, backend, b
     assert bytes8 == L * hkv * rows * (2 * d + 4 + 4 * -(-d // 32))
     with pytest.raises(ConfigError, match="kv cache must be one of fp16, int8"):
         NativeBackend(str(int4_pkg), kv_cache="q4")
-    with pytest.raises(ConfigError, match="option of the native backend"):
+    with pytest.raises(ConfigError, match="option of the native backend, which runs int4 "
+                                          "packages on the CPU; this model runs on onnxruntime"):
         Model.load(str(int4_pkg), backend="onnxruntime", kv_cache="int8")
 
 

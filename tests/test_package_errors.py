@@ -92,6 +92,12 @@ EXPORT_CASES = [
     ("out-under-a-file", None, "a_file/out", [], ("a_file' is a file, not a folder",)),
     ("out-is-a-file", None, "a_file", [], ("is a file, not a folder",)),
     ("out-is-empty", None, "", [], ("must name a package folder",)),
+    # (qa8b D4: torch's ONNX writer raised a TypeError traceback, exit 1)
+    ("out-not-utf8", None, "x\udcffdir", [], ("is not valid UTF-8", "choose a UTF-8 folder")),
+    ("workspace-without-trt", None, "out", ["--workspace", "4"],
+     ("--workspace", "only with --trt")),
+    ("max-block-without-trt", None, "out", ["--max-block", "64"],
+     ("--max-block", "only with --trt")),
     ("out-exists", None, "existing", [], ("exists", "--force")),
     ("force-on-non-package", None, "existing", ["--force"], ("not an edgemtp package",)),
     ("truncated-safetensors", _truncated_model, "out", [],

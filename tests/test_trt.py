@@ -380,11 +380,14 @@ def test_tensorrt_before_10_is_refused_in_one_line(stories_pkg, monkeypatch):
 
 
 def test_export_trt_refuses_engine_options_before_exporting(tmp_path):
-    from edgemtp.cli import build_parser
+    from edgemtp.cli import _engine_defaults, build_parser
     from edgemtp.runtimes.trt_engine import MAX_BLOCK
 
     for argv in (["export", "m", "-o", "o"], ["build-engine", "p"]):
-        assert build_parser().parse_args(argv).max_block == MAX_BLOCK
+        a = build_parser().parse_args(argv)
+        assert a.max_block is None  # (not given: export without --trt takes it so)
+        _engine_defaults(a)
+        assert (a.max_block, a.workspace) == (MAX_BLOCK, 2.0)
     out = tmp_path / "never"
     _one_line_error(_cli("export", STORIES, "-o", out, "--trt", "--cache-layout", "head"),
                     "--cache-layout head", "onnxruntime's CPU provider only")
