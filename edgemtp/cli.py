@@ -171,6 +171,12 @@ def _load(a: argparse.Namespace):
         print(f"edgemtp: note: --backend torch runs the model {str(pkg.root)!r} was exported "
               f"from ({model.backend.source}), not its {pkg.weights.format} weights: the text "
               f"can differ from the package's own", file=sys.stderr)
+    if getattr(a, "profile", None):  # (qa8b D3: another model's profile, without a word)
+        from edgemtp.tools.profile import mismatch
+
+        warning = mismatch(a.profile, model)
+        if warning:
+            print(warning, file=sys.stderr)
     have = model.backend.max_context
     if a.max_context is not None and a.max_context > have:  # (QA qa6 context, 2)
         print(f"edgemtp: note: --max-context {a.max_context} is above what {a.model!r} holds; "

@@ -120,6 +120,29 @@ def test_generate_takes_the_profile_and_flags_still_win(stories_path, profiled):
     assert forced["bc"] == 8 and forced["token_ids"] == out["token_ids"]
 
 
+def test_a_profile_of_another_model_or_backend_is_said(stories_path, stories_pkg, profiled,
+                                                        capsys, tmp_path):
+    """qa8b D3: a stories260K profile drove SmolLM2 int4 on the native backend without a
+    word (profile.json did not say which model it was measured on)."""
+    from edgemtp import Model, cli
+    from edgemtp.tools.profile import mismatch
+
+    path, _ = profiled
+    was = json.loads(path.read_text())
+    assert was["model"] == {"name": "stories260K", "backend": "torch", "graph_bytes": None}
+    assert mismatch(str(path), Model.load(stories_path, threads=1)) is None  # its own
+    rc = cli.main(["generate", "--model", str(stories_pkg), "--prompt", "Once", "--threads",
+                   "1", "--max-new-tokens", "4", "--profile", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 0 and (f"edgemtp: warning: profile {str(path)!r} was measured on "
+                        f"'stories260K' on torch; this is {stories_pkg.name!r} on onnxruntime: "
+                        f"its drafter, budget and latency curve fit that one") in err, err
+    moved = tmp_path / "elsewhere.json"  # the same model, measured on another machine
+    moved.write_text(json.dumps({**was, "host": "another|x86_64|cpu|64"}))
+    assert "was measured on another machine" in mismatch(
+        str(moved), Model.load(stories_path, threads=1))
+
+
 def test_generate_takes_a_measured_tree_cost_from_the_profile(stories_pkg, tmp_path):
     # on the exported package: onnxruntime starts in ~1 s where PyTorch and transformers
     # take ~9 s to import, three times over on 2 cores

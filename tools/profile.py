@@ -25,7 +25,7 @@ from edgemtp import drafters
 from edgemtp.budgets import check_bc
 from edgemtp.config import GenerationConfig
 from edgemtp.errors import BudgetError, ConfigError
-from edgemtp.latency import LatencyCurve
+from edgemtp.latency import LatencyCurve, _host
 
 from . import at_least_one, check_fits, output_folder, quiet_transformers
 from .measure import measure, misfit, warm_up
@@ -149,6 +149,7 @@ def run_profile(model, budget: int, prompts: list[str], max_new_tokens: int,
         row["speedup"] = round(row["tokens_per_second"] / base, 3)
     return {
         "format_version": FORMAT, "backend": model.backend.name, "budget": budget,
+        "model": fingerprint(model), "host": _host(),
         "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -300,6 +301,48 @@ def plot_series(profile: dict) -> list[tuple[str, str, list[int], list[float]]]:
             out.append((label, marker, [r["options"]["bc"] for r in rows],
                         [r["tokens_per_second"] for r in rows]))
     return out
+
+
+def fingerprint(model) -> dict:
+    """Which model a profile was measured on: its folder's name, the backend, and the graph
+    file's size (a package's; None for a Hugging Face folder on torch)."""
+    b = model.backend
+    pkg = getattr(b, "package", None)
+    path = str(pkg.root) if pkg is not None else getattr(b, "source", None)
+    try:
+        size = pkg.graph_path.stat().st_size if pkg is not None else None
+    except (OSError, AttributeError):
+        size = None
+    return {"name": Path(str(path)).name if path else None, "backend": b.name,
+            "graph_bytes": size}
+
+
+def mismatch(path: str, model) -> str | None:
+    """A one-line warning where the profile at ``path`` was measured on another model,
+    backend or machine than ``model`` on this host (its recommendation and latency curve then
+    steer speed by another's figures; the tokens are the same whatever it says), else None.
+    A profile written before profiles named their model says nothing."""
+    with open(path) as f:
+        data = json.load(f)
+    was, now = data.get("model"), fingerprint(model)
+    if not isinstance(was, dict):
+        return None
+    def where(d) -> str:
+        return f"{d.get('name')!r} on {d.get('backend')}"
+    other = (was.get("backend") != now["backend"]
+             or (was.get("graph_bytes") is not None and now["graph_bytes"] is not None
+                 and was.get("graph_bytes") != now["graph_bytes"])
+             or (None in (was.get("graph_bytes"), now["graph_bytes"])
+                 and was.get("name") != now["name"]))
+    if other:
+        return (f"edgemtp: warning: profile {path!r} was measured on {where(was)}; this is "
+                f"{where(now)}: its drafter, budget and latency curve fit that one (the text "
+                f"is the same either way); run edgemtp profile on this model")
+    if data.get("host") not in (None, _host()):
+        return (f"edgemtp: warning: profile {path!r} was measured on another machine "
+                f"({data.get('machine', '?')}): its latency curve may not fit this one; run "
+                f"edgemtp profile here")
+    return None
 
 
 def read_profile(path: str) -> tuple[dict, LatencyCurve]:
