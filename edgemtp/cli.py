@@ -71,7 +71,8 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True,
                         "export)")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache rows (default: the model's position limit)")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads (default: $EDGEMTP_THREADS, else every core)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="torch backend: pad every step to one block shape and sum attention in "
                         "float64, so fp16/bf16 GPU kernels round a row the same in a block as "
@@ -87,7 +88,8 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool = True,
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=128,
+                   help="most tokens to generate (default: 128; fewer where the context ends)")
     g.add_argument("--bc", type=int, default=30, help="block-complexity budget (default: 30)")
     g.add_argument("--mask-tokens", "-k", type=int, default=None,
                    help="mask tokens per node (default: 1; given without --drafter: probing)")
@@ -96,8 +98,12 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--branching", type=_int_list, default=None,
                    help="static branching K1,...,Kk (with --tree static)")
     g.add_argument("--mask-init", choices=[m for m in MASK_INITS if m != "vector"],
-                   default="mean")
-    g.add_argument("--ema", type=float, default=0.1, help="mask EMA lambda (0 disables)")
+                   default="mean",
+                   help="the mask token's starting embedding (default: mean, the vocabulary's "
+                        "mean embedding)")
+    g.add_argument("--ema", type=float, default=0.1,
+                   help="mask EMA lambda: how fast the mask embedding follows the accepted "
+                        "tokens' (default: 0.1; 0 disables)")
     g.add_argument("--no-prune", action="store_true", help="keep candidates equal to their parent")
     g.add_argument("--no-calibrate", action="store_true",
                    help="dynamic tree by raw cumulative probability (the paper's Algorithm 1)")
@@ -116,9 +122,13 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="hybrid, stand, auto: grow trees to the budget (default), or only "
                         "while a node adds more tokens than its measured share of a step "
                         "costs (measured: for tokens/s, e.g. on a GPU)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default: 0 = greedy)")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens (default: 0 = all)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the likeliest tokens up to this probability mass "
+                        "(default: 1 = all)")
     g.add_argument("--seed", type=int, default=0,
                    help="sampling seed (default: 0; serve: a random one per request that "
                         "gives none)")
@@ -632,7 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.commands["generate"] = sub.add_parser(
         "generate", help="generate text from a model with mask-token probing")
     _add_model_args(g)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True,
+                   help="the text to continue (with --chat: the user's turn)")
     g.add_argument("--stream", action="store_true",
                    help="with --json: one JSON line per forward pass before the result")
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -709,14 +720,17 @@ def build_parser() -> argparse.ArgumentParser:
                                             "residual) for a package by self-distillation on "
                                             "its own generations, and add them to it")
     th.add_argument("package", help="package folder exported with --hidden-states")
-    th.add_argument("--kind", choices=("medusa", "residual"), default="medusa")
+    th.add_argument("--kind", choices=("medusa", "residual"), default="medusa",
+                   help="medusa: one head per depth on the last hidden state; residual (MRP): "
+                        "one module predicting the next hidden state from the last and the "
+                        "previous depth's top-1 token, applied per depth (default: medusa)")
     th.add_argument("--heads", type=int, default=4, help="heads = tree depths (default: 4)")
     th.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: 1500)")
     th.add_argument("--batch", type=int, default=256, help="rows per step (default: 256)")
     th.add_argument("--lr", type=float, default=None,
                     help="peak learning rate (default: 3e-2 medusa, 1e-2 residual, times "
                          "sqrt(64 / hidden size) above 64)")
-    th.add_argument("--seed", type=int, default=0)
+    th.add_argument("--seed", type=int, default=0, help="training seed (default: 0)")
     th.add_argument("--threads", type=int, default=None,
                     help="CPU threads (default: $EDGEMTP_THREADS, else 2; on a machine busy "
                          "with other work, 1 can be many times faster)")
@@ -754,7 +768,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", default=None,
                    help="JSONL, a line each: a JSON string, or an object with 'prompt' or"
                         " 'turns' (default: the shared story prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=int, default=96,
+                   help="tokens generated per prompt (default: 96)")
     p.add_argument("--repeats", type=int, default=2,
                    help="timed runs per plan; tokens/s is the best of them (default: 2)")
     p.add_argument("--out", default="out/profile",
@@ -779,7 +794,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt sets: stories, spec_bench (by category)")
     b.add_argument("--per-set", type=int, default=8,
                    help="prompts per set / per Spec-Bench category (default: 8)")
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens generated per prompt (default: 128)")
     b.add_argument("--repeats", type=int, default=3,
                    help="timed runs per method and task; tokens/s is their median (default: 3)")
     b.add_argument("--out", default="out/bench",
@@ -809,7 +825,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(d, model_required=False)
     d.add_argument("--prompts", type=int, default=4,
                    help="questions or story prompts to run (default: 4)")
-    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens in the answer at most (default: 128)")
     d.add_argument("--rounds", type=int, default=2,
                    help="timed runs of every method on every prompt, interleaved; a prompt's "
                         "tok/s is the median over them (default: 2)")

@@ -671,7 +671,6 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str,
     from torch.onnx import OnnxExporterError
 
     from .graph import tidy_graph, trace_to_onnx
-    from .gguf_blocks import Q8_0
     from .quantize import QUANTIZED, quantize_graph, tie_float_embedding
 
     scratch = tmp / "_trace"
@@ -694,9 +693,9 @@ def _write_graph(module, tmp: Path, torch_dtype, opset: int, fmt: str,
     products = sum(n.op_type == "MatMulNBits" for n in proto.graph.node) if spec else 0
     weights = WeightsInfo(format=fmt, tied_embedding=tied is not None,
                           **({"kept_blocks": len(kept), "products": products} if kept else {}),
+                          # (a Q8_0 head is one of the kept blocks too, and named: qa8b D11)
                           **({"head8_from": file_blocks.head_name} if file_blocks is not None
-                             and file_blocks.head_at_8 and file_blocks.head_type != Q8_0
-                             else {}),
+                             and file_blocks.head_at_8 else {}),
                           **({"block_size": spec.block_size, "symmetric": spec.symmetric,
                               "accuracy_level": spec.accuracy_level,
                               "min_rows": spec.min_rows, "softmax": "exact",

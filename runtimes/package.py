@@ -1087,6 +1087,12 @@ def _first_line(e: BaseException) -> str:
 # -- inspect ----------------------------------------------------------------------------------
 
 
+def _dtype_shown(dtype: str, weights: str) -> str:
+    """The dtype line: a quantized package's weights first (qa8b D12: "fp32" for an int4
+    package, its activations' type)."""
+    return dtype if weights == dtype else f"{weights} weights, {dtype} activations"
+
+
 def _kept(w: WeightsInfo, gguf: bool = True) -> str:
     head = (f", the LM head at 8 bits (the {'file' if gguf else 'source'}'s {w.head8_from})"
             if w.head8_from else "")
@@ -1140,7 +1146,8 @@ def describe(pkg: Package) -> str:
         f"model     {m.family} ({', '.join(m.architectures) or m.family}): "
         f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
         f"{m.num_kv_heads} KV heads x {m.head_dim}, vocab {m.vocab_size}",
-        f"dtype     {m.dtype}   max context {m.max_context}   EOS "
+        f"dtype     {_dtype_shown(m.dtype, pkg.weights.format)}   max context "
+        f"{m.max_context}   EOS "
         f"{list(m.eos_token_ids)}   tokenizer {'yes' if m.tokenizer else 'no'}",
         f"graph     {g.file}{' + ' + g.external_data if g.external_data else ''}, "
         f"opset {g.opset}, top-K {m.topk}, {len(g.inputs)} inputs, {len(g.outputs)} outputs",

@@ -178,6 +178,22 @@ def test_a_package_folder_without_its_manifest_is_not_called_a_hf_folder(stories
            "export); export it again" in capsys.readouterr().err
 
 
+def test_every_option_of_every_command_says_what_it_does():
+    """qa8b D13: --max-new-tokens, --prompt, --top-k, --top-p, --seed, --mask-init had no
+    help text, and --temperature no default."""
+    import argparse
+
+    from edgemtp.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [(name, a.option_strings or a.dest) for name, p in sub.choices.items()
+              for a in p._actions if not a.help]
+    assert silent == []
+    gen = sub.choices["generate"].format_help()
+    for words in ("most tokens to generate (default: 128", "(default: 0 = greedy)"):
+        assert words in " ".join(gen.split()), words
+
+
 def test_python_dash_m_edgemtp_is_the_command_and_says_its_version():
     from edgemtp import __version__
 

@@ -329,6 +329,13 @@ def test_smollm2_gguf_int4_package_is_small_and_chats_losslessly(tmp_path):
     pkg = load_package(out)  # the file's own blocks: 4-bit body, Q8_0 tied LM head
     assert pkg.weights.kept_blocks == pkg.weights.products == 4 * 30 + 1
     assert pkg.manifest["embeddings"]["bits"] == 8
+    # (qa8b D11: neither the export line nor inspect said the head is at 8 bits)
+    assert pkg.weights.head8_from == "Q8_0"
+    from edgemtp.runtimes.package import describe
+
+    shown = describe(pkg)
+    assert "121 of 121 products keep the GGUF file's own blocks, the LM head at 8 bits " \
+           "(the file's Q8_0)" in shown and "int4 weights, fp32 activations" in shown, shown
     _close_to_the_files_model(out)
     for backend in ("onnxruntime", "native"):  # each lossless against its own plain decoding
         model = Model.load(str(out), backend=backend, threads=2)
