@@ -560,6 +560,14 @@ class NativeBackend:
             raise NativeUnsupported(f"{where}: the rotary embedding is not rotate-half over q then "
                               f"k; use --backend onnxruntime")
         cos, sin = f32(g.array(rot[1].input[2])), f32(g.array(rot[1].input[3]))
+        if cos.shape[0] < self.max_context:  # (qa8b D6: positions past it were clamped)
+            from .package import ManifestError
+
+            raise ManifestError(f"{where}: its edgemtp.json says max_context "
+                                f"{self.max_context}, but the graph's rotary table holds "
+                                f"{cos.shape[0]} positions: the manifest was edited or "
+                                f"damaged; export the package again (or give --max-context "
+                                f"{cos.shape[0]})")
         qcos = g.array(rot[0].input[2])
         # q's tables may carry the softmax scale (a power of two, exact): cos(0) = 1
         scale = float(qcos[0, 0]) if not np.array_equal(qcos, cos) else D ** -0.5

@@ -585,8 +585,16 @@ class Manifest:
         _check(self.cache.dtype == self.dtype,
                f"'cache.dtype' {self.cache.dtype!r} differs from 'dtype' {self.dtype!r}: the "
                f"graph's cache is in the package's dtype (fixed at export)")
-        _check(all(e >= 0 for e in self.eos_token_ids),
-               f"'eos_token_ids' must be >= 0, got {list(self.eos_token_ids)}")
+        _check(all(0 <= e < self.vocab_size for e in self.eos_token_ids),
+               f"'eos_token_ids' must lie in [0, vocab_size {self.vocab_size}), got "
+               f"{list(self.eos_token_ids)}")
+        _check(self.bos_token_id is None or 0 <= self.bos_token_id < self.vocab_size,
+               f"'bos_token_id' must lie in [0, vocab_size {self.vocab_size}), got "
+               f"{self.bos_token_id}")
+        from ..models.families import FAMILIES  # (the standard library only)
+
+        _check(self.family in FAMILIES, f"'family' must be one of {', '.join(sorted(FAMILIES))}"
+                                        f", got {self.family!r}")
         _check(self.max_context >= 2, f"'max_context' must be >= 2, got {self.max_context}")
         _check(1 <= self.topk <= self.vocab_size,
                f"'topk' must lie in [1, vocab_size {self.vocab_size}], got {self.topk}")

@@ -958,3 +958,23 @@ def test_doctor_s_native_context_that_fits_is_exact(int4_pkg, parallel):
     rows = int(re.search(r"largest context that fits: (\d+) \(float16\)", line)[1])
     budget = avail / (1 + MARGIN) - pkg.weight_bytes()
     assert parallel * b(rows) <= budget < parallel * b(rows + 1) and rows >= 100, line
+
+
+def test_a_manifest_max_context_past_the_graph_s_rotary_table_is_refused(int4_pkg, tmp_path):
+    """qa8b D6: max_context raised by hand in edgemtp.json: the decoder clamped positions
+    past its rotary table's rows, and the text degraded without a word."""
+    import json
+    import shutil
+
+    from edgemtp.runtimes.package import ManifestError
+
+    pkg = tmp_path / "edited"
+    shutil.copytree(int4_pkg, pkg)
+    m = json.loads((pkg / "edgemtp.json").read_text())
+    m["max_context"] = 4 * m["max_context"]
+    (pkg / "edgemtp.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match=r"says max_context 1024, but the graph's rotary "
+                                            r"table holds 256 positions: the manifest was "
+                                            r"edited or damaged"):
+        NativeBackend(str(pkg), threads=1)
+    assert NativeBackend(str(pkg), threads=1, max_context=256).max_context == 256

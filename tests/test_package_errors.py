@@ -347,6 +347,13 @@ PACKAGE_CASES = [
     ("vocab-size-missing", lambda p: edit(p, lambda m: m.pop("vocab_size")),
      ("'vocab_size' is missing",)),
     ("topk-not-an-int", set_key("topk", "31"), ("'topk' should be an int",)),
+    # (qa8b D6: taken by inspect and generate)
+    ("eos-outside-the-vocabulary", set_key("eos_token_ids", [99999]),
+     ("'eos_token_ids' must lie in [0, vocab_size",)),
+    ("bos-outside-the-vocabulary", set_key("bos_token_id", 99999),
+     ("'bos_token_id' must lie in [0, vocab_size",)),
+    ("family-unknown", set_key("family", "gpt2"),
+     ("'family' must be one of llama, mistral, qwen2, qwen3, got 'gpt2'",)),
     ("corrupt-manifest", lambda p: (p / "edgemtp.json").write_text('{"format_version": 1, "fa'),
      ("manifest", "corrupt")),
     # the graph's own names against the manifest's: onnxruntime's session, so generate only
