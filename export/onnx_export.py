@@ -649,6 +649,15 @@ def _load_model(job: _Job, torch_dtype):
     problem = missing_weights(job.model, info)
     if problem:
         raise ExportError(problem)
+    # (qa8b D5: a GGUF with NaN block scales exported, self-checked against the same NaNs, and
+    #  ran; llama.cpp's --check-tensors reports such blocks)
+    import torch
+
+    for name, p in hf.named_parameters():
+        bad = int((~torch.isfinite(p)).sum())
+        if bad:
+            raise ExportError(f"{job.model!r} is damaged: its weight {name} holds {bad} NaN or "
+                              f"infinite values (of {p.numel()}); get the file again")
     return hf.eval()
 
 

@@ -74,6 +74,20 @@ def _truncated_model(tmp: Path) -> Path:
     return model
 
 
+def _nan_weights(tmp: Path) -> Path:
+    """stories260K with 5 NaNs in one weight (qa8b D5: a GGUF's damaged block scales)."""
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp / "nan"
+    shutil.copytree(STORIES, model)
+    weights = load_file(STORIES / "model.safetensors")
+    name = next(n for n in sorted(weights) if "layers.2.mlp.down_proj" in n)
+    w = weights[name].copy()
+    w.reshape(-1)[:5] = np.nan
+    save_file({**weights, name: w}, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
 def _config_only(tmp: Path, config: dict | None) -> Path:
     model = tmp / "config_only"
     model.mkdir()
@@ -103,6 +117,9 @@ EXPORT_CASES = [
     ("truncated-safetensors", _truncated_model, "out", [],
      ("model.safetensors", "damaged", "a header for")),
     ("no-config", lambda t: _config_only(t, None), "out", [], ("has no config.json",)),
+    ("nan-weights", _nan_weights, "out", ["--quiet"],
+     ("is damaged: its weight model.layers.2.mlp.down_proj.weight holds 5 NaN or infinite "
+      "values",)),
     ("unsupported-family", lambda t: _config_only(t, BERT), "out", [],
      ("'bert'", "llama", "mistral", "qwen2", "qwen3")),
     ("missing-model", lambda t: t / "nowhere", "out", [], ("does not exist",)),
