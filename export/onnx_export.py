@@ -252,7 +252,8 @@ class ExportReport:
                        "cache, which is the model's attention only within the window)")
         return (f"exported {self.family} ({dtype}) to {self.out} in {self.seconds:.1f} s: "
                 f"max context {self.context}{capped}, "
-                f"graph {self.graph_bytes / 2**20:.1f} MiB, {len(self.plans)} plan budgets"
+                f"graph {self.graph_bytes / 2**20:.1f} MiB, {len(self.plans)} plan "
+                f"budget{'' if len(self.plans) == 1 else 's'}"
                 f"{skipped}; self-check max |logit diff| {self.check.token_rows:.1e} on token "
                 f"rows, {self.check.mask_rows:.1e} on mask rows (logit scale "
                 f"{self.check.scale:.3g})"
