@@ -399,6 +399,36 @@ def test_the_main_jobs_cached_package_is_exported_again_after_the_export_code_ch
     assert not _current(str(tmp_path / "none"), "int4")
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--model", "/nonexistent/model"], "model folder '/nonexistent/model' does not exist"),
+    (["--model", "{tmp}"], "has no config.json; expected a Hugging Face model folder"),
+    (["--model", "{stories}", "--chat"], "has no chat template"),
+    (["--model", "{stories}", "--device", "cuda"], "device 'cuda' needs onnxruntime's "
+                                                   "CUDAExecutionProvider"),
+    (["--model", "{stories}", "--backend", "torch", "--device", "cuda"],
+     "this PyTorch build sees no CUDA device")])
+def test_demo_refuses_before_the_reference_run_and_the_export(stories_path, tmp_path, capsys,
+                                                             flags, said):
+    """qa9 D1, D2: a bad --model printed a traceback from the transformers reference run
+    (exit 1); --device cuda and --chat failed only after the reference run and an export,
+    which left a package behind for a run that could never start."""
+    import torch
+
+    from edgemtp import cli
+
+    import onnxruntime
+
+    if "cuda" in flags and (torch.cuda.is_available() or "CUDAExecutionProvider"
+                            in onnxruntime.get_available_providers()):
+        pytest.skip("CUDA is here")
+    out = tmp_path / "out"
+    argv = [f.format(tmp=tmp_path, stories=stories_path) for f in flags]
+    rc = cli.main(["demo", *argv, "--prompts", "1", "--max-new-tokens", "4", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
 def test_demo_with_no_rounds_is_one_line(stories_pkg):
     proc = subprocess.run([sys.executable, "-m", "edgemtp.cli", "demo", "--model",
                            str(stories_pkg), "--rounds", "0"],

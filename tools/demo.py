@@ -24,6 +24,7 @@ from pathlib import Path
 from edgemtp.runtimes.package import is_package
 
 from edgemtp.config import GenerationConfig
+from edgemtp.errors import ConfigError
 
 from . import at_least_one, quiet_transformers
 from .prompts import STORY_PROMPTS, story_prompts
@@ -78,6 +79,7 @@ def command(a) -> int:
         model_path = a.model
         prompts = (story_prompts(a.prompts) if STORY_PROMPTS.is_file()
                    else FALLBACK_PROMPTS[:a.prompts])
+    _check_first(a, model_path)  # (qa9 D1, D2: after the reference run and the export)
     quiet_transformers(model_path)
     packaged = is_package(model_path)
     reference = (None if a.no_reference or packaged or a.chat
@@ -105,6 +107,43 @@ def command(a) -> int:
         prompts = [model.encode_chat([{"role": "user", "content": q}]) for q in prompts]
     return _compare(model, run_path, prompts, a, reference, shown,
                     CHAT_CONFIGS if default else CONFIGS)
+
+
+def _check_first(a, model_path: str) -> None:
+    """What would refuse the run once the transformers reference had run and the package was
+    exported, said first in one line: the model path, the device, the chat template."""
+    from edgemtp.api import _check_torch_model, check_model_path
+    from edgemtp.backend import check_options, parse_device
+    from edgemtp.runtimes.gguf_source import check_hf_folder, resolve_model
+    from edgemtp.tokenizer import check_chat_template
+
+    check_model_path(model_path)
+    packaged = is_package(model_path)
+    if not packaged and not resolve_model(model_path).gguf_file:
+        check_hf_folder(model_path)
+    check_options(a.device, a.dtype, a.max_context, a.threads)
+    kind = parse_device(a.device)[0]
+    if a.backend == "torch":
+        _check_torch_model(model_path, a.device)
+        if kind == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():  # (as the torch backend says it, at load)
+                raise ConfigError(f"device {a.device!r} asked, but this PyTorch build sees no "
+                                  f"CUDA device")
+    elif kind != "cpu" and a.backend in ("auto", "onnxruntime"):
+        from edgemtp.runtimes.onnxrt_backend import DEVICES, _ort
+
+        from edgemtp.errors import BackendUnavailableError
+
+        provider, _, install = DEVICES[kind]
+        available = _ort().get_available_providers()
+        if provider not in available:
+            raise BackendUnavailableError(
+                f"device {a.device!r} needs onnxruntime's {provider}, which this onnxruntime "
+                f"build lacks (available: {', '.join(available)}); {install}")
+    if a.chat:
+        check_chat_template(model_path)
 
 
 def _current(path: str, dtype: str) -> bool:
