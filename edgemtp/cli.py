@@ -755,7 +755,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "memory plan against the device's memory")
     dr.add_argument("package", nargs="?", default=None,
                     help="package folder written by 'edgemtp export' (optional)")
-    dr.add_argument("--json", action="store_true", help="print one JSON object")
+    dr.add_argument("--json", action="store_true",
+                    help="print one JSON object (memory figures in bytes)")
     dr.add_argument("--parallel", type=int, default=1,
                     help="with a package: plan for this many generations at once, each with "
                          "its own KV cache (edgemtp serve --parallel; default 1)")

@@ -898,7 +898,8 @@ def report(facts: Facts, plan: MemoryPlan | None = None) -> str:
 def to_dict(facts: Facts, plan: MemoryPlan | None = None) -> dict:
     """What ``edgemtp doctor --json`` prints."""
     jp = facts.jetpack
-    return {"machine": asdict(facts),
+    return {"units": "memory figures in bytes",  # (qa9 D6: bare integers, no unit said)
+            "machine": asdict(facts),
             "jetpack": dict(zip(("jetpack", "cuda", "tensorrt"), jp)) if jp else None,
             "backends": [asdict(v) for v in verdicts(facts)],
             "fastest": fastest(verdicts(facts)),

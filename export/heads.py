@@ -95,16 +95,18 @@ class TrainOptions:
 # -- prompts -------------------------------------------------------------------------------
 
 
-def training_prompts(chat: bool) -> tuple[list[str], str, list[str]]:
+def training_prompts(chat: bool, limit: int | None = None) -> tuple[list[str], str, list[str]]:
     """``(training prompts, what they are, evaluation prompts)``: story prompts after the first
     ``EVAL_STORIES``; for a chat model Spec-Bench questions after the first
-    ``EVAL_PER_CATEGORY`` of each category. The two sets share no prompt (asserted)."""
+    ``EVAL_PER_CATEGORY`` of each category; the first ``limit`` of them (None: all). The two
+    sets share no prompt (asserted)."""
     from edgemtp.tools.prompts import SPEC_BENCH, load_prompts
 
     if not chat:
         stories = load_prompts(None, 10_000)
         train, held = stories[EVAL_STORIES:], stories[:EVAL_STORIES]
-        what = f"story prompts {EVAL_STORIES}-{len(stories) - 1} and BOS"
+        train = train[:limit] if limit else train
+        what = f"story prompts {EVAL_STORIES}-{EVAL_STORIES + len(train) - 1} and BOS"
     else:
         seen: dict[str, int] = {}
         by_cat: dict[str, list[str]] = {}
@@ -119,7 +121,10 @@ def training_prompts(chat: bool) -> tuple[list[str], str, list[str]]:
         pools = [c for c in by_cat.values() if c]
         train = [c[i] for i in range(max(map(len, pools), default=0)) for c in pools
                  if i < len(c)]
-        what = (f"Spec-Bench questions after the first {EVAL_PER_CATEGORY} of each category, "
+        total = len(train)
+        train = train[:limit] if limit else train
+        what = (f"{'the first ' + str(len(train)) + ' of the ' if len(train) < total else ''}"
+                f"Spec-Bench questions after the first {EVAL_PER_CATEGORY} of each category, "
                 f"categories interleaved (chat template)")
     assert not set(train) & set(held), "training and evaluation prompts overlap"
     return train, what, held
@@ -506,7 +511,7 @@ def train_heads(package, opt: TrainOptions, prompts: list | None = None, data: s
         opt = replace(opt, lr=default_lr(opt.kind, pkg.meta.hidden_size))
     chat = model.tokenizer is not None and model.tokenizer.chat_template is not None
     if prompts is None:
-        prompts, data, _ = training_prompts(chat)
+        prompts, data, _ = training_prompts(chat, opt.max_prompts)  # (qa9 D5: named all)
     prompts = prompts[:opt.max_prompts] if opt.max_prompts else prompts
     ids = [p if not isinstance(p, str) else
            model.encode_chat([{"role": "user", "content": p}]) if chat else model.encode(p)

@@ -138,7 +138,8 @@ def test_doctor_json_is_one_object_with_the_same_verdicts(runs):
     assert p.returncode == 0, p.stderr
     (line,) = p.stdout.strip().splitlines()
     data = json.loads(line)
-    assert set(data) == {"machine", "jetpack", "backends", "memory_plan", "fastest"}
+    assert set(data) == {"units", "machine", "jetpack", "backends", "memory_plan", "fastest"}
+    assert data["units"] == "memory figures in bytes"  # (qa9 D6)
     assert data["memory_plan"] is None
     assert f"fastest   {data['fastest']}" in runs["plain"].stdout
     assert [(b["backend"], b["device"]) for b in data["backends"]] == list(doctor.CHECKS)

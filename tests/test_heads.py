@@ -93,6 +93,12 @@ def test_training_and_evaluation_prompts_are_disjoint(chat):
     if not chat:  # what the tests and benches evaluate on is held out
         assert set(story_prompts(24)) == set(held)
         assert not set(train) & set(story_prompts(24))
+    # --max-prompts 4: the summary names the four used (qa9 D5: "story prompts 24-47")
+    first, what, _ = training_prompts(chat, 4)
+    assert first == train[:4]
+    assert what == ("story prompts 24-27 and BOS" if not chat else
+                    f"the first 4 of the Spec-Bench questions after the first 5 of each "
+                    f"category, categories interleaved (chat template)")
 
 
 # -- training and export -------------------------------------------------------------------
