@@ -97,8 +97,8 @@ def test_training_and_evaluation_prompts_are_disjoint(chat):
     first, what, _ = training_prompts(chat, 4)
     assert first == train[:4]
     assert what == ("story prompts 24-27 and BOS" if not chat else
-                    f"the first 4 of the Spec-Bench questions after the first 5 of each "
-                    f"category, categories interleaved (chat template)")
+                    "the first 4 of the Spec-Bench questions after the first 5 of each "
+                    "category, categories interleaved (chat template)")
 
 
 # -- training and export -------------------------------------------------------------------
