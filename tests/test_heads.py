@@ -512,7 +512,9 @@ def test_inspect_lists_the_heads_with_their_training(trained):
     for line, (kind, info) in zip(lines, infos.items()):
         assert kind in line and f"{info.training.steps} steps" in line and "loss" in line
     manifest = json.loads((pkg / "edgemtp.json").read_text())
-    assert manifest["heads"][0]["training"]["data"].startswith("story prompts 24-47")
+    # (the prompts --max-prompts kept, qa9 D5: it said 24-47 whatever the count)
+    n = SHORT["max_prompts"]
+    assert manifest["heads"][0]["training"]["data"].startswith(f"story prompts 24-{23 + n} ")
 
 
 def test_runner_through_the_public_binding_gives_the_same_candidates(trained):
