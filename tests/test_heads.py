@@ -692,6 +692,7 @@ def test_bench_runs_each_heads_kind_with_every_drafter_that_takes_heads(trained,
     assert bad.returncode == 2 and "--heads must be one or more of medusa, residual" in bad.stderr
 
 
+@pytest.mark.slow  # (a training subprocess interrupted: ~9 s of the default run; CI runs it)
 def test_ctrl_c_in_train_heads_keeps_the_package_and_says_how_to_resume(hidden_pkg, tmp_path):
     import signal
     import time

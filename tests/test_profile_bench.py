@@ -346,6 +346,7 @@ def test_row_log_reuses_rows_of_the_same_settings_only(tmp_path):
     assert path.read_text().count("\n") == 1
 
 
+@pytest.mark.slow  # (~11 s of the default run; the demo's early refusals stay in it; CI runs it)
 def test_demo_exports_then_runs_every_method_losslessly(stories_path, tmp_path):
     # the main job (./run.sh), small: export to a package, then greedy and every method on
     # onnxruntime, checked token for token against greedy and transformers generate
