@@ -436,6 +436,8 @@ def test_a_context_too_small_for_any_plan_says_what_would_fit(tmp_path):
     assert not (tmp_path / "pkg").exists()
 
 
+@pytest.mark.slow  # (two subprocesses loading torch: ~13 s of the default run; CI runs it;
+#                    the NaN-weights export case in test_package_errors stays in the default)
 def test_a_checkpoint_missing_weights_is_refused_not_filled_with_random_values(tmp_path):
     """QA (export_report.md D1): transformers fills a weight the checkpoint lacks with random
     values; export, and generate on the torch backend, refuse it in one line naming it."""
