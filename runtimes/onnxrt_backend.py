@@ -56,6 +56,18 @@ def _ort():
     return onnxruntime
 
 
+def check_provider(kind: str, device_name: str, ort=None) -> str:
+    """The execution provider a device kind (``DEVICES``) needs, or one line saying this
+    onnxruntime build lacks it and how to get it."""
+    ort = ort or _ort()
+    provider, _, install = DEVICES[kind]
+    if provider not in ort.get_available_providers():
+        raise BackendUnavailableError(
+            f"device {device_name!r} needs onnxruntime's {provider}, which this onnxruntime "
+            f"build lacks (available: {', '.join(ort.get_available_providers())}); {install}")
+    return provider
+
+
 def _ort_errors(ort) -> tuple[type[BaseException], ...]:
     state = ort.capi.onnxruntime_pybind11_state
     names = ("Fail", "InvalidArgument", "InvalidGraph", "InvalidProtobuf", "NoSuchFile",
@@ -404,12 +416,7 @@ class OrtBackend:
 
     def _session(self, ort, device: str, threads: int | None, path: Path | None = None,
                  graph: str = "model", cuda_graph: bool = False, past_rows: int | None = None):
-        provider, _, install = DEVICES[device]
-        if provider not in ort.get_available_providers():
-            raise BackendUnavailableError(
-                f"device {self.device_name!r} needs onnxruntime's {provider}, which this "
-                f"onnxruntime build lacks (available: "
-                f"{', '.join(ort.get_available_providers())}); {install}")
+        provider = check_provider(device, self.device_name, ort)
         providers = [provider] if provider == "CPUExecutionProvider" else [
             (provider, self._provider_options(device)), "CPUExecutionProvider"]
         if graph == "commit" and device == "tensorrt":

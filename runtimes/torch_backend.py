@@ -108,6 +108,13 @@ def span_name(bucket: int) -> str:
 EMBED_ROWS = 8192  # embedding rows kept on the host by a GPU backend (mask-embedding updates)
 
 
+def check_cuda_seen(device: str) -> None:
+    """A ``cuda[:N]`` device this PyTorch build can use, or one line saying it sees none."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked, but this PyTorch build sees no CUDA "
+                          f"device")
+
+
 def load_hf_config(path: str, trust_remote_code: bool = False):
     """The ``transformers`` config of a local folder, a GGUF file (or a folder holding one),
     or a hub id when online, with one-line errors for a missing folder, a folder that is not
@@ -176,9 +183,7 @@ class TorchBackend:
         check_options(device, dtype, max_context, threads)
         dtype = dtype or "fp32"
         check_torch_device(device)
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r} asked, but this PyTorch build sees no CUDA "
-                              f"device")
+        check_cuda_seen(device)
         if threads is not None:
             torch.set_num_threads(int(threads))
         # an exported package: the model it was exported from, and the package for what it
@@ -224,9 +229,7 @@ class TorchBackend:
                    static_cache: bool = True, cuda_graphs: bool | None = None,
                    batch_invariant: bool = False, block_buckets: bool | None = None):
         """Wrap an already loaded ``transformers`` causal LM (tests, notebooks, benchmarks)."""
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r} asked, but this PyTorch build sees no CUDA "
-                              f"device")
+        check_cuda_seen(device)
         self = cls.__new__(cls)
         self.family = family_for(hf_model.config)
         self.source, self.package = None, None

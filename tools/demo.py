@@ -24,7 +24,6 @@ from pathlib import Path
 from edgemtp.runtimes.package import is_package
 
 from edgemtp.config import GenerationConfig
-from edgemtp.errors import ConfigError
 
 from . import at_least_one, quiet_transformers
 from .prompts import STORY_PROMPTS, story_prompts
@@ -123,25 +122,16 @@ def _check_first(a, model_path: str) -> None:
         check_hf_folder(model_path)
     check_options(a.device, a.dtype, a.max_context, a.threads)
     kind = parse_device(a.device)[0]
-    if a.backend == "torch":
+    if a.backend == "torch":  # (the checks the backends make as they load)
         _check_torch_model(model_path, a.device)
         if kind == "cuda":
-            import torch
+            from edgemtp.runtimes.torch_backend import check_cuda_seen
 
-            if not torch.cuda.is_available():  # (as the torch backend says it, at load)
-                raise ConfigError(f"device {a.device!r} asked, but this PyTorch build sees no "
-                                  f"CUDA device")
+            check_cuda_seen(a.device)
     elif kind != "cpu" and a.backend in ("auto", "onnxruntime"):
-        from edgemtp.runtimes.onnxrt_backend import DEVICES, _ort
+        from edgemtp.runtimes.onnxrt_backend import check_provider
 
-        from edgemtp.errors import BackendUnavailableError
-
-        provider, _, install = DEVICES[kind]
-        available = _ort().get_available_providers()
-        if provider not in available:
-            raise BackendUnavailableError(
-                f"device {a.device!r} needs onnxruntime's {provider}, which this onnxruntime "
-                f"build lacks (available: {', '.join(available)}); {install}")
+        check_provider(kind, a.device)
     if a.chat:
         check_chat_template(model_path)
 

@@ -163,7 +163,7 @@ class Scheduler:
         if not took or job.deadline <= time.monotonic() and job.limit == "shutdown":
             if took:
                 self.slots.release()
-            if job.limit == "shutdown" or self.draining and self._stopping.is_set():
+            if job.limit == "shutdown" or self._stopping.is_set():
                 raise APIError(503, "the server shut down before this queued request got a "
                                     "slot (--shutdown-timeout)", type="server_error",
                                code="shutting_down", headers={"Retry-After": "5"})
