@@ -389,6 +389,7 @@ class NativeBackend:
         # checks them (the load check below that runs it is skipped once it has passed)
         self.package.check_graph_io(*(graph_io(v) for v in (g.model.graph.input,
                                                              g.model.graph.output)))
+        self.package.check_rotary(self.max_context, g.model)  # (positions past it clamped)
         L, d, H, Hkv, D = (m["num_layers"], m["hidden_size"], m["num_heads"],
                            m["num_kv_heads"], m["head_dim"])
         nodes = [n for n in g.model.graph.node if n.op_type == "MatMulNBits"]
@@ -560,14 +561,6 @@ class NativeBackend:
             raise NativeUnsupported(f"{where}: the rotary embedding is not rotate-half over q then "
                               f"k; use --backend onnxruntime")
         cos, sin = f32(g.array(rot[1].input[2])), f32(g.array(rot[1].input[3]))
-        if cos.shape[0] < self.max_context:  # (qa8b D6: positions past it were clamped)
-            from .package import ManifestError
-
-            raise ManifestError(f"{where}: its edgemtp.json says max_context "
-                                f"{self.max_context}, but the graph's rotary table holds "
-                                f"{cos.shape[0]} positions: the manifest was edited or "
-                                f"damaged; export the package again (or give --max-context "
-                                f"{cos.shape[0]})")
         qcos = g.array(rot[0].input[2])
         # q's tables may carry the softmax scale (a power of two, exact): cos(0) = 1
         scale = float(qcos[0, 0]) if not np.array_equal(qcos, cos) else D ** -0.5
@@ -631,7 +624,7 @@ class NativeBackend:
             except ValueError:
                 pass
         from edgemtp.runtimes.onnxrt_backend import OrtBackend
-        ort = OrtBackend(self.package.root, threads=self.threads)
+        ort = OrtBackend(self.package.root, threads=self.threads, max_context=self.max_context)
         v, n = self.vocab_size, 16
         rng = np.random.default_rng(0)
         ids = rng.integers(0, v, n).astype(np.int64)

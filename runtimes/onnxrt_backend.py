@@ -467,6 +467,9 @@ class OrtBackend:
                     for v in values}
 
         self.package.check_graph_io(io(self.graph.get_inputs()), io(self.graph.get_outputs()))
+        # a fused graph's rotary tables end at the exported context: past it onnxruntime
+        # read garbage rows and the text degraded without a word (a hand-edited max_context)
+        self.package.check_rotary(self.max_context)
 
 
 # onnxruntime's element type names as numpy's (Package.check_graph_io)

@@ -898,13 +898,39 @@ class Package:
             raise ModelLoadError(f"{problem}; re-export "
                                  f"{'it' if problem.startswith(self._where()) else 'the package'}")
 
+    def check_rotary(self, max_context: int, graph=None) -> None:
+        """Refuse a ``max_context`` past the positions the graph's rotary tables hold (a fused
+        graph's ``RotaryEmbedding`` reads cos/sin rows by position: past them onnxruntime and
+        the native decoder computed garbage, qa8b D6). ``graph``: the loaded ``onnx``
+        ModelProto where the caller has one, else the graph file is read without its
+        weights. A graph that computes its rotary embedding has no table and any context."""
+        if graph is None:
+            import onnx
+
+            graph = onnx.load(str(self.graph_path), load_external_data=False)
+        rot = next((n for n in graph.graph.node if n.op_type == "RotaryEmbedding"), None)
+        if rot is None:
+            return
+        name = rot.input[2]  # its cos table: an initializer, or a Constant node's value
+        table = next((t for t in graph.graph.initializer if t.name == name), None) or next(
+            (a.t for n in graph.graph.node if n.op_type == "Constant" and n.output[0] == name
+             for a in n.attribute if a.name == "value"), None)
+        rows = int(table.dims[0]) if table is not None and table.dims else None
+        if rows is not None and rows < max_context:
+            raise ManifestError(f"{self._where()}: its edgemtp.json says max_context "
+                                f"{max_context}, but the graph's rotary table holds {rows} "
+                                f"positions: the manifest was edited or damaged; export the "
+                                f"package again (or give --max-context {rows})")
+
     def check_graph_file(self) -> None:
-        """:meth:`check_graph_io` on the graph file's declared inputs and outputs, read
-        without its weights (``doctor``: a package is judged without loading it)."""
+        """:meth:`check_graph_io` on the graph file's declared inputs and outputs, and
+        :meth:`check_rotary`, read without its weights (``doctor``: a package is judged
+        without loading it)."""
         import onnx
 
-        g = onnx.load(str(self.graph_path), load_external_data=False).graph
-        self.check_graph_io(graph_io(g.input), graph_io(g.output))
+        model = onnx.load(str(self.graph_path), load_external_data=False)
+        self.check_graph_io(graph_io(model.graph.input), graph_io(model.graph.output))
+        self.check_rotary(self.meta.max_context, model)
 
     def check_graph_io(self, inputs: Mapping[str, tuple], outputs: Mapping[str, tuple]) -> None:
         """The graph's own inputs and outputs against the manifest, as a backend reads them

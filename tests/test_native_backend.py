@@ -973,8 +973,19 @@ def test_a_manifest_max_context_past_the_graph_s_rotary_table_is_refused(int4_pk
     m = json.loads((pkg / "edgemtp.json").read_text())
     m["max_context"] = 4 * m["max_context"]
     (pkg / "edgemtp.json").write_text(json.dumps(m))
-    with pytest.raises(ManifestError, match=r"says max_context 1024, but the graph's rotary "
-                                            r"table holds 256 positions: the manifest was "
-                                            r"edited or damaged"):
+    said = (r"says max_context 1024, but the graph's rotary table holds 256 positions: the "
+            r"manifest was edited or damaged")
+    with pytest.raises(ManifestError, match=said):
         NativeBackend(str(pkg), threads=1)
     assert NativeBackend(str(pkg), threads=1, max_context=256).max_context == 256
+    # onnxruntime read past the same table (its positions clipped) and answered garbage;
+    # doctor judges the package from its graph file as generate would
+    from edgemtp.runtimes.onnxrt_backend import OrtBackend
+    from edgemtp.runtimes.package import load_package
+
+    with pytest.raises(ManifestError, match=said):
+        OrtBackend(str(pkg), threads=1)
+    assert OrtBackend(str(pkg), threads=1, max_context=256).max_context == 256
+    with pytest.raises(ManifestError, match=said):
+        load_package(pkg).check_graph_file()
+    load_package(int4_pkg).check_graph_file()
