@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -10,6 +11,73 @@ import pytest
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 STORIES = SHARED / "models" / "stories260K"
 STORY_PROMPTS = SHARED / "data" / "stories_prompts.jsonl"
+
+
+def smollm2_dir() -> Path:
+    """The folder of SmolLM2-135M-Instruct's GGUF: ``../shared``'s, else the copy the main job
+    fetched into the user cache (``edgemtp.tools.fetch``; never fetched here), else the
+    shared path, absent (its tests then skip: :func:`pytest_runtest_makereport`)."""
+    from edgemtp.tools.fetch import GGUF_BYTES, GGUF_NAME, SHARED_DIR
+    from edgemtp.latency import cache_dir
+
+    cached = cache_dir() / "models" / SHARED_DIR.name
+    if not (SHARED_DIR / GGUF_NAME).is_file() and (cached / GGUF_NAME).is_file() \
+            and (cached / GGUF_NAME).stat().st_size == GGUF_BYTES:
+        return cached
+    return SHARED_DIR
+
+
+# -- a machine without ../shared ----------------------------------------------------------------
+# The tests' real checkpoints and prompts are read from ../shared, never copied. Where a test's
+# model or data file is absent there, the error it raises names that path: it is reported as a
+# skip saying what is missing, not as a failure (and only then: where the file exists, every
+# failure stays one).
+_SHARED_PATH = re.compile(r"shared[/\\]+(models|data)[/\\]+([^/\\'\"\s:,)]+)")
+_SKIPPED_FOR: dict[str, int] = {}
+
+
+def _missing_shared(text: str) -> str | None:
+    for m in _SHARED_PATH.finditer(text):
+        if not (SHARED / m[1] / m[2]).exists():
+            return f"../shared/{m[1]}/{m[2]}"
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed or call.excinfo is None:
+        return
+    missing = _missing_shared(f"{call.excinfo.value!s} {call.excinfo.exconly()}")
+    if missing is None:
+        return
+    rep.outcome = "skipped"
+    rep.longrepr = (str(item.path), item.location[1] or 0,
+                    f"Skipped: needs {missing}, which this machine lacks (the tests' real "
+                    f"checkpoints and prompts; see README, Tests)")
+
+
+def pytest_report_header(config):
+    if not SHARED.is_dir():
+        return (f"../shared is absent ({SHARED.resolve()}): the tests that read its real "
+                f"checkpoints and prompts will be skipped")
+    return None
+
+
+def pytest_runtest_logreport(report):
+    # (counted where the reports arrive: pytest-xdist's controller, or the one process)
+    reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else ""
+    if "which this machine lacks" in reason:
+        what = reason.split("needs ", 1)[1].split(",", 1)[0]
+        _SKIPPED_FOR[what] = _SKIPPED_FOR.get(what, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SKIPPED_FOR:
+        said = ", ".join(f"{n} for {what}" for what, n in sorted(_SKIPPED_FOR.items()))
+        terminalreporter.write_line(f"skipped for files this machine lacks: {said}",
+                                    yellow=True)
 
 
 def story_prompts(n: int = 48) -> list[str]:

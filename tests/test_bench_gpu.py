@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import STORIES, story_prompts
+from conftest import STORIES, smollm2_dir, story_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "bench_gpu.py"
@@ -158,8 +158,9 @@ def test_shipped_prompt_ids_are_the_tokenizers():
     assert ids == [tok.encode(t) for t in texts]
 
 
-SMOLLM_GGUF = STORIES.parent / "SmolLM2-135M-Instruct-GGUF" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-needs_gguf = pytest.mark.skipif(not SMOLLM_GGUF.is_file(), reason="no shared SmolLM2 GGUF")
+SMOLLM_GGUF = smollm2_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+needs_gguf = pytest.mark.skipif(not SMOLLM_GGUF.is_file(),
+                                reason="no SmolLM2 GGUF (../shared or the main job's fetched copy)")
 
 
 @pytest.mark.slow

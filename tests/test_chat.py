@@ -15,9 +15,9 @@ from edgemtp.chat import ChatTemplate, check_messages
 from edgemtp.errors import ConfigError
 from edgemtp.tokenizer import Tokenizer
 
-from conftest import STORIES
+from conftest import STORIES, smollm2_dir
 
-SMOLLM_GGUF = STORIES.parent / "SmolLM2-135M-Instruct-GGUF" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM_GGUF = smollm2_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # ChatML as SmolLM2/Qwen write it, spread over lines so trim_blocks/lstrip_blocks matter, with
 # the BOS variable, loop controls, tojson and raise_exception

@@ -23,11 +23,12 @@ from edgemtp.cli import main  # noqa: E402
 from edgemtp.runtimes.gguf_source import ModelSource, resolve_model  # noqa: E402
 from edgemtp.runtimes.package import load_package  # noqa: E402
 from edgemtp.tokenizer import Tokenizer  # noqa: E402
+from conftest import smollm2_dir  # noqa: E402
 from test_export import cli  # noqa: E402
 from test_package_errors import error_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOL = ROOT / ".." / "shared" / "models" / "SmolLM2-135M-Instruct-GGUF"
+SMOL = smollm2_dir()  # ../shared's, else the main job's fetched copy
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 PROMPTS = ["What is the capital of France? Explain in two sentences.",

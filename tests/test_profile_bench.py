@@ -364,12 +364,10 @@ def test_demo_exports_then_runs_every_method_losslessly(stories_path, tmp_path):
 def test_the_default_main_job_chats_with_smollm2_int4(tmp_path):
     # ./run.sh with no arguments: the shared SmolLM2 GGUF exported to an int4 package, chat
     # questions, greedy and the CPU drafters, every output equal to the package's greedy
-    from pathlib import Path
+    from conftest import smollm2_dir
 
-    gguf = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" \
-        / "SmolLM2-135M-Instruct-GGUF"
-    if not gguf.is_dir():
-        pytest.skip("no ../shared/models/SmolLM2-135M-Instruct-GGUF")
+    if not (smollm2_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file():  # (never fetched here)
+        pytest.skip("no SmolLM2 GGUF (../shared or the main job's fetched copy)")
     proc = cli("demo", "--prompts", "1", "--max-new-tokens", "24", "--threads", "2",
                "--out", str(tmp_path))
     manifest = json.loads((tmp_path / "SmolLM2-135M-Instruct-GGUF-int4" / "edgemtp.json")

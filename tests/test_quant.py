@@ -26,9 +26,11 @@ from edgemtp.export.onnx_export import export_package  # noqa: E402
 from edgemtp.export.selfcheck import TOLERANCE, SelfCheckError  # noqa: E402
 from edgemtp.runtimes.package import MANIFEST, load_package  # noqa: E402
 
+from conftest import smollm2_dir  # noqa: E402
+
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 STORIES = SHARED / "models" / "stories260K"
-SMOLLM = SHARED / "models" / "SmolLM2-135M-Instruct-GGUF"
+SMOLLM = smollm2_dir()  # ../shared's, else the main job's fetched copy
 DRAFTERS = ("probe", "pld", "hybrid", "lade", "stand", "auto")
 
 
