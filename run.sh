@@ -23,6 +23,16 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.edgemtp-installed" ] || [ pypro
       || "$VENV/bin/pip" install -q "torch==2.13.0"
   else  # (macOS and Linux aarch64, whose PyPI wheels are CPU builds; a machine without that
     #    index, whose pip finds a local CPU wheel)
+    if [ "$(uname -sm)" = "Linux x86_64" ] && "$VENV/bin/pip" install -q --dry-run --report \
+        "$VENV/torch-plan.json" "torch==2.13.0" >/dev/null 2>&1 && "$VENV/bin/python" -c \
+        "import json,sys; sys.exit(not any(i['metadata']['name'].lower().startswith('nvidia')
+         for i in json.load(open(sys.argv[1]))['install']))" "$VENV/torch-plan.json"; then
+      echo "run.sh: download.pytorch.org cannot be reached and pip finds only PyPI's CUDA" \
+        "build of torch==2.13.0 (several GB of nvidia-* wheels; it runs on CPUs too):" \
+        "installing it. For the CPU build, put its wheel where pip finds it (PIP_FIND_LINKS)" \
+        "and delete $VENV first" >&2
+    fi
+    rm -f "$VENV/torch-plan.json"
     "$VENV/bin/pip" install -q "torch==2.13.0"
   fi
   echo "run.sh: [2/2] edgemtp[export,bench,dev,serve]" >&2

@@ -49,13 +49,18 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if not rep.failed or call.excinfo is None:
         return
-    missing = _missing_shared(f"{call.excinfo.value!s} {call.excinfo.exconly()}")
+    # the error, or what the test's CLI subprocess said (captured), names the missing file
+    said = "\n".join(content for _, content in rep.sections)
+    missing = _missing_shared(f"{call.excinfo.value!s} {call.excinfo.exconly()}\n{said}")
     if missing is None:
         return
     rep.outcome = "skipped"
-    rep.longrepr = (str(item.path), item.location[1] or 0,
-                    f"Skipped: needs {missing}, which this machine lacks (the tests' real "
-                    f"checkpoints and prompts; see README, Tests)")
+    rep.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {_lacks(missing)}")
+
+
+def _lacks(missing: str) -> str:
+    return (f"needs {missing}, which this machine lacks (the tests' real checkpoints and "
+            f"prompts; see README, Tests)")
 
 
 def pytest_report_header(config):
@@ -73,6 +78,9 @@ def pytest_runtest_logreport(report):
         _SKIPPED_FOR[what] = _SKIPPED_FOR.get(what, 0) + 1
 
 
+pytest_collectreport = pytest_runtest_logreport  # (a module skipped whole: story_prompts)
+
+
 def pytest_terminal_summary(terminalreporter):
     if _SKIPPED_FOR:
         said = ", ".join(f"{n} for {what}" for what, n in sorted(_SKIPPED_FOR.items()))
@@ -81,6 +89,8 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def story_prompts(n: int = 48) -> list[str]:
+    if not STORY_PROMPTS.is_file():  # (modules read them as they load: skipped whole)
+        pytest.skip(_lacks("../shared/data/stories_prompts.jsonl"), allow_module_level=True)
     with open(STORY_PROMPTS) as f:
         return [json.loads(line)["prompt"] for line in f if line.strip()][:n]
 

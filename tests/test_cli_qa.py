@@ -275,3 +275,17 @@ def test_the_api_warns_when_max_context_is_above_the_package(stories_pkg):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Model.load(str(stories_pkg), max_context=256, threads=1)  # (below: no warning)
+
+
+def test_ctrl_c_in_any_command_is_one_line_and_exit_130(monkeypatch, capsys):
+    """qa10a CL2: main()'s KeyboardInterrupt -> 130 was tested only through train-heads' own
+    handler (slow); a command interrupted anywhere says so in one line, as a shell's 128 +
+    SIGINT, with no traceback."""
+    from edgemtp import cli, doctor
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(doctor, "probe", interrupted)  # doctor's first piece of work
+    assert cli.main(["doctor"]) == 130
+    assert capsys.readouterr().err == "edgemtp: interrupted\n"

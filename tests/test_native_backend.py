@@ -989,3 +989,39 @@ def test_a_manifest_max_context_past_the_graph_s_rotary_table_is_refused(int4_pk
     with pytest.raises(ManifestError, match=said):
         load_package(pkg).check_graph_file()
     load_package(int4_pkg).check_graph_file()
+
+
+def test_the_int8_cache_rounds_each_row_to_its_own_scale(backend, int4_pkg):
+    """qa10a D4: the int8 cache's scale (a row's largest magnitude / 127) was checked only by
+    a loose closeness to the float16 cache, and a scale of amax / 128 passed. After a
+    prefill, every key row and value chunk's codes must reach 127 at its largest element,
+    and layer 0's codes (whose inputs do not depend on the cache) must round the float16
+    cache's values to within half a step."""
+    q8 = NativeBackend(str(int4_pkg), threads=1, kv_cache="int8")
+    ids = np.arange(3, 43, dtype=np.int64)
+    n = len(ids)
+    sessions = [b.session() for b in (q8, backend)]
+    for s in sessions:
+        s.forward(ids, np.arange(n), np.tril(np.ones((n, n), dtype=bool)), None)
+        s.commit(np.arange(n))
+    s8, s16 = sessions
+    L, Hkv, D = q8.dims
+    p = np.arange(n)
+    # (decoder.c kidx8: in each block of 16 positions, the lanes in pairs, 16 x 2 per pair)
+    k8 = s8.k.reshape(L, Hkv, -1, D // 2, 16, 2)[:, :, p // 16, :, p % 16, :]
+    keys = k8.reshape(n, L, Hkv, D).astype(np.int32)
+    ks = s8.ks[:, :, :n].transpose(2, 0, 1)                       # [n, L, Hkv]
+    assert (np.abs(keys).max(-1) == 127).all()
+    vw = s8.v.shape[4]
+    values = s8.v[:, :, :, p // 2, :, p % 2].astype(np.int32)     # [n, L, Hkv, D/vw, vw]
+    assert (np.abs(values).max(-1) == 127).all()
+    vs = s8.vs[:, :, :, :n].transpose(3, 0, 1, 2)                 # [n, L, Hkv, D/vw]
+    k16 = s16.k[0][:, p // 16, :, p % 16].astype(np.float32)      # layer 0: [n, Hkv, D]
+    v16 = s16.v[0][:, :, p, :].astype(np.float32)                # [Hkv, D/vw, n, vw]
+    half = 2.0 ** -10  # float16's own rounding of the float row
+    err_k = np.abs(keys[:, 0] * ks[:, 0, :, None] - k16)
+    assert (err_k <= ks[:, 0, :, None] / 2 + half * np.abs(k16) + 1e-7).all()
+    err_v = np.abs(values[:, 0] * vs[:, 0, :, :, None] - v16.transpose(2, 0, 1, 3))
+    assert (err_v <= vs[:, 0, :, :, None] / 2 + half * np.abs(v16.transpose(2, 0, 1, 3))
+            + 1e-7).all()
+    assert D % vw == 0 and values.shape[-2:] == (D // vw, vw)

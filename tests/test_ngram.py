@@ -144,6 +144,27 @@ def test_stand_trees_row_by_row(stories, bc):
         assert branched > 0  # with room, the trees do branch
 
 
+@pytest.mark.parametrize("drafter", ["stand", "hybrid"])
+def test_the_stored_distributions_are_those_of_the_committed_rows(stories, drafter):
+    """qa10a DR3: STAND stored the top-K of the block's first rows rather than of the accepted
+    path's, and only its BE (1.69 -> 1.55, above its bound) moved. Greedy decoding commits
+    the model's argmax, so the distribution stored at every generated position must have the
+    next committed token on top."""
+    backend, _, prompts, refs = stories
+    gen = Generation(backend, GenerationConfig(max_new_tokens=NEW_TOKENS, bc=60,
+                                               drafter=drafter), prompts[0])
+    result = gen.run()
+    assert result.token_ids == refs[0]
+    assert max(result.stats.accept_lengths) >= 2  # paths whose rows are not the block's first
+    d = gen.drafter.context.dists
+    d._flush()
+    ids = [*prompts[0], *result.token_ids]
+    # (the last step, which reached max_new_tokens, is not observed)
+    assert len(ids) - 1 - max(result.stats.accept_lengths) - 1 <= d.size < len(ids)
+    for p in range(len(prompts[0]) - 1, d.size):
+        assert d.ids[p, 0] == ids[p + 1], p
+
+
 @pytest.mark.parametrize("bc,k", [(10, 1), (30, 1), (60, 1), (60, 2)])
 def test_hybrid_trees_row_by_row_with_mask_leaves(stories, bc, k):
     backend, _, prompts, refs = stories
@@ -210,6 +231,10 @@ def test_pld_prefers_the_longest_ngram_then_the_newest_full_continuation():
     # "4 5" twice: the newest runs into the end after 2 tokens, the older gives the full 3
     plan, tokens = _pld_after([4, 5, 6, 7, 8, 4, 5, 4, 5], bc=4)
     assert tokens.tolist() == [5, 6, 7, 8]
+    # two full continuations of "3 1 2": the newer one (qa10a DR2: a scan from the oldest
+    # occurrence passed the two cases above)
+    plan, tokens = _pld_after([3, 1, 2, 7, 8, 3, 1, 2, 5, 6, 3, 1, 2], bc=3)
+    assert tokens.tolist() == [2, 5, 6]
 
 
 def test_pld_finds_the_obvious_match_in_a_repetitive_prompt(stories):

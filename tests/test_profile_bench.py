@@ -477,3 +477,20 @@ def test_the_be_plot_legend_covers_no_bar(tmp_path, monkeypatch):
     bars = [p for p in ax.patches if p.get_height() > 0]
     assert len(bars) == len(tasks) * len(methods_) * 3
     assert not [b for b in bars if legend.overlaps(b.get_window_extent())]
+
+
+def test_the_demo_says_when_it_falls_back_to_built_in_prompts(tmp_path, monkeypatch, capsys):
+    """qa10c D5: without ../shared/data the main job chatted on built-in questions (and
+    ``demo`` ran 2 story prompts for ``--prompts 4``) without a word, so its figures read as
+    the README's."""
+    from edgemtp.tools import demo, prompts
+
+    monkeypatch.setattr(prompts, "SPEC_BENCH", tmp_path / "question.jsonl")
+    assert demo._questions(4) == demo.FALLBACK_QUESTIONS[:4]
+    err = capsys.readouterr().err
+    assert err.startswith("demo: no Spec-Bench questions at ") and "4 built-in ones" in err
+    assert len(set(demo.FALLBACK_PROMPTS)) >= 4  # demo's --prompts default
+    if prompts.SHARED.is_dir():  # the real questions where ../shared has them: no note
+        monkeypatch.undo()
+        assert demo._questions(4) != demo.FALLBACK_QUESTIONS[:4]
+        assert capsys.readouterr().err == ""

@@ -815,6 +815,35 @@ def test_only_loopback_hosts_count_as_safe():
     assert not any(_is_loopback(h) for h in ("0.0.0.0", "192.168.1.5", "::", "example.com"))
 
 
+def test_an_answer_cut_by_the_full_context_finishes_with_length(server, ref):
+    """qa10a S2: finish_reason "length" is how OpenAI clients tell a truncated answer, and
+    only the max_tokens and time-limit cuts were tested; one that filled the model's context
+    (256 tokens here; stories260K never says EOS) must say it too, streamed or not."""
+    prompt = " ".join(PROMPTS[:6])
+    room = 256 - len(ref.encode(prompt))
+    assert 0 < room < 200
+    client = server.client()
+    r = client.completions.create(model="stories", prompt=prompt, max_tokens=200)
+    u = r.usage.model_dump()
+    assert (r.choices[0].finish_reason, u["stop_reason"], u["completion_tokens"]) == (
+        "length", "max_context", room)
+    text, finish, usage = streamed(client.completions.create(
+        model="stories", prompt=prompt, max_tokens=200, stream=True,
+        stream_options={"include_usage": True}), chat=False)
+    assert (text, finish, usage["stop_reason"]) == (r.choices[0].text, "length", "max_context")
+
+
+def test_the_earliest_stop_string_cuts_whichever_is_listed_first():
+    """qa10a SV5: the server cut at the first-listed stop string found, not the earliest in
+    the text, where one token completes two (the engine's own rule was tested alone)."""
+    from edgemtp.serve.scheduler import first_stop
+
+    assert first_stop("ab xy", ("xy", "ab")) == 0
+    assert first_stop("ab xy", ("xy", "zz")) == 3
+    assert first_stop("ab xy ab", ("ab",), start=1) == 6
+    assert first_stop("ab", ("zz",)) is None
+
+
 def test_a_request_picks_its_drafter_and_heads_over_the_servers_defaults():
     """QA (heads report D4, D5): a server run with --drafter heads --heads residual refused
     every request for another drafter ("heads only applies to ..."), and ignored a request's

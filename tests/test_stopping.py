@@ -300,6 +300,17 @@ def test_stop_string_across_story_end(model, eos_model, greedy):
     assert r.token_ids == ref[:cut] and r.stop_reason == "stop_string"
 
 
+def test_eos_wins_over_a_stop_string_the_same_token_completes(model, greedy):
+    """qa10a E6: the documented order (EOS, then a stop string) had no test. The first
+    generated token made EOS by override and its text the stop string: the reason is eos."""
+    prompt = "Once upon a time, there"
+    ref = greedy(prompt, 20)
+    for options in (dict(drafter="none"), PROBE):
+        r = model.generate(prompt, max_new_tokens=20, stop=(" was",),
+                           eos_token_ids=(ref[0],), **options)
+        assert r.token_ids == ref[:1] and r.stop_reason == "eos", options
+
+
 def test_a_stop_string_may_begin_with_the_first_tokens_leading_space(model, greedy):
     # SentencePiece decodes a first token alone without its leading space; the stop string is
     # looked for in the text as it reads after the prompt (" was" stopped at token 57 before)

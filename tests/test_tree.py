@@ -308,6 +308,38 @@ def test_sampling_walk_with_one_hot_distribution_is_greedy():
     assert v.walk(plan, tokens, out) == ([2], 4)
 
 
+def test_sampling_below_the_root_draws_from_the_model_not_its_argmax():
+    """qa10a V10: a walk that took the argmax as the target below the root (sampling only at
+    the root) passed every sampling test: the chi-square sweep's depth-1 plans draw below the
+    root only for the bonus after an accept, too rarely to show, and the one-hot test cannot
+    tell sampling from greedy. Here the root always accepts node 1, so every bonus is drawn
+    at node 1, from a real distribution."""
+    plan, tokens = Plan((-1, 0), 0), np.array([9, 2])
+    logits = np.full((2, 4), -30.0, dtype=np.float32)
+    logits[0, 2] = 0.0  # the root's target is node 1's token, always
+    logits[1] = np.log([0.5, 0.3, 0.15, 0.05])
+    out = StepOut(argmax=logits.argmax(1), topk_ids=np.zeros((2, 0), np.int64),
+                  topk_logprobs=np.zeros((2, 0)), logits=logits)
+    v = Verifier(GenerationConfig(temperature=1.0, seed=1))
+    walks = [v.walk(plan, tokens, out) for _ in range(4000)]
+    assert all(accepted == [1] for accepted, _ in walks)
+    draws = np.bincount([bonus for _, bonus in walks], minlength=4) / len(walks)
+    np.testing.assert_allclose(draws, process_logits(logits[1], 1.0, 0, 1.0), atol=0.03)
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_p_exactly():
+    """qa10a V3: the nucleus is the smallest set whose mass reaches top_p, as transformers'
+    TopPLogitsWarper keeps it (``cumsum <= 1 - top_p`` dropped, not ``<``). Four equal logits
+    (p = 0.25 each, exact in binary) and top_p 0.75: three tokens stay, as in transformers."""
+    p = process_logits(np.zeros(4, np.float32), 1.0, 0, 0.75)
+    assert sorted(p.tolist()) == [0.0, 1 / 3, 1 / 3, 1 / 3]
+    torch = pytest.importorskip("torch")
+    from transformers import TopPLogitsWarper
+
+    ref = TopPLogitsWarper(0.75)(None, torch.zeros(1, 4))
+    assert int(torch.isfinite(ref[0]).sum()) == int((p > 0).sum()) == 3
+
+
 def test_sampling_target_follows_processed_distribution():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))[None, :].astype(np.float32)
     out = StepOut(argmax=np.array([0]), topk_ids=np.zeros((1, 0), np.int64),
@@ -412,6 +444,12 @@ def test_ema_update_per_token_in_order(init):
     r.start(np.array([3, 1, 4]))
     r.update([7, 0, 5])
     assert not np.allclose(r.value, m.value)
+    # more than 4 tokens at once take the closed-form path (auto's catch-up, long accepted
+    # paths): the same recurrence (qa10a EM1: its weights reversed went unseen)
+    for tok in [2, 6, 1, 3, 0, 7]:
+        want = want + lam * (TABLE[tok] - want)
+    m.update([2, 6, 1, 3, 0, 7])
+    np.testing.assert_allclose(m.value, want, rtol=1e-5)
     # nothing committed: nothing moves
     before = m.value.copy()
     m.update([])

