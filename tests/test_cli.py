@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import story_prompts
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT / ".." / "shared"
 MODEL_DIR = SHARED / "models" / "stories260K"
-PROMPTS_FILE = SHARED / "data" / "stories_prompts.jsonl"
 EXIT_USAGE = 2
 MAX_NEW = 40
 
-with open(PROMPTS_FILE) as _f:
-    PROMPT = json.loads(_f.readline())["prompt"]  # "Amy and Ben were playing with a happy toy."
+PROMPT = story_prompts(1)[0]  # "Amy and Ben were playing with a happy toy."
 
 LONG_PROMPT = ("Once upon a time, in a soft school, there lived a little girl named Lily who "
                "loved to play with her friends in the big green park every day.")

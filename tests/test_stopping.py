@@ -26,20 +26,16 @@ import pytest
 
 from edgemtp import ConfigError, GenerationConfig, Model
 
+from conftest import story_prompts
+
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 MODEL_DIR = SHARED / "models" / "stories260K"
-PROMPTS_FILE = SHARED / "data" / "stories_prompts.jsonl"
 EOS_ID, BOS_ID = 2, 1
 PROBE = dict(drafter="probe", bc=60, mask_tokens=2)
 PROBE_K1 = dict(drafter="probe", bc=60, mask_tokens=1)
 
 
-def _prompts() -> list[str]:
-    with open(PROMPTS_FILE) as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
-
-
-PROMPTS = _prompts()
+PROMPTS = story_prompts()
 
 
 # -- fixtures and helpers ----------------------------------------------------------------------

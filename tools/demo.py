@@ -208,8 +208,9 @@ def _compare(model, model_path: str, prompts: list, a, hf_ref: dict | None,
     configs = [(label, GenerationConfig(max_new_tokens=a.max_new_tokens, **opts))
                for label, opts in configs]
     # untimed warm-ups: compile plans, bind shapes, and let auto measure the device's latency
-    # curve (once per loaded model)
-    for _, config in configs:
+    # curve (once per loaded model; a minute or more on a slow or busy CPU: a bar, qa10c D8)
+    for _, config in tqdm(configs, desc="warming up (plans; auto's latency curve)",
+                              unit="method", file=sys.stderr):
         model.generate(prompts[0], config.with_(max_new_tokens=min(16, a.max_new_tokens)))
     # interleaved: every method on a prompt before the next prompt, so a change in the
     # machine's load touches every method alike; who goes first rotates with the prompt and
