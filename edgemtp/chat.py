@@ -48,8 +48,11 @@ class ChatTemplate:
         source = _pick(_templates(root, config), root)
         if source is None:
             return None
-        legacy = read_json(root / "special_tokens_map.json")  # merged under the config's
-        tokens = {name: _token_text(config.get(name, legacy.get(name))) for name in SPECIAL_TOKENS}
+        # the legacy special_tokens_map.json wins over the config where it names a token, as
+        # transformers' from_pretrained merges them (qa10a C4: edgemtp had it the other way)
+        legacy = read_json(root / "special_tokens_map.json")
+        tokens = {name: _token_text(legacy[name] if legacy.get(name) is not None
+                                    else config.get(name)) for name in SPECIAL_TOKENS}
         return cls(source, {k: v for k, v in tokens.items() if v is not None})
 
     def render(self, messages: Sequence[Message]) -> str:

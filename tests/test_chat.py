@@ -98,6 +98,25 @@ def test_text_and_ids_equal_transformers_apply_chat_template(tmp_path, form):
         assert ids[0] == hf.bos_token_id and ids.count(hf.bos_token_id) == 1  # BOS once
 
 
+def test_special_tokens_map_wins_over_tokenizer_config_as_in_transformers(tmp_path):
+    """qa10a C4: which file wins where tokenizer_config.json and the legacy
+    special_tokens_map.json name different special tokens was never tested, and edgemtp took
+    the config's: transformers takes the map's, so a template that prints them read other
+    text than apply_chat_template. (An exported package writes transformers' merge.)"""
+    from transformers import AutoTokenizer
+
+    folder = make_chat_model(tmp_path / "both", "{{ bos_token }}|{{ eos_token }}|{{ unk_token }}"
+                             "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config.get("eos_token") and config.get("bos_token")
+    (folder / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": "<map-eos>", "bos_token": "<map-bos>", "unk_token": "<map-unk>"}))
+    messages = [{"role": "user", "content": "Hi"}]
+    text, _ = _hf_apply(AutoTokenizer.from_pretrained(folder), messages)
+    assert Tokenizer(str(folder)).chat_template.render(messages) == text
+    assert text.startswith("<map-bos>|<map-eos>|<map-unk>")
+
+
 def test_real_smollm2_template_from_gguf_matches_transformers():
     pytest.importorskip("gguf")
     from transformers import AutoTokenizer
