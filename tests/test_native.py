@@ -135,7 +135,16 @@ def test_a_failed_build_is_an_error_the_loader_turns_into_none(monkeypatch, tmp_
         native._build()
     assert not list(tmp_path.iterdir())  # nothing half-written is left
     monkeypatch.delenv("CC")
-    assert native._build().parent == tmp_path  # (and a compiler that works builds there)
+    built = native._build()
+    assert built.parent == tmp_path  # (and a compiler that works builds there)
+    # another $CC builds a library of its own, not the one the default compiler made
+    # (qa10b: a sanitizer build was reused by a later plain one, and the other way round)
+    import shutil
+
+    monkeypatch.setenv("CC", shutil.which("cc") or shutil.which("gcc"))
+    other = native._build()
+    assert other != built and other.exists() and built.exists()
+    assert native._build() == other
 
 
 def test_a_build_prunes_old_versions_from_the_cache(monkeypatch, tmp_path):

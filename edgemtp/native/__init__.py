@@ -78,6 +78,9 @@ def _cpu() -> bytes:
 
 
 KEEP = 4  # libraries kept per source file in the cache (other versions, other CPUs)
+# seconds one compile may take: decoder.c at -O3 takes ~20-40 s on a 2-core x86 VM, 100-190 s
+# under a sanitizer on a loaded one (qa10b: 120 s failed it), longer on a small Arm board
+BUILD_TIMEOUT = 900
 
 
 def _prune(new: Path) -> None:
@@ -106,6 +109,8 @@ def _build(source: Path = SOURCE, options: tuple[tuple[str, ...], ...] = (("-O2"
         key = src + platform.machine().encode() + sys.platform.encode()
         if opts != ("-O2",):  # (the n-gram library's tag from before options were part of it)
             key += " ".join(opts).encode() + (_cpu() if "-march=native" in opts else b"")
+        if os.environ.get("CC"):  # another compiler, another library (qa10b: an ASan build
+            key += b"|CC=" + os.environ["CC"].encode()  # was reused by a later plain cc)
         out = cache_dir() / f"{source.stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
         if out.exists():
             return out
@@ -118,7 +123,8 @@ def _build(source: Path = SOURCE, options: tuple[tuple[str, ...], ...] = (("-O2"
         os.close(fd)
         try:
             r = subprocess.run([cc, *opts, "-shared", "-fPIC", "-std=c99", "-o", tmp,
-                                str(source)], capture_output=True, text=True, timeout=120)
+                                str(source)], capture_output=True, text=True,
+                               timeout=BUILD_TIMEOUT)
             if not r.returncode:
                 os.replace(tmp, out)
                 _prune(out)
