@@ -59,7 +59,10 @@ def test_native_trees_equal_the_python_grower(seed, vocab, k, n, max_n):
         if rng.random() < 0.4:
             root = slow.tokens[-1]
             nodes, depth = int(rng.integers(0, 70)), int(rng.integers(1, 11))
-            floor = float(rng.choice([MIN_SCORE, 0.0, 0.05]))
+            # 0.5, 0.25: scores a tied k = 2 or 4 distribution reaches exactly (float32
+            # halves), so a node right on the floor is kept by both (qa10a N2: C's ">=" as
+            # ">" went unseen)
+            floor = float(rng.choice([MIN_SCORE, 0.0, 0.05, 0.25, 0.5]))
             want = _python_tree(slow, root, nodes, depth, floor)
             got = fast.grow_stand(root, nodes, depth, floor)
             assert (got.tokens, got.parents, got.depths, got.scores) == (
