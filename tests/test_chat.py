@@ -256,6 +256,7 @@ def test_ctrl_c_in_a_chat_answer_stops_that_answer_only(model, capsys):
         cli._print_stream(model, Interrupted())
 
 
+@pytest.mark.slow  # (~10-16 s of the default run; CI runs the slow set)
 def test_a_chat_longer_than_the_context_drops_its_oldest_exchanges(chat_model):
     """The REPL keeps going where the conversation outgrows the context: the oldest exchanges
     go (the system message stays) until there is room for an answer, and it says so. Each
@@ -287,6 +288,7 @@ def test_a_chat_longer_than_the_context_drops_its_oldest_exchanges(chat_model):
     assert sum(map(int, said)) == drops, out.stderr
 
 
+@pytest.mark.slow  # (~10-16 s of the default run; CI runs the slow set)
 def test_cli_chat_keeps_the_history_when_a_turn_cannot_run(chat_model):
     """QA (qa6 context, 1): a turn longer than the context made the REPL drop every earlier
     exchange (and say so) before the error, so the next answer lost them. Now the error

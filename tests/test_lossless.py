@@ -217,7 +217,9 @@ def test_sampling_is_seeded(stories):
     assert a == b and a != c
 
 
-@pytest.mark.parametrize("extra", [37, 0, 1, -1], ids=["2C+37", "2C", "2C+1", "2C-1"])
+@pytest.mark.parametrize("extra", [37, 0, pytest.param(1, marks=pytest.mark.slow),
+                                   pytest.param(-1, marks=pytest.mark.slow)],
+                         ids=["2C+37", "2C", "2C+1", "2C-1"])
 def test_a_prompt_longer_than_a_prefill_chunk_still_equals_transformers(stories, extra):
     # prompts over PREFILL_CHUNK (C) tokens are prefilled in chunks committed as they come; the
     # tokens must still be transformers' (its prefill is one pass), and the prefill counts as

@@ -204,6 +204,7 @@ def _story_end_cases(model, greedy, limit=200):
     return cases
 
 
+@pytest.mark.slow  # (~10-16 s of the default run; CI runs the slow set)
 def test_eos_from_generation_config_stops_at_story_end(model, eos_model, greedy):
     cases = _story_end_cases(model, greedy)
     assert len(cases) == 2, "expected greedy stories that end within 200 tokens"
