@@ -2,6 +2,7 @@
 # edgemtp set-up and entry points. Creates .venv on first use (torch CPU build first, so no
 # CUDA wheels are pulled), then:
 #   ./run.sh            the main job: greedy vs probing on the default model, text + speed-ups
+#                       (./run.sh --prompts 1 ...: the main job with demo's options)
 #   ./run.sh test       the test suite
 #   ./run.sh bench      the BE / tokens-per-second benchmark (writes bench/results/)
 #   ./run.sh ARGS...    any other arguments go to the edgemtp CLI (./run.sh generate --help)
@@ -45,5 +46,8 @@ case "${1:-demo}" in
   test)  shift; exec "$VENV/bin/python" -m pytest -q -n 2 --dist loadfile "$@" ;;
   bench) shift; exec "$VENV/bin/python" bench/bench_probe.py "$@" ;;
   demo)  [ $# -gt 0 ] && shift; exec "$VENV/bin/edgemtp" demo "$@" ;;
+  # the CLI's own --help / --version; any other option is the main job's (./run.sh --prompts 1)
+  -h|--help|--version) exec "$VENV/bin/edgemtp" "$@" ;;
+  -*)    exec "$VENV/bin/edgemtp" demo "$@" ;;
   *)     exec "$VENV/bin/edgemtp" "$@" ;;
 esac

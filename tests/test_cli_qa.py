@@ -289,3 +289,18 @@ def test_ctrl_c_in_any_command_is_one_line_and_exit_130(monkeypatch, capsys):
     monkeypatch.setattr(doctor, "probe", interrupted)  # doctor's first piece of work
     assert cli.main(["doctor"]) == 130
     assert capsys.readouterr().err == "edgemtp: interrupted\n"
+
+
+def test_run_sh_gives_an_option_to_the_main_job():
+    """qa10c D10: ./run.sh --prompts 1 handed "--prompts" to the CLI as its command
+    ("invalid choice: '1'"); an option is the main job's, --help and --version the CLI's."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".venv" / ".edgemtp-installed").is_file():
+        pytest.skip("run.sh has not set up .venv here")  # (it would install it)
+    p = subprocess.run(["bash", str(root / "run.sh"), "--no-such-option"], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+        "edgemtp: error: unrecognized arguments: --no-such-option (see 'edgemtp demo --help')")
+    v = subprocess.run(["bash", str(root / "run.sh"), "--version"], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert v.returncode == 0 and v.stdout.startswith("edgemtp ")
