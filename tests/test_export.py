@@ -230,6 +230,7 @@ def test_inspect_notes_a_package_from_other_export_code(pkg, tmp_path, capsys):
         assert len(notes) == 1 and says in notes[0] and "fake" not in notes[0], notes
 
 
+@pytest.mark.slow  # (~10 s of the default run, which sits at ~6 min; CI runs the slow set)
 def test_generate_from_package_matches_torch_backend_json(pkg):
     args = ["generate", "--prompt", "Once upon a time", "--bc", "30", "--json",
             "--max-new-tokens", "48"]
